@@ -1,0 +1,129 @@
+"""Token streams: the built-in corpus, text files/folders, and pre-tokenized uint16 ``.bin`` shards.
+
+A corpus is one flat token array split into a training part and a fixed held-out part. The training part is
+cut into ``num_shards`` shards; a daemon reads the shard chosen from its peer id, sequentially, in
+windows of ``seq_len + 1`` tokens, wrapping around. Its ``position`` (windows consumed) is all the state needed
+to resume: ``batch_at(position)`` is a pure function of (corpus, shard, position).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import torch
+
+BLOCK_TOKENS = 1 << 14
+HELD_OUT_EVERY = 50  # one block in 50 (2%) is held out
+
+
+def _builtin_files() -> list[Path]:
+    """The standard library's own ``.py`` files: present on every Python install, no download needed.
+
+    Test suites and vendored packages are skipped so the corpus is ordinary library code; the list is sorted
+    by relative path so every daemon on the same Python version reads the same bytes.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = ("test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "turtledemo", "__pycache__")
+    files = sorted(
+        p for p in root.rglob("*.py") if not any(part in skip for part in p.relative_to(root).parts)
+    )
+    return files
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "atoll"
+
+
+def load_builtin_corpus() -> np.ndarray:
+    """Byte-level tokens (uint16) of the built-in corpus, cached on disk after the first read."""
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}-v2"
+    cache = _cache_dir() / f"builtin-{tag}.bin"
+    if cache.exists():
+        return np.fromfile(cache, dtype=np.uint16)
+    tokens = _bytes_to_tokens(b"".join(p.read_bytes() + b"\n" for p in _builtin_files()))
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(f".tmp{os.getpid()}")
+    tokens.tofile(tmp)
+    os.replace(tmp, cache)
+    return tokens
+
+
+def _bytes_to_tokens(raw: bytes) -> np.ndarray:
+    return np.frombuffer(raw, dtype=np.uint8).astype(np.uint16)
+
+
+def load_corpus(spec: str) -> tuple[np.ndarray, int]:
+    """Load ``builtin``, a text file, a folder of text files, or ``.bin`` uint16 shards (a file or a folder).
+
+    Returns (tokens, vocab_size needed). Raises ``ValueError`` with a clear message for a bad path.
+    """
+    if spec == "builtin":
+        return load_builtin_corpus(), 256
+    path = Path(spec)
+    if not path.exists():
+        raise ValueError(f"data path {spec!r} does not exist")
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    bins = [p for p in files if p.suffix == ".bin"]
+    if bins:
+        tokens = np.concatenate([np.fromfile(p, dtype=np.uint16) for p in bins])
+        vocab = int(tokens.max()) + 1 if tokens.size else 0
+    else:
+        tokens = _bytes_to_tokens(b"".join(p.read_bytes() for p in files))
+        vocab = 256
+    if tokens.size == 0:
+        raise ValueError(f"data path {spec!r} holds no tokens")
+    return tokens, vocab
+
+
+class Corpus:
+    """A token array cut into blocks: every ``HELD_OUT_EVERY``-th block is held out, the rest are dealt
+    round-robin to ``num_shards`` shards. Interleaving keeps shards and the held-out split alike in
+    distribution even when the source is a sorted list of very different files.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, num_shards: int, block: int = BLOCK_TOKENS) -> None:
+        self.seq_len, self.num_shards, self.block = seq_len, num_shards, block
+        window = seq_len + 1
+        if block < window:
+            raise ValueError(f"block of {block} tokens is shorter than a window of {window}")
+        n_blocks = tokens.size // block
+        ids = np.arange(n_blocks)
+        held = ids[ids % HELD_OUT_EVERY == HELD_OUT_EVERY - 1]
+        train = ids[ids % HELD_OUT_EVERY != HELD_OUT_EVERY - 1]
+        if train.size < num_shards or held.size == 0:
+            raise ValueError(
+                f"corpus too small: {tokens.size} tokens make {n_blocks} blocks of {block}; need at least "
+                f"{num_shards} training blocks and one held-out block (HELD_OUT_EVERY={HELD_OUT_EVERY})"
+            )
+        blocks = tokens[: n_blocks * block].reshape(n_blocks, block)
+        self._shards = [blocks[train[s::num_shards]].reshape(-1) for s in range(num_shards)]
+        self._held_out = blocks[held].reshape(-1)
+
+    def windows_in_shard(self, shard: int) -> int:
+        return self._shards[shard].size // (self.seq_len + 1)
+
+    def batch_at(self, shard: int, position: int, batch_size: int) -> torch.Tensor:
+        """Windows ``position .. position+batch_size-1`` of ``shard`` (wrapping), as int64 [B, seq_len+1]."""
+        window = self.seq_len + 1
+        starts = ((position + np.arange(batch_size)) % self.windows_in_shard(shard)) * window
+        idx = starts[:, None] + np.arange(window)[None, :]
+        return torch.from_numpy(self._shards[shard][idx].astype(np.int64))
+
+    def held_out(self, num_batches: int, batch_size: int) -> list[torch.Tensor]:
+        """A fixed list of held-out batches (the same on every daemon), spread evenly over the held-out split."""
+        window = self.seq_len + 1
+        n = self._held_out.size // window
+        rows = np.linspace(0, n - 1, num_batches * batch_size).astype(np.int64).reshape(num_batches, batch_size)
+        return [torch.from_numpy(self._held_out[r[:, None] * window + np.arange(window)[None, :]].astype(np.int64))
+                for r in rows]
+
+
+def shard_for_peer(peer_id: str, num_shards: int) -> int:
+    """The shard a daemon reads: a stable hash of its peer id (not Python's randomized ``hash``)."""
+    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:8], "big") % num_shards

@@ -1,0 +1,86 @@
+"""Outer-loop math of DiLoCo on flat host tensors: pseudo-gradients, weighted merging, Nesterov.
+
+Everything here is deterministic elementwise arithmetic in a fixed order, so two daemons that feed the same
+inputs get bit-identical outputs. No I/O, no network.
+
+Pseudo-gradients, merges and the outer step are computed in float64 and stored in fp32. For fp32 values a and b
+the float64 difference a − b is exact (unless their exponents differ by more than 29), so with one daemon,
+lr = 1 and momentum 0 the outer step returns exactly the local parameters: DiLoCo then equals plain training
+bit for bit, which is what makes that case testable at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+
+import torch
+
+
+def flatten_params(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Concatenate parameters into one flat fp32 CPU tensor (a copy)."""
+    return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params])
+
+
+def unflatten_into(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
+    """Copy ``flat`` into ``params`` in place (any device/dtype), in ``flatten_params`` order."""
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            n = p.numel()
+            p.copy_(flat[offset : offset + n].view_as(p).to(p.device, p.dtype))
+            offset += n
+    if offset != flat.numel():
+        raise ValueError(f"flat tensor has {flat.numel()} elements, parameters need {offset}")
+
+
+def pseudo_gradient(global_params: torch.Tensor, local_params: torch.Tensor) -> torch.Tensor:
+    """Δ = Θ − θ in float64: the direction the outer optimizer descends along."""
+    return global_params.double() - local_params.double()
+
+
+def weighted_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """Σ (wᵢ/Σw)·Δᵢ in float64, accumulated in the given order (callers sort by peer id for determinism).
+
+    Weights are normalized first so that a single contribution comes back unchanged (1.0·Δ = Δ exactly).
+    """
+    if len(deltas) != len(weights) or not deltas:
+        raise ValueError("need one positive weight per delta, and at least one delta")
+    if any(not w > 0 for w in weights):
+        raise ValueError(f"weights must be positive, got {list(weights)}")
+    total = math.fsum(float(w) for w in weights)
+    acc = torch.zeros(deltas[0].shape, dtype=torch.float64)
+    for d, w in zip(deltas, weights):
+        acc.add_(d.double(), alpha=float(w) / total)
+    return acc
+
+
+class NesterovOuter:
+    """SGD with Nesterov momentum on Θ (DiLoCo's outer optimizer), in place.
+
+    ``buf ← μ·buf + Δ ; Θ ← Θ − lr·(Δ + μ·buf)``. With lr=1, μ=0 it reduces to Θ ← Θ − Δ = θ_avg.
+    """
+
+    def __init__(self, lr: float = 0.7, momentum: float = 0.9) -> None:
+        if not lr > 0 or not 0 <= momentum < 1:
+            raise ValueError(f"outer lr must be > 0 and momentum in [0, 1); got lr={lr} momentum={momentum}")
+        self.lr, self.momentum = lr, momentum
+
+    def step(self, params: torch.Tensor, buf: torch.Tensor, delta: torch.Tensor, chunk: int = 1 << 22) -> None:
+        """Update fp32 ``params`` and ``buf`` in place, computing in float64 a chunk at a time (bounded memory)."""
+        for lo in range(0, params.numel(), chunk):
+            hi = min(lo + chunk, params.numel())
+            d = delta[lo:hi].double()
+            b = buf[lo:hi].double().mul_(self.momentum).add_(d)
+            p = params[lo:hi].double().sub_(d.add_(b, alpha=self.momentum), alpha=self.lr)
+            buf[lo:hi] = b
+            params[lo:hi] = p
+
+
+def tensor_hash(*tensors: torch.Tensor) -> str:
+    """Content hash (sha256, hex prefix) of fp32 tensors: identical bytes ⇔ identical hash."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]

@@ -1,0 +1,87 @@
+"""Crash-safe checkpoints: safetensors + JSON metadata, written atomically and verified on load.
+
+Each checkpoint is a pair ``ckpt-NNNNNNNN.safetensors`` / ``ckpt-NNNNNNNN.json``. The tensors are written to a
+temporary file, fsynced and renamed first; the JSON (which holds the tensors' sha256) is written the same way
+last, so a checkpoint exists only once both are complete. Loading takes the newest pair that verifies, so a
+daemon killed while writing restarts from its previous good checkpoint. The two newest pairs are kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+logger = logging.getLogger("atoll")
+KEEP = 2
+
+
+def _fsync_write(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _sequence_numbers(directory: Path) -> list[int]:
+    out = []
+    for p in directory.glob("ckpt-*.json"):
+        try:
+            out.append(int(p.stem.split("-")[1]))
+        except (IndexError, ValueError):
+            continue
+    return sorted(out)
+
+
+def save_checkpoint(directory: str | os.PathLike, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
+    """Atomically write a new checkpoint; returns the JSON path."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    seq = (_sequence_numbers(d) or [0])[-1] + 1
+    st_path, js_path = d / f"ckpt-{seq:08d}.safetensors", d / f"ckpt-{seq:08d}.json"
+    cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    _fsync_write(st_path, lambda tmp: save_file(cpu, str(tmp)))
+    body = json.dumps({**meta, "tensors_sha256": _sha256(st_path), "tensors_file": st_path.name}, indent=1)
+    _fsync_write(js_path, lambda tmp: tmp.write_text(body))
+    for old in _sequence_numbers(d)[:-KEEP]:
+        for suffix in (".json", ".safetensors"):
+            (d / f"ckpt-{old:08d}{suffix}").unlink(missing_ok=True)
+    return js_path
+
+
+def load_checkpoint(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+    """The newest checkpoint that verifies, or None. Corrupt or partial ones are logged and skipped."""
+    d = Path(directory)
+    if not d.is_dir():
+        return None
+    for seq in reversed(_sequence_numbers(d)):
+        js_path = d / f"ckpt-{seq:08d}.json"
+        try:
+            meta = json.loads(js_path.read_text())
+            st_path = d / meta["tensors_file"]
+            if _sha256(st_path) != meta["tensors_sha256"]:
+                raise ValueError("tensor file hash mismatch")
+            return load_file(str(st_path)), meta
+        except (OSError, ValueError, KeyError) as e:
+            logger.warning("checkpoint %s is unusable (%s); trying an older one", js_path.name, e)
+    return None

@@ -1,0 +1,70 @@
+"""``atoll start`` and ``atoll status``. Bad configuration: one line on stderr, exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .config import DEVICES, ConfigError, load_config
+
+
+def _start_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("start", help="start a daemon: join a run, or start a new one when no peers are given")
+    p.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="multiaddrs of daemons already in the run")
+    p.add_argument("--config", metavar="TOML", help="config file (keys: the long flag names with underscores)")
+    p.add_argument("--run-id", help="name of the run (default: atoll)")
+    p.add_argument("--device", help=f"one of {', '.join(DEVICES)} (default: auto)")
+    p.add_argument("--host-maddrs", nargs="+", metavar="MADDR", help="listen on (default: /ip4/0.0.0.0/tcp/0)")
+    p.add_argument("--announce-maddrs", nargs="+", metavar="MADDR", help="addresses to tell other peers")
+    p.add_argument("--identity", metavar="PATH", help="private key file; keeps the peer id stable across restarts")
+    p.add_argument("--checkpoint-dir", metavar="DIR", help="where checkpoints and metrics.jsonl are written")
+    p.add_argument("--data", help="'builtin', a text file or folder, or uint16 .bin shards")
+    p.add_argument("--model", help="named model shape (tiny, small, ...)")
+    p.add_argument("--algorithm", help="outer algorithm (diloco)")
+    p.add_argument("--sync-every", type=int, metavar="H", help="inner steps between outer rounds")
+    p.add_argument("--batch-size", type=int, help="sequences per inner step on this daemon")
+    p.add_argument("--max-steps", type=int, help="stop after this many inner steps (default: run until stopped)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: 1)")
+    p.add_argument("--heartbeat", type=float, help="seconds between progress records (default: 2)")
+    p.add_argument("--gather-timeout", type=float, help="seconds a round waits for expected members")
+    p.add_argument("--round-timeout", type=float, help="seconds a reducer waits for missing parts")
+    p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
+    p.add_argument("--fault", dest="faults", action="append", metavar="NAME=VALUE", help=argparse.SUPPRESS)
+
+
+def _status_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="read a run's progress from the DHT")
+    p.add_argument("--initial-peers", nargs="+", metavar="MADDR", required=True)
+    p.add_argument("--run-id", default="atoll")
+    p.add_argument("--json", action="store_true", help="print stable JSON (run_id, config, peers, totals)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="atoll", description="Decentralized pre-training with DiLoCo over a DHT.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _start_parser(sub)
+    _status_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "start":
+            from .daemon import run_daemon
+            from .log import setup_logging
+
+            overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+            cfg, explicit = load_config(overrides, args.config)
+            setup_logging(cfg.log_level)
+            return run_daemon(cfg, explicit)
+        from .status import run_status
+
+        return run_status(list(args.initial_peers), args.run_id, args.json)
+    except ConfigError as e:
+        print(f"atoll: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""Typed, validated configuration: defaults < TOML file < command-line flags.
+
+``RunConfig`` is what every daemon of a run must agree on; the daemon that starts a run publishes it in the DHT
+and joiners adopt it (and refuse to start if one of their explicitly set fields disagrees). ``NodeConfig`` is
+local to one daemon. Every problem raises ``ConfigError`` with one line that names the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from multiaddr import Multiaddr
+
+from atoll.models.configs import MODELS
+
+ALGORITHMS = ("diloco",)
+DEVICES = ("auto", "cpu", "cuda", "xla")
+FAULTS = {"kill_in_round": int, "step_delay": float}
+
+
+class ConfigError(ValueError):
+    """Bad configuration; the CLI prints it as one line and exits with code 2."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Shared by every daemon of a run (published in the DHT by the daemon that starts the run)."""
+
+    model: str = "tiny"
+    algorithm: str = "diloco"
+    data: str = "builtin"
+    sync_every: int = 50  # H: inner steps between outer rounds
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    inner_lr: float = 1e-3
+    weight_decay: float = 0.1
+    warmup_steps: int = 20
+    seed: int = 0
+    num_shards: int = 16
+    gather_timeout: float = 30.0  # seconds a round waits for expected members
+    round_timeout: float = 30.0  # seconds a reducer waits for missing parts
+
+    def validate(self) -> None:
+        if self.model not in MODELS:
+            raise ConfigError(f"model: unknown {self.model!r}; known: {', '.join(MODELS)}")
+        if self.algorithm not in ALGORITHMS:
+            raise ConfigError(f"algorithm: unknown {self.algorithm!r}; known: {', '.join(ALGORITHMS)}")
+        if self.data != "builtin" and not Path(self.data).exists():
+            raise ConfigError(f"data: {self.data!r} is neither 'builtin' nor an existing path")
+        _positive(self, "sync_every", "num_shards", "outer_lr", "inner_lr", "gather_timeout", "round_timeout")
+        _non_negative(self, "warmup_steps", "weight_decay", "seed")
+        if not 0 <= self.outer_momentum < 1:
+            raise ConfigError(f"outer_momentum: must be in [0, 1), got {self.outer_momentum}")
+
+    def published(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """Local to one daemon."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    run_id: str = "atoll"
+    initial_peers: tuple[str, ...] = ()
+    host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
+    announce_maddrs: tuple[str, ...] = ()
+    identity: str | None = None
+    checkpoint_dir: str | None = None
+    device: str = "auto"
+    batch_size: int = 8
+    threads: int = 1
+    max_steps: int = 0  # 0: train until stopped
+    heartbeat: float = 2.0  # seconds between progress records
+    eval_batches: int = 4
+    bootstrap_retries: int = 3
+    log_level: str = "INFO"
+    faults: tuple[str, ...] = ()  # deterministic fault injection for tests, e.g. "kill_in_round=2"
+
+    def validate(self) -> None:
+        self.run.validate()
+        if not self.run_id.replace("-", "").replace("_", "").isalnum() or len(self.run_id) > 64:
+            raise ConfigError(f"run_id: {self.run_id!r} must be 1-64 letters, digits, '-' or '_'")
+        if self.device not in DEVICES:
+            raise ConfigError(f"device: unknown {self.device!r}; use one of {', '.join(DEVICES)}")
+        for name in ("initial_peers", "host_maddrs", "announce_maddrs"):
+            for addr in getattr(self, name):
+                _check_maddr(name, addr, need_peer_id=name == "initial_peers")
+        _positive(self, "batch_size", "threads", "heartbeat", "bootstrap_retries", "eval_batches")
+        _non_negative(self, "max_steps")
+        if self.identity is not None and not Path(self.identity).parent.is_dir():
+            raise ConfigError(f"identity: directory of {self.identity!r} does not exist")
+        if self.checkpoint_dir is not None:
+            try:
+                Path(self.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ConfigError(f"checkpoint_dir: cannot create {self.checkpoint_dir!r}: {e.strerror}") from None
+        self.parsed_faults()
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ConfigError(f"log_level: unknown {self.log_level!r}")
+
+    def parsed_faults(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for item in self.faults:
+            name, _, value = item.partition("=")
+            if name not in FAULTS or not value:
+                raise ConfigError(f"faults: unknown fault {item!r}; known: {', '.join(f'{k}=...' for k in FAULTS)}")
+            try:
+                out[name] = FAULTS[name](value)
+            except ValueError:
+                raise ConfigError(f"faults: bad value in {item!r}") from None
+        return out
+
+    @property
+    def identity_path(self) -> str | None:
+        if self.identity is not None:
+            return self.identity
+        if self.checkpoint_dir is not None:  # a restarted daemon keeps its peer id and therefore its data shard
+            return os.path.join(self.checkpoint_dir, "identity.key")
+        return None
+
+
+def _positive(obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ConfigError(f"{name}: must be a positive number, got {value!r}")
+
+
+def _non_negative(obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            raise ConfigError(f"{name}: must be a non-negative number, got {value!r}")
+
+
+def _check_maddr(name: str, addr: str, need_peer_id: bool) -> None:
+    try:
+        maddr = Multiaddr(addr)
+    except Exception as e:  # the multiaddr package raises several exception types
+        raise ConfigError(f"{name}: malformed multiaddr {addr!r} ({e})") from None
+    if need_peer_id and "/p2p/" not in str(maddr):
+        raise ConfigError(f"{name}: {addr!r} lacks the /p2p/<peer id> part (copy a line that `atoll start` printed)")
+
+
+RUN_FIELDS = {f.name: f.type for f in fields(RunConfig)}
+NODE_FIELDS = {f.name for f in fields(NodeConfig)} - {"run"}
+
+
+def _coerce(name: str, value: Any, default: Any) -> Any:
+    if isinstance(default, tuple):
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{name}: expected a list of strings, got {value!r}")
+        return tuple(value)
+    if isinstance(default, bool) or default is None or isinstance(default, str):
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"{name}: expected a string, got {value!r}")
+        return value
+    if isinstance(default, int) and not isinstance(value, bool) and isinstance(value, int):
+        return value
+    if isinstance(default, float) and not isinstance(value, bool) and isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(default, (int, float)) and isinstance(value, str):
+        try:
+            return type(default)(value)
+        except ValueError:
+            pass
+    raise ConfigError(f"{name}: expected a {type(default).__name__}, got {value!r}")
+
+
+def load_config(overrides: dict[str, Any], toml_path: str | None = None) -> tuple[NodeConfig, set[str]]:
+    """Build a validated ``NodeConfig`` from an optional TOML file and flag overrides (None means unset).
+
+    TOML keys are the field names of ``NodeConfig`` and ``RunConfig`` (flat, or run fields under ``[run]``).
+    Returns the config and the names of the run fields the user set explicitly (checked against the run's).
+    """
+    values: dict[str, Any] = {}
+    if toml_path is not None:
+        try:
+            with open(toml_path, "rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config: file {toml_path!r} not found") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config: {toml_path!r} is not valid TOML ({e})") from None
+        run_section = data.pop("run", {})
+        if not isinstance(run_section, dict):
+            raise ConfigError("config: [run] must be a table")
+        values.update(data)
+        values.update(run_section)
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    unknown = set(values) - set(RUN_FIELDS) - NODE_FIELDS
+    if unknown:
+        raise ConfigError(f"config: unknown key(s) {', '.join(sorted(unknown))}")
+    run_defaults, node_defaults = RunConfig(), NodeConfig()
+    run_kwargs = {k: _coerce(k, v, getattr(run_defaults, k)) for k, v in values.items() if k in RUN_FIELDS}
+    node_kwargs = {k: _coerce(k, v, getattr(node_defaults, k)) for k, v in values.items() if k in NODE_FIELDS}
+    if node_kwargs.get("identity") is not None:
+        node_kwargs["identity"] = os.path.abspath(node_kwargs["identity"])
+    cfg = NodeConfig(run=RunConfig(**run_kwargs), **node_kwargs)
+    cfg.validate()
+    return cfg, set(run_kwargs)
+
+
+def reconcile_run_config(local: RunConfig, explicit: set[str], published: dict[str, Any]) -> RunConfig:
+    """Adopt the run's published config; raise ``ConfigError`` if a field the user set explicitly disagrees."""
+    unknown = set(published) - set(RUN_FIELDS)
+    if unknown:
+        raise ConfigError(f"run config: the run uses fields this version does not know: {', '.join(sorted(unknown))}")
+    conflicts = [
+        f"{k}={getattr(local, k)!r} (run has {published[k]!r})"
+        for k in sorted(explicit)
+        if k in published and getattr(local, k) != published[k]
+    ]
+    if conflicts:
+        raise ConfigError("run config disagrees with the run's: " + ", ".join(conflicts))
+    merged = {**dataclasses.asdict(local), **published}
+    cfg = RunConfig(**{k: _coerce(k, v, getattr(local, k)) for k, v in merged.items()})
+    cfg.validate()
+    return cfg

@@ -1,0 +1,71 @@
+"""``atoll status``: read a run's configuration and progress records from the DHT (as a DHT client)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from atoll.protocols.records import config_key, make_validators, parse_progress, progress_key, unwrap_subkeys
+
+from .config import ConfigError, NodeConfig
+
+
+def collect_status(dht: Any, run_id: str) -> dict[str, Any]:
+    """The stable JSON document ``atoll status --json`` prints: run_id, config, peers (sorted), totals."""
+    peers = []
+    for value in unwrap_subkeys(dht.get(progress_key(run_id), latest=True)).values():
+        rec = parse_progress(value)
+        if rec is not None:
+            peers.append(rec.dict())
+    peers.sort(key=lambda r: r["peer_id"])
+    configs = [v for v in unwrap_subkeys(dht.get(config_key(run_id), latest=True)).values() if isinstance(v, dict)]
+    config = min(configs, key=lambda c: c.get("started_at", 0.0)).get("fields") if configs else None
+    active = [p for p in peers if p["status"] != "leaving"]
+    totals = {
+        "peers": len(active),
+        "tokens": sum(p["tokens"] for p in active),
+        "tokens_per_s": sum(p["tokens_per_s"] for p in active),
+        "max_version": max((p["version"] for p in active), default=0),
+        "bytes_sent": sum(p["bytes_sent"] for p in active),
+        "bytes_received": sum(p["bytes_received"] for p in active),
+    }
+    return {"run_id": run_id, "time": time.time(), "config": config, "peers": peers, "totals": totals}
+
+
+def render_table(doc: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"run {doc['run_id']}: {doc['totals']['peers']} peers, "
+                        f"{doc['totals']['tokens']:,} tokens, {doc['totals']['tokens_per_s']:,.0f} tokens/s")
+    for col in ("peer", "status", "device", "step", "version", "tokens", "tok/s", "loss", "held-out", "rounds",
+                "sent MB", "recv MB"):
+        table.add_column(col, justify="left" if col in ("peer", "status", "device") else "right")
+    fmt = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
+    for p in doc["peers"]:
+        table.add_row(p["peer_id"][-8:], p["status"], p["device"], str(p["step"]), str(p["version"]),
+                      f"{p['tokens']:,}", f"{p['tokens_per_s']:,.0f}", fmt(p["loss"]), fmt(p["held_out_loss"]),
+                      str(p["rounds"]), f"{p['bytes_sent'] / 1e6:.1f}", f"{p['bytes_received'] / 1e6:.1f}")
+    Console().print(table)
+
+
+def run_status(initial_peers: list[str], run_id: str, as_json: bool) -> int:
+    from .daemon import start_dht
+
+    logging.getLogger("hivemind").setLevel(logging.ERROR)
+    cfg = NodeConfig(run_id=run_id, initial_peers=tuple(initial_peers), host_maddrs=("/ip4/127.0.0.1/tcp/0",))
+    cfg.validate()
+    dht = start_dht(cfg, list(make_validators(run_id)), client_mode=True)
+    try:
+        doc = collect_status(dht, run_id)
+    finally:
+        dht.shutdown()
+    if doc["config"] is None and not doc["peers"]:
+        raise ConfigError(f"run_id: no run {run_id!r} found through {initial_peers[0]}")
+    if as_json:
+        print(json.dumps(doc, indent=1, sort_keys=True))
+    else:
+        render_table(doc)
+    return 0

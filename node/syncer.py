@@ -1,0 +1,285 @@
+"""The syncer: atoll's protocol side, on one uvloop event loop in a background thread.
+
+It publishes this daemon's progress record every heartbeat, keeps a table of live peers, serves the averaging
+and state-download RPCs, runs outer rounds when the learner asks, and keeps the replica consistent with the
+swarm: when a live peer holds a heavier replica it downloads it and hands it to the learner. The learner
+talks to it only through thread-safe calls that return ``concurrent.futures.Future`` objects; tensor work
+(outer steps, hashing) runs in an executor, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import uvloop
+from hivemind import DHT
+from hivemind.utils import get_dht_time
+
+from atoll.models.outer import NesterovOuter
+from atoll.protocols.averaging import AveragingServicer, GroupSpec, TrafficStats, allreduce
+from atoll.protocols.matchmaking import form_group
+from atoll.protocols.records import ProgressRecord, config_key, heavier, parse_progress, progress_key, unwrap_subkeys
+from atoll.protocols.state_sync import ReplicaState, StateServicer, download_state
+
+from .config import NodeConfig
+from .replica import Replica
+
+logger = logging.getLogger("atoll")
+MAX_ATTEMPTS = 3
+
+
+@dataclass
+class RoundOutcome:
+    """``merged``: the replica advanced to ``version``. ``behind``: a heavier replica exists; wait for it."""
+
+    kind: str  # "merged" | "behind" | "failed"
+    version: int
+    members: list[str] = field(default_factory=list)
+    contributors: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+class Syncer:
+    def __init__(self, cfg: NodeConfig, dht: DHT, subkey: bytes, replica: Replica,
+                 progress: Callable[[], dict[str, Any]]) -> None:
+        self.cfg, self.dht, self.replica, self._progress = cfg, dht, replica, progress
+        self.peer_id = str(dht.peer_id)
+        self.stats = TrafficStats()
+        self.outer = NesterovOuter(cfg.run.outer_lr, cfg.run.outer_momentum)
+        self.faults = cfg.parsed_faults()
+        self.rounds_done = 0
+        self._subkey = subkey  # our RSA public key: the DHT lets only us write records under it
+        self._peers: dict[str, ProgressRecord] = {}
+        self._peers_lock = threading.Lock()
+        self._adopted: ReplicaState | None = None
+        self._adopted_lock = threading.Lock()
+        self._downloading = False
+        self._in_round = False
+        self._leaving = False
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run_loop, name="atoll-syncer", daemon=True)
+        self._heartbeat_task: asyncio.Task | None = None
+        self.config_record: dict[str, Any] | None = None  # re-published so the run outlives its first daemon
+        self._config_published = 0.0
+
+    # ---- lifetime -------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+        if not self._ready.wait(60):
+            raise RuntimeError("syncer did not start within 60 s")
+
+    def _run_loop(self) -> None:
+        self._loop = uvloop.new_event_loop()
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(self._setup())
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _setup(self) -> None:
+        self.p2p = await self.dht.replicate_p2p()
+        self.averager = AveragingServicer(self.cfg.run_id, self.peer_id, self.stats)
+        await self.averager.add_p2p_handlers(self.p2p, namespace=self.cfg.run_id)
+        await StateServicer(self.replica.snapshot, self.stats).add_p2p_handlers(self.p2p, namespace=self.cfg.run_id)
+        self._heartbeat_task = asyncio.ensure_future(self._heartbeat())
+
+    def _submit(self, coro) -> concurrent.futures.Future:
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def shutdown(self) -> None:
+        """Announce leaving (status ``leaving``, short expiry) and stop the event loop."""
+        if self._loop is None or not self._loop.is_running():
+            return
+        self._leaving = True
+        try:
+            self._submit(self._announce_leaving()).result(timeout=10)
+        except Exception as e:  # leaving must not fail because the network did
+            logger.warning("could not announce leaving: %r", e)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    async def _announce_leaving(self) -> None:
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+        await self._publish(status="leaving", ttl=self.cfg.heartbeat)
+        await self.p2p.shutdown()
+        for task in asyncio.all_tasks():
+            if task is not asyncio.current_task():
+                task.cancel()
+
+    # ---- progress and peers ---------------------------------------------------------------------------------
+    def progress_record(self, status: str) -> dict[str, Any]:
+        version, weight, digest = self.replica.identity
+        rec = dict(self._progress())
+        rec.update(
+            peer_id=self.peer_id, status=status, version=version, replica_weight=float(weight), replica_hash=digest,
+            steps_since_round=self.replica.steps_since_round, rounds=self.rounds_done,
+            bytes_sent=self.stats.bytes_sent, bytes_received=self.stats.bytes_received,
+            rejected=self.stats.rejected, time=float(get_dht_time()),
+        )
+        return rec
+
+    async def _publish(self, status: str | None = None, ttl: float | None = None) -> None:
+        rec = self.progress_record(status or self._status())
+        ttl = ttl if ttl is not None else 3 * self.cfg.heartbeat
+        await self.dht.store(progress_key(self.cfg.run_id), rec, expiration_time=get_dht_time() + ttl,
+                             subkey=self._subkey, return_future=True)
+
+    def _status(self) -> str:
+        return self._progress().get("status", "training")
+
+    async def refresh_peers(self) -> dict[str, ProgressRecord]:
+        entry = await self.dht.get(progress_key(self.cfg.run_id), latest=True, return_future=True)
+        peers = {}
+        for value in unwrap_subkeys(entry).values():
+            rec = parse_progress(value)
+            if rec is None:
+                self.stats.reject("progress_record")
+                continue
+            if rec.peer_id != self.peer_id and rec.status != "leaving":
+                peers[rec.peer_id] = rec
+        with self._peers_lock:
+            self._peers = peers
+        return peers
+
+    def peers(self) -> dict[str, ProgressRecord]:
+        with self._peers_lock:
+            return dict(self._peers)
+
+    def fetch_peers(self, timeout: float = 30) -> dict[str, ProgressRecord]:
+        return self._submit(self.refresh_peers()).result(timeout)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            try:
+                await self._publish()
+                if self.config_record is not None and time.monotonic() - self._config_published > 60:
+                    await self.dht.store(config_key(self.cfg.run_id), self.config_record, subkey=self._subkey,
+                                         expiration_time=get_dht_time() + 600, return_future=True)
+                    self._config_published = time.monotonic()
+                await self.refresh_peers()
+                self._maybe_catch_up()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # one failed heartbeat must not end the loop
+                logger.warning("heartbeat failed: %r", e)
+            await asyncio.sleep(self.cfg.heartbeat)
+
+    # ---- consistency: adopt heavier replicas ------------------------------------------------------------------
+    def _heavier_peers(self) -> list[ProgressRecord]:
+        mine = self.replica.identity
+        candidates = [
+            p for p in self.peers().values()
+            if p.status == "training" and heavier((p.version, p.replica_weight, p.replica_hash), mine)
+        ]
+        return sorted(candidates, key=lambda p: (p.version, p.replica_weight, p.replica_hash), reverse=True)
+
+    def behind(self) -> bool:
+        return bool(self._heavier_peers())
+
+    def _maybe_catch_up(self) -> None:
+        if self._downloading or self._in_round or self._leaving or self._progress().get("status") == "joining":
+            return
+        donors = self._heavier_peers()
+        if donors:
+            asyncio.ensure_future(self._catch_up(donors))
+
+    async def _catch_up(self, donors: list[ProgressRecord]) -> None:
+        self._downloading = True
+        try:
+            best = donors[0]
+            logger.info("peer %s holds a heavier replica (v%d vs our v%d); downloading it",
+                        best.peer_id[-8:], best.version, self.replica.identity[0])
+            state = await download_state(self.p2p, self.cfg.run_id, [d.peer_id for d in donors], self.replica.numel,
+                                         self.cfg.run.round_timeout, self.stats)
+            if state is not None and await asyncio.get_running_loop().run_in_executor(None, self.replica.adopt, state):
+                with self._adopted_lock:
+                    self._adopted = state
+        finally:
+            self._downloading = False
+
+    def replica_changed(self, version: int) -> bool:
+        """True once the replica has moved past ``version`` (a round merged or a heavier replica was adopted)."""
+        return self.replica.identity[0] != version
+
+    def take_adopted(self) -> ReplicaState | None:
+        """The replica adopted since the last call (the learner must reload θ from it), or None."""
+        with self._adopted_lock:
+            state, self._adopted = self._adopted, None
+            return state
+
+    def download_initial_state(self, timeout: float) -> ReplicaState | None:
+        """Joining: download the heaviest replica among live peers and adopt it. Blocks up to ``timeout``."""
+
+        async def run() -> ReplicaState | None:
+            peers = await self.refresh_peers()
+            donors = sorted((p for p in peers.values() if p.status == "training"),
+                            key=lambda p: (p.version, p.replica_weight, p.replica_hash), reverse=True)
+            if not donors:
+                return None
+            state = await download_state(self.p2p, self.cfg.run_id, [d.peer_id for d in donors], self.replica.numel,
+                                         self.cfg.run.round_timeout, self.stats)
+            if state is not None:
+                await asyncio.get_running_loop().run_in_executor(None, self.replica.adopt, state)
+            return state
+
+        return self._submit(run()).result(timeout)
+
+    # ---- rounds --------------------------------------------------------------------------------------------
+    def submit_round(self, delta: torch.Tensor, weight: float) -> concurrent.futures.Future:
+        """Start an outer round with this daemon's pseudo-gradient; the future resolves to a ``RoundOutcome``."""
+        return self._submit(self._round(delta, weight))
+
+    async def _round(self, delta: torch.Tensor, weight: float) -> RoundOutcome:
+        started = time.monotonic()
+        version = self.replica.identity[0]
+        self._in_round = True
+        try:
+
+            async def expected() -> set[str]:
+                peers = await self.refresh_peers()
+                return {p.peer_id for p in peers.values() if p.status == "training" and p.version == version}
+
+            members = await form_group(
+                self.dht, run_id=self.cfg.run_id, fragment=0, version=version, peer_id=self.peer_id,
+                subkey=self._subkey, weight=weight, expected=expected, gather_timeout=self.cfg.run.gather_timeout,
+                abort=self.behind, on_reject=self.stats.reject,
+            )
+            if members is None:
+                return RoundOutcome("behind", version, seconds=time.monotonic() - started)
+            if self.faults.get("kill_in_round") == version:
+                logger.warning("fault injection: killing this daemon in round v%d", version)
+                os.killpg(os.getpgid(0), signal.SIGKILL)
+            alive = list(members)
+            for attempt in range(MAX_ATTEMPTS):
+                spec = GroupSpec(self.cfg.run_id, 0, version, attempt, tuple(alive), delta.numel())
+                result = await allreduce(self.p2p, self.averager, spec, self.peer_id, delta, weight,
+                                         self.cfg.run.round_timeout)
+                if result.merged is not None:
+                    break
+                alive = [m for m in alive if m not in result.failed]
+                logger.info("round v%d attempt %d failed (reducers %s); retrying with %d members", version, attempt,
+                            [f[-8:] for f in result.failed], len(alive))
+            else:
+                return RoundOutcome("failed", version, members, seconds=time.monotonic() - started)
+            applied = await asyncio.get_running_loop().run_in_executor(
+                None, self.replica.apply_outer_step, version, result.merged, result.weight, self.outer
+            )
+            if not applied:
+                return RoundOutcome("behind", version, members, seconds=time.monotonic() - started)
+            self.rounds_done += 1
+            return RoundOutcome("merged", version + 1, members, result.contributors, time.monotonic() - started)
+        finally:
+            self._in_round = False
+            asyncio.ensure_future(self._publish())

@@ -1,0 +1,267 @@
+"""The averaging round: a weighted reduce-scatter/all-gather over streamed RPCs on hivemind's P2P.
+
+Members of a group (sorted peer ids) split the flat vector into one contiguous shard per member. Member j is
+the reducer of shard j: every member streams its part of shard j (and its weight) to member j inside one
+``rpc_aggregate`` call and reads the reduced shard back on the same stream. The reducer sums contributions in
+peer-id order and sends everyone, itself included, the same fp32 bytes, so all members end the round with a
+bit-identical merged delta.
+
+A member that never sends its part costs its reducer at most ``timeout``; the shard is reduced without it.
+A reducer that fails is reported in ``AllreduceResult.failed`` so the caller can retry the round without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import Sequence
+from typing import AsyncIterator  # hivemind detects streaming RPCs by typing.AsyncIterator hints
+from dataclasses import dataclass, field
+
+import torch
+from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.proto import runtime_pb2
+
+from atoll.models.outer import weighted_mean
+
+from .wire import WireError, check_fields, pack_request, pack_response, parts_to_tensor, tensor_to_parts, unpack
+
+logger = logging.getLogger("atoll")
+
+MAX_PENDING_GROUPS = 64
+
+
+def shard_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
+    """Balanced contiguous ranges covering ``range(numel)``; sizes differ by at most one."""
+    if parts <= 0:
+        raise ValueError("need at least one part")
+    base, extra = divmod(numel, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """A group as one member sees it; members that see the same group compute the same ``group_id``."""
+
+    run_id: str
+    fragment: int
+    version: int
+    attempt: int
+    members: tuple[str, ...]
+    numel: int
+
+    @property
+    def group_id(self) -> str:
+        text = f"{self.run_id}|{self.fragment}|{self.version}|{self.attempt}|{','.join(self.members)}|{self.numel}"
+        return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+@dataclass
+class TrafficStats:
+    """Counters the daemon publishes; only touched from the protocol event loop."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    rejected: int = 0
+    rejected_by_kind: dict[str, int] = field(default_factory=dict)
+
+    def reject(self, kind: str) -> None:
+        self.rejected += 1
+        self.rejected_by_kind[kind] = self.rejected_by_kind.get(kind, 0) + 1
+
+
+@dataclass
+class ShardResult:
+    values: torch.Tensor
+    weight: float
+    contributors: list[str]
+
+
+class _Reduction:
+    """One shard this daemon reduces for one group."""
+
+    def __init__(self, spec: GroupSpec, bounds: tuple[int, int], timeout: float) -> None:
+        self.spec, self.bounds, self.timeout = spec, bounds, timeout
+        self.parts: dict[str, tuple[float, torch.Tensor]] = {}
+        self.result: asyncio.Future[ShardResult] = asyncio.get_running_loop().create_future()
+        self._timer = asyncio.get_running_loop().call_later(timeout, self._finish)
+
+    @property
+    def numel(self) -> int:
+        return self.bounds[1] - self.bounds[0]
+
+    def add(self, peer: str, weight: float, values: torch.Tensor) -> None:
+        if self.result.done() or peer in self.parts:
+            return
+        self.parts[peer] = (weight, values)
+        if len(self.parts) == len(self.spec.members):
+            self._finish()
+
+    def _finish(self) -> None:
+        if self.result.done():
+            return
+        self._timer.cancel()
+        peers = sorted(self.parts)  # fixed summation order: the result does not depend on arrival order
+        weights = [self.parts[p][0] for p in peers]
+        merged = weighted_mean([self.parts[p][1] for p in peers], weights)
+        if len(self.spec.members) > 1:
+            # Others receive fp32 on the wire; the reducer applies exactly the same rounded values.
+            merged = merged.float()
+        self.result.set_result(ShardResult(merged, float(sum(weights)), peers))
+
+
+class AveragingServicer(ServicerBase):
+    """Serves ``rpc_aggregate`` for the shards this daemon reduces."""
+
+    def __init__(self, run_id: str, local_peer: str, stats: TrafficStats) -> None:
+        self.run_id, self.local_peer, self.stats = run_id, local_peer, stats
+        self._groups: dict[str, _Reduction] = {}
+        self._opened: dict[str, asyncio.Event] = {}
+
+    def open(self, spec: GroupSpec, timeout: float) -> _Reduction:
+        """Start reducing this daemon's shard of ``spec``; requests for it that arrived early are released."""
+        index = spec.members.index(self.local_peer)
+        reduction = _Reduction(spec, shard_bounds(spec.numel, len(spec.members))[index], timeout)
+        gid = spec.group_id
+        self._groups[gid] = reduction
+        self._opened.setdefault(gid, asyncio.Event()).set()
+        asyncio.get_running_loop().call_later(3 * timeout, self._forget, gid)
+        return reduction
+
+    def _forget(self, gid: str) -> None:
+        self._groups.pop(gid, None)
+        self._opened.pop(gid, None)
+
+    async def _await_group(self, gid: str, timeout: float) -> _Reduction | None:
+        if gid not in self._groups:
+            if gid not in self._opened and len(self._opened) >= MAX_PENDING_GROUPS:
+                return None
+            event = self._opened.setdefault(gid, asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), timeout)
+            except asyncio.TimeoutError:
+                if not event.is_set():
+                    self._opened.pop(gid, None)
+                return None
+        return self._groups.get(gid)
+
+    async def rpc_aggregate(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        sender = str(context.remote_id)
+        try:
+            header = unpack(await anext(requests), {"group_id": str, "weight": float, "numel": int, "wait": float})
+            reduction = await self._await_group(header["group_id"], min(max(header["wait"], 0.0), 600.0))
+            if reduction is None:
+                raise WireError(f"unknown group {header['group_id']}")
+            if sender not in reduction.spec.members:
+                raise WireError("sender is not a member of the group")
+            weight = float(header["weight"])
+            if not 0 < weight < 1e15:
+                raise WireError(f"weight {weight} out of range")
+            if header["numel"] != reduction.numel:
+                raise WireError(f"part has {header['numel']} values, shard has {reduction.numel}")
+            parts = []
+            async for msg in requests:
+                part = unpack(msg, {"data": bytes})["data"]
+                self.stats.bytes_received += len(part)
+                parts.append(part)
+                if sum(map(len, parts)) > 4 * reduction.numel:
+                    raise WireError("part longer than announced")
+            reduction.add(sender, weight, parts_to_tensor(parts, reduction.numel))
+        except (WireError, StopAsyncIteration) as e:
+            kind = "protocol" if isinstance(e, WireError) else "truncated"
+            self.stats.reject(kind)
+            logger.warning("rejected aggregate part from %s: %s", sender[-8:], e)
+            yield pack_response({"ok": False, "error": str(e)})
+            return
+        result = await reduction.result
+        yield pack_response(
+            {"ok": True, "weight": result.weight, "contributors": result.contributors, "numel": reduction.numel}
+        )
+        for part in tensor_to_parts(result.values):
+            self.stats.bytes_sent += len(part)
+            yield pack_response({"data": part})
+
+
+@dataclass
+class AllreduceResult:
+    merged: torch.Tensor | None
+    weight: float
+    contributors: list[str]
+    failed: list[str]
+
+
+async def _exchange_with(
+    p2p: P2P, servicer: AveragingServicer, spec: GroupSpec, reducer: str, part: torch.Tensor, weight: float,
+    timeout: float,
+) -> ShardResult:
+    stub = AveragingServicer.get_stub(p2p, PeerID.from_base58(reducer), namespace=spec.run_id)
+    stats = servicer.stats
+
+    async def requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        yield pack_request({"group_id": spec.group_id, "weight": weight, "numel": part.numel(), "wait": timeout})
+        for chunk in tensor_to_parts(part):
+            stats.bytes_sent += len(chunk)
+            yield pack_request({"data": chunk})
+
+    async def call() -> ShardResult:
+        stream = await stub.rpc_aggregate(requests())
+        header = unpack(await anext(stream), {"ok": bool})
+        if not header["ok"]:
+            raise WireError(f"reducer refused: {header.get('error')}")
+        check_fields(header, {"weight": float, "contributors": list, "numel": int})
+        if header["numel"] != part.numel():
+            raise WireError("reducer answered with a shard of the wrong size")
+        chunks = []
+        async for msg in stream:
+            chunk = unpack(msg, {"data": bytes})["data"]
+            stats.bytes_received += len(chunk)
+            chunks.append(chunk)
+        return ShardResult(parts_to_tensor(chunks, part.numel()), float(header["weight"]), list(header["contributors"]))
+
+    # The reducer may wait up to `timeout` for slow members before it answers; allow for the transfer on top.
+    return await asyncio.wait_for(call(), timeout=2 * timeout + 10)
+
+
+async def allreduce(
+    p2p: P2P, servicer: AveragingServicer, spec: GroupSpec, local_peer: str, flat: torch.Tensor, weight: float,
+    timeout: float,
+) -> AllreduceResult:
+    """Weighted average of ``flat`` across ``spec.members``; see the module docstring for the protocol."""
+    bounds = shard_bounds(spec.numel, len(spec.members))
+    reduction = servicer.open(spec, timeout)
+    me = spec.members.index(local_peer)
+    reduction.add(local_peer, weight, flat[bounds[me][0] : bounds[me][1]].clone())
+    tasks: dict[str, asyncio.Future] = {}
+    for j, peer in enumerate(spec.members):
+        if j != me:
+            lo, hi = bounds[j]
+            tasks[peer] = asyncio.ensure_future(
+                _exchange_with(p2p, servicer, spec, peer, flat[lo:hi].clone(), weight, timeout)
+            )
+    tasks[local_peer] = asyncio.ensure_future(asyncio.shield(reduction.result))
+    await asyncio.wait(tasks.values())
+    failed, shards = [], {}
+    for peer, task in tasks.items():
+        if task.exception() is not None:
+            failed.append(peer)
+            logger.warning("round v%d: shard from reducer %s failed: %r", spec.version, peer[-8:], task.exception())
+        else:
+            shards[peer] = task.result()
+    if failed:
+        return AllreduceResult(None, 0.0, [], failed)
+    ordered = [shards[p] for p in spec.members]
+    merged = torch.cat([s.values for s in ordered])
+    contributors = sorted({c for s in ordered for c in s.contributors})
+    return AllreduceResult(merged, max(s.weight for s in ordered), contributors, [])
+
+
+def members_sorted(peers: Sequence[str]) -> tuple[str, ...]:
+    return tuple(sorted(set(peers)))

@@ -1,0 +1,123 @@
+"""DHT records of a run: its configuration, per-daemon progress, and round registrations.
+
+Every record lives under a key prefixed with the run id and a subkey that holds its owner's RSA public key
+(``[owner:...]``), so hivemind's ``RSASignatureValidator`` lets only the owner write it. Progress and config
+records are additionally checked by a pydantic schema (``SchemaValidator``) on every DHT node that stores
+them; round registrations are validated by the reader (``parse_round_record``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Optional
+
+import pydantic.v1 as pydantic
+from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
+from pydantic.v1 import StrictFloat, StrictStr, conint
+
+STATUSES = ("joining", "training", "leaving")
+MAX_ROUND_WEIGHT = 1e15
+
+
+def config_key(run_id: str) -> str:
+    return f"{run_id}_config"
+
+
+def progress_key(run_id: str) -> str:
+    return f"{run_id}_progress"
+
+
+def round_key(run_id: str, fragment: int, version: int) -> str:
+    return f"{run_id}_round_{fragment}_{version}"
+
+
+class ProgressRecord(pydantic.BaseModel):
+    """What a daemon publishes about itself every heartbeat. Strict types: no silent conversions."""
+
+    peer_id: StrictStr
+    status: StrictStr
+    device: StrictStr
+    algorithm: StrictStr
+    step: conint(ge=0, strict=True)
+    version: conint(ge=0, strict=True)
+    replica_weight: StrictFloat
+    replica_hash: StrictStr
+    steps_since_round: conint(ge=0, strict=True)
+    tokens: conint(ge=0, strict=True)
+    tokens_per_s: StrictFloat
+    loss: Optional[StrictFloat]
+    held_out_loss: Optional[StrictFloat]
+    rounds: conint(ge=0, strict=True)
+    bytes_sent: conint(ge=0, strict=True)
+    bytes_received: conint(ge=0, strict=True)
+    rejected: conint(ge=0, strict=True)
+    time: StrictFloat
+
+    @pydantic.validator("status")
+    def _known_status(cls, v: str) -> str:  # noqa: N805 (pydantic signature)
+        if v not in STATUSES:
+            raise ValueError(f"status must be one of {STATUSES}")
+        return v
+
+    @pydantic.validator("replica_weight", "tokens_per_s", "time")
+    def _finite(cls, v: float) -> float:  # noqa: N805
+        if not math.isfinite(v) or v < 0:
+            raise ValueError("must be finite and non-negative")
+        return v
+
+
+class RunConfigRecord(pydantic.BaseModel):
+    """The run's published configuration: a flat mapping of field name to a scalar."""
+
+    fields: Dict[StrictStr, Any]
+    started_by: StrictStr
+    started_at: StrictFloat
+
+
+class RunSchema(pydantic.BaseModel):
+    progress: Dict[BytesWithPublicKey, Optional[ProgressRecord]]
+    config: Dict[BytesWithPublicKey, Optional[RunConfigRecord]]
+
+
+def make_validators(run_id: str) -> tuple[RSASignatureValidator, SchemaValidator]:
+    """Validators for a daemon's DHT: signatures on owner subkeys, and the run's schema."""
+    return RSASignatureValidator(), SchemaValidator(RunSchema, prefix=run_id)
+
+
+def parse_progress(value: Any) -> Optional[ProgressRecord]:
+    """A progress record from a DHT value, or None if it is malformed (the DHT may hold foreign data)."""
+    try:
+        return ProgressRecord.parse_obj(value)
+    except (pydantic.ValidationError, TypeError):
+        return None
+
+
+def parse_round_record(value: Any) -> Optional[dict]:
+    """A round registration ``{peer_id, weight, time}``, or None if malformed."""
+    if not isinstance(value, dict) or set(value) != {"peer_id", "weight", "time"}:
+        return None
+    peer_id, weight, time_ = value["peer_id"], value["weight"], value["time"]
+    if not isinstance(peer_id, str) or not 0 < len(peer_id) < 128:
+        return None
+    if not isinstance(weight, float) or not math.isfinite(weight) or not 0 < weight <= MAX_ROUND_WEIGHT:
+        return None
+    if not isinstance(time_, float) or not math.isfinite(time_):
+        return None
+    return value
+
+
+def unwrap_subkeys(entry: Any) -> dict[bytes, Any]:
+    """Turn ``dht.get(key, latest=True)`` output into ``{subkey: value}``; empty for missing or non-dict values."""
+    if entry is None or not isinstance(entry.value, dict):
+        return {}
+    return {subkey: item.value for subkey, item in entry.value.items() if item is not None}
+
+
+def replica_key(version: int, weight: float, digest: str) -> tuple[int, float, str]:
+    """Order of replicas: a higher version wins, then more merged weight, then the larger hash (tie-break)."""
+    return (version, weight, digest)
+
+
+def heavier(a: tuple[int, float, str], b: tuple[int, float, str]) -> bool:
+    """True if replica ``a`` is strictly heavier than ``b``."""
+    return replica_key(*a) > replica_key(*b)

@@ -1,0 +1,290 @@
+#!/usr/bin/env python3
+"""Run a local swarm of atoll daemons on 127.0.0.1, one process each, with live progress and a summary.
+
+    python scripts/swarm.py --daemons 3 --duration 180            # what `make demo` runs
+
+``LocalSwarm`` is also the harness of the integration tests and benchmarks: it starts daemons in their own
+process groups (so hivemind's DHT process and p2pd die with them), reads back the multiaddrs they print,
+and always ends every process it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class DaemonProcess:
+    name: str
+    proc: subprocess.Popen
+    workdir: Path
+    maddrs: list[str] = field(default_factory=list)
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / "daemon.log"
+
+    def metrics(self) -> list[dict[str, Any]]:
+        path = self.workdir / "metrics.jsonl"
+        if not path.exists():
+            return []
+        out = []
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line being written right now
+        return out
+
+    def rounds(self) -> list[dict[str, Any]]:
+        return [m for m in self.metrics() if m.get("event") == "round"]
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+class LocalSwarm:
+    """Starts and ends ``atoll start`` processes under ``root`` (one sub-folder per daemon)."""
+
+    def __init__(self, root: str | os.PathLike, common_args: list[str] | None = None) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.common_args = list(common_args or [])
+        self.daemons: dict[str, DaemonProcess] = {}
+
+    @property
+    def bootstrap(self) -> list[str]:
+        for d in self.daemons.values():
+            if d.alive() and d.maddrs:
+                return [d.maddrs[0]]
+        return []
+
+    def start(self, name: str, extra_args: list[str] | None = None, join: bool = True,
+              wait: float = 120.0) -> DaemonProcess:
+        """Start a daemon (joining the swarm's first live daemon unless ``join`` is False); wait for its maddrs."""
+        workdir = self.root / name
+        workdir.mkdir(parents=True, exist_ok=True)
+        args = [sys.executable, "-m", "atoll.node.cli", "start", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+                "--checkpoint-dir", str(workdir), *self.common_args, *(extra_args or [])]
+        if join and self.bootstrap:
+            args += ["--initial-peers", *self.bootstrap]
+        log = open(workdir / "daemon.log", "ab")
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        daemon = DaemonProcess(name, proc, workdir)
+        self.daemons[name] = daemon
+
+        def read_stdout() -> None:
+            assert proc.stdout is not None
+            for raw in proc.stdout:
+                line = raw.decode(errors="replace").strip()
+                if line.startswith("/"):
+                    daemon.maddrs.append(line)
+                    daemon.ready.set()
+            daemon.ready.set()
+
+        threading.Thread(target=read_stdout, daemon=True).start()
+        if not daemon.ready.wait(wait) or not daemon.maddrs:
+            raise RuntimeError(f"daemon {name} did not print its multiaddrs; log:\n{daemon.log()[-3000:]}")
+        return daemon
+
+    def signal(self, name: str, sig: int) -> None:
+        """Send ``sig`` to a daemon's whole process group (its DHT process and p2pd included)."""
+        d = self.daemons[name]
+        try:
+            os.killpg(d.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def kill(self, name: str) -> None:
+        self.signal(name, signal.SIGKILL)
+        self.daemons[name].proc.wait(30)
+
+    def stop(self, name: str, timeout: float = 60.0) -> int | None:
+        """SIGTERM (graceful leave), then SIGKILL the group if it has not exited in ``timeout``."""
+        d = self.daemons[name]
+        d.proc.send_signal(signal.SIGTERM)  # the daemon alone: its DHT process must live to announce leaving
+        try:
+            code = d.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        self.signal(name, signal.SIGKILL)  # leftovers of the group (p2pd) if any
+        return code
+
+    def stop_all(self, timeout: float = 60.0) -> dict[str, int | None]:
+        for name, d in self.daemons.items():
+            if d.alive():
+                d.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        codes = {}
+        for name, d in self.daemons.items():
+            try:
+                codes[name] = d.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                codes[name] = None
+            self.signal(name, signal.SIGKILL)
+        return codes
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop_all(timeout=30)
+
+
+class StatusReader:
+    """Reads the run's progress records through a client-mode DHT, as ``atoll status`` does."""
+
+    def __init__(self, initial_peers: list[str], run_id: str = "atoll") -> None:
+        from atoll.node.config import NodeConfig
+        from atoll.node.daemon import start_dht
+        from atoll.protocols.records import make_validators
+
+        cfg = NodeConfig(run_id=run_id, initial_peers=tuple(initial_peers), host_maddrs=("/ip4/127.0.0.1/tcp/0",))
+        self.run_id = run_id
+        self.dht = start_dht(cfg, list(make_validators(run_id)), client_mode=True)
+
+    def read(self) -> dict[str, Any]:
+        from atoll.node.status import collect_status
+
+        return collect_status(self.dht, self.run_id)
+
+    def close(self) -> None:
+        self.dht.shutdown()
+
+
+def _live_table(doc: dict[str, Any], names: dict[str, str], elapsed: float, duration: float):
+    from rich.table import Table
+
+    table = Table(title=f"atoll local swarm — {elapsed:.0f}/{duration:.0f} s — {doc['totals']['peers']} live peers, "
+                        f"{doc['totals']['tokens_per_s']:,.0f} tokens/s")
+    for col in ("daemon", "status", "step", "tokens/s", "loss", "held-out", "outer rounds", "version", "sent MB"):
+        table.add_column(col, justify="left" if col in ("daemon", "status") else "right")
+    for p in doc["peers"]:
+        table.add_row(names.get(p["peer_id"], p["peer_id"][-8:]), p["status"], str(p["step"]),
+                      f"{p['tokens_per_s']:,.0f}", "-" if p["loss"] is None else f"{p['loss']:.3f}",
+                      "-" if p["held_out_loss"] is None else f"{p['held_out_loss']:.3f}", str(p["rounds"]),
+                      str(p["version"]), f"{p['bytes_sent'] / 1e6:.2f}")
+    return table
+
+
+def plot_loss(swarm: LocalSwarm, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, d in swarm.daemons.items():
+        steps = [m for m in d.metrics() if "loss" in m and "event" not in m]
+        rounds = d.rounds()
+        if steps:
+            ax.plot([m["tokens"] for m in steps], [m["loss"] for m in steps], alpha=0.35, label=f"{name} train")
+        if rounds:
+            ax.plot([m["tokens"] for m in rounds], [m["held_out_loss"] for m in rounds], "o-",
+                    label=f"{name} held-out (after each round)")
+    ax.set_xlabel("tokens trained by the daemon")
+    ax.set_ylabel("loss (nats/byte)")
+    ax.set_title("atoll local swarm: loss against tokens")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def summary(swarm: LocalSwarm) -> list[dict[str, Any]]:
+    rows = []
+    for name, d in swarm.daemons.items():
+        metrics, rounds = d.metrics(), d.rounds()
+        steps = [m for m in metrics if "loss" in m and "event" not in m]
+        last = rounds[-1] if rounds else {}
+        rows.append({
+            "daemon": name, "steps": steps[-1]["step"] if steps else 0, "tokens": steps[-1]["tokens"] if steps else 0,
+            "train_loss": steps[-1]["loss"] if steps else None, "held_out_loss": last.get("held_out_loss"),
+            "rounds": len(rounds), "version": last.get("version"), "hash": last.get("hash"),
+        })
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--daemons", type=int, default=3)
+    parser.add_argument("--duration", type=float, default=180.0, help="seconds of training")
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--sync-every", type=int, default=50)
+    parser.add_argument("--workdir", default="runs/demo")
+    parser.add_argument("--plot", default=None, help="PNG path (default: WORKDIR/loss.png)")
+    args = parser.parse_args()
+
+    from rich.console import Console
+    from rich.live import Live
+
+    console = Console()
+    workdir = Path(args.workdir)
+    if workdir.exists():
+        import shutil
+
+        shutil.rmtree(workdir)
+    common = ["--model", args.model, "--sync-every", str(args.sync_every), "--gather-timeout", "20",
+              "--round-timeout", "20", "--threads", "1"]
+    swarm = LocalSwarm(workdir, common)
+    reader = None
+    try:
+        console.print(f"starting {args.daemons} daemons (model {args.model}, H={args.sync_every}) in {workdir}/ ...")
+        first = swarm.start("daemon-0")
+        console.print(f"first daemon listens on {first.maddrs[0]}")
+        for i in range(1, args.daemons):
+            swarm.start(f"daemon-{i}")
+        reader = StatusReader(swarm.bootstrap)
+        names: dict[str, str] = {}
+        start = time.monotonic()
+        with Live(console=console, refresh_per_second=1) as live:
+            while (elapsed := time.monotonic() - start) < args.duration:
+                doc = reader.read()
+                for d in swarm.daemons.values():
+                    for p in doc["peers"]:
+                        if d.maddrs and d.maddrs[0].endswith(p["peer_id"]):
+                            names[p["peer_id"]] = d.name
+                live.update(_live_table(doc, names, elapsed, args.duration))
+                time.sleep(2)
+    finally:
+        if reader is not None:
+            reader.close()
+        codes = swarm.stop_all()
+    from rich.table import Table
+
+    table = Table(title="summary")
+    rows = summary(swarm)
+    for col in ("daemon", "exit", "steps", "tokens", "train loss", "held-out loss", "rounds", "version", "Θ hash"):
+        table.add_column(col)
+    for r in rows:
+        fmt = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
+        table.add_row(r["daemon"], str(codes.get(r["daemon"])), str(r["steps"]), f"{r['tokens']:,}",
+                      fmt(r["train_loss"]), fmt(r["held_out_loss"]), str(r["rounds"]), str(r["version"]),
+                      str(r["hash"]))
+    console.print(table)
+    plot = Path(args.plot) if args.plot else workdir / "loss.png"
+    plot_loss(swarm, plot)
+    (workdir / "summary.json").write_text(json.dumps(rows, indent=1))
+    console.print(f"plot: {plot}   summary: {workdir / 'summary.json'}   logs: {workdir}/daemon-*/daemon.log")
+    return 0 if all(c == 0 for c in codes.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
