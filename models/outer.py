@@ -25,14 +25,15 @@ def flatten_params(params: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def unflatten_into(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
     """Copy ``flat`` into ``params`` in place (any device/dtype), in ``flatten_params`` order."""
+    needed = sum(p.numel() for p in params)
+    if needed != flat.numel():
+        raise ValueError(f"flat tensor has {flat.numel()} elements, parameters need {needed}")
     offset = 0
     with torch.no_grad():
         for p in params:
             n = p.numel()
             p.copy_(flat[offset : offset + n].view_as(p).to(p.device, p.dtype))
             offset += n
-    if offset != flat.numel():
-        raise ValueError(f"flat tensor has {flat.numel()} elements, parameters need {offset}")
 
 
 def pseudo_gradient(global_params: torch.Tensor, local_params: torch.Tensor) -> torch.Tensor:
@@ -71,9 +72,9 @@ class NesterovOuter:
         """Update fp32 ``params`` and ``buf`` in place, computing in float64 a chunk at a time (bounded memory)."""
         for lo in range(0, params.numel(), chunk):
             hi = min(lo + chunk, params.numel())
-            d = delta[lo:hi].double()
+            d = delta[lo:hi].double()  # may alias ``delta`` (already float64): never modified in place
             b = buf[lo:hi].double().mul_(self.momentum).add_(d)
-            p = params[lo:hi].double().sub_(d.add_(b, alpha=self.momentum), alpha=self.lr)
+            p = params[lo:hi].double().sub_(d.add(b, alpha=self.momentum), alpha=self.lr)
             buf[lo:hi] = b
             params[lo:hi] = p
 

@@ -81,7 +81,9 @@ class NodeConfig:
     eval_batches: int = 4
     bootstrap_retries: int = 3
     log_level: str = "INFO"
-    faults: tuple[str, ...] = ()  # deterministic fault injection for tests, e.g. "kill_in_round=2"
+    # Deterministic fault injection for tests: "kill_in_round=N" SIGKILLs this daemon's process group after the
+    # group of its N-th round formed; "step_delay=S" sleeps S seconds per inner step (a slow daemon).
+    faults: tuple[str, ...] = ()
 
     def validate(self) -> None:
         self.run.validate()

@@ -70,6 +70,7 @@ class Syncer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run_loop, name="atoll-syncer", daemon=True)
         self._heartbeat_task: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
         self.config_record: dict[str, Any] | None = None  # re-published so the run outlives its first daemon
         self._config_published = 0.0
 
@@ -91,7 +92,14 @@ class Syncer:
         self.averager = AveragingServicer(self.cfg.run_id, self.peer_id, self.stats)
         await self.averager.add_p2p_handlers(self.p2p, namespace=self.cfg.run_id)
         await StateServicer(self.replica.snapshot, self.stats).add_p2p_handlers(self.p2p, namespace=self.cfg.run_id)
-        self._heartbeat_task = asyncio.ensure_future(self._heartbeat())
+        self._heartbeat_task = self._spawn(self._heartbeat())
+
+    def _spawn(self, coro) -> asyncio.Task:
+        """Start a background task and hold a reference until it ends (asyncio keeps only weak ones)."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     def _submit(self, coro) -> concurrent.futures.Future:
         assert self._loop is not None
@@ -110,13 +118,12 @@ class Syncer:
         self._thread.join(timeout=10)
 
     async def _announce_leaving(self) -> None:
-        if self._heartbeat_task is not None:
-            self._heartbeat_task.cancel()
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
         await self._publish(status="leaving", ttl=self.cfg.heartbeat)
         await self.p2p.shutdown()
-        for task in asyncio.all_tasks():
-            if task is not asyncio.current_task():
-                task.cancel()
 
     # ---- progress and peers ---------------------------------------------------------------------------------
     def progress_record(self, status: str) -> dict[str, Any]:
@@ -193,7 +200,7 @@ class Syncer:
             return
         donors = self._heavier_peers()
         if donors:
-            asyncio.ensure_future(self._catch_up(donors))
+            self._spawn(self._catch_up(donors))
 
     async def _catch_up(self, donors: list[ProgressRecord]) -> None:
         self._downloading = True
@@ -247,19 +254,21 @@ class Syncer:
         self._in_round = True
         try:
 
-            async def expected() -> set[str]:
+            async def live_peers() -> dict[str, int]:
                 peers = await self.refresh_peers()
-                return {p.peer_id for p in peers.values() if p.status == "training" and p.version == version}
+                return {p.peer_id: p.version for p in peers.values() if p.status == "training"}
 
             members = await form_group(
                 self.dht, run_id=self.cfg.run_id, fragment=0, version=version, peer_id=self.peer_id,
-                subkey=self._subkey, weight=weight, expected=expected, gather_timeout=self.cfg.run.gather_timeout,
+                subkey=self._subkey, weight=weight, live_peers=live_peers, gather_timeout=self.cfg.run.gather_timeout,
                 abort=self.behind, on_reject=self.stats.reject,
             )
             if members is None:
                 return RoundOutcome("behind", version, seconds=time.monotonic() - started)
-            if self.faults.get("kill_in_round") == version:
-                logger.warning("fault injection: killing this daemon in round v%d", version)
+            if not members:
+                return RoundOutcome("failed", version, seconds=time.monotonic() - started)
+            if self.faults.get("kill_in_round") == self.rounds_done + 1:
+                logger.warning("fault injection: killing this daemon (and its DHT and p2pd) in round v%d", version)
                 os.killpg(os.getpgid(0), signal.SIGKILL)
             alive = list(members)
             for attempt in range(MAX_ATTEMPTS):
@@ -268,6 +277,12 @@ class Syncer:
                                          self.cfg.run.round_timeout)
                 if result.merged is not None:
                     break
+                if result.refused:
+                    # Live members disagree about the group. Merging without them would fork the replica;
+                    # instead keep the local progress and let consistency catch us up to the heavier side.
+                    logger.info("round v%d: members %s disagree about the group; skipping this round", version,
+                                [r[-8:] for r in result.refused])
+                    return RoundOutcome("failed", version, members, seconds=time.monotonic() - started)
                 alive = [m for m in alive if m not in result.failed]
                 logger.info("round v%d attempt %d failed (reducers %s); retrying with %d members", version, attempt,
                             [f[-8:] for f in result.failed], len(alive))
@@ -282,4 +297,5 @@ class Syncer:
             return RoundOutcome("merged", version + 1, members, result.contributors, time.monotonic() - started)
         finally:
             self._in_round = False
-            asyncio.ensure_future(self._publish())
+            self._spawn(self._publish())
+            self._maybe_catch_up()

@@ -190,12 +190,19 @@ class AveragingServicer(ServicerBase):
             yield pack_response({"data": part})
 
 
+class GroupRefused(WireError):
+    """A live reducer does not know our group: the members disagree about who is in the round."""
+
+
 @dataclass
 class AllreduceResult:
+    """``failed``: reducers that could not be reached (dead or slow); ``refused``: live ones that disagreed."""
+
     merged: torch.Tensor | None
     weight: float
     contributors: list[str]
     failed: list[str]
+    refused: list[str] = field(default_factory=list)
 
 
 async def _exchange_with(
@@ -215,7 +222,7 @@ async def _exchange_with(
         stream = await stub.rpc_aggregate(requests())
         header = unpack(await anext(stream), {"ok": bool})
         if not header["ok"]:
-            raise WireError(f"reducer refused: {header.get('error')}")
+            raise GroupRefused(f"reducer refused: {header.get('error')}")
         check_fields(header, {"weight": float, "contributors": list, "numel": int})
         if header["numel"] != part.numel():
             raise WireError("reducer answered with a shard of the wrong size")
@@ -248,15 +255,16 @@ async def allreduce(
             )
     tasks[local_peer] = asyncio.ensure_future(asyncio.shield(reduction.result))
     await asyncio.wait(tasks.values())
-    failed, shards = [], {}
+    failed, refused, shards = [], [], {}
     for peer, task in tasks.items():
-        if task.exception() is not None:
-            failed.append(peer)
-            logger.warning("round v%d: shard from reducer %s failed: %r", spec.version, peer[-8:], task.exception())
+        error = task.exception()
+        if error is not None:
+            (refused if isinstance(error, GroupRefused) else failed).append(peer)
+            logger.warning("round v%d: shard from reducer %s failed: %r", spec.version, peer[-8:], error)
         else:
             shards[peer] = task.result()
-    if failed:
-        return AllreduceResult(None, 0.0, [], failed)
+    if failed or refused:
+        return AllreduceResult(None, 0.0, [], failed, refused)
     ordered = [shards[p] for p in spec.members]
     merged = torch.cat([s.values for s in ordered])
     contributors = sorted({c for s in ordered for c in s.contributors})

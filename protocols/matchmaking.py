@@ -1,12 +1,15 @@
-"""Forming a round through the DHT, with no leader.
+"""Forming a round through the DHT: registrations, and a group decided by the earliest registrant.
 
-A daemon ready for round (fragment, version) stores a signed registration under the round's key. Every
-member reads the registrations until it sees every peer it expects (the live peers at the same version,
-from their progress records) or until the gather deadline, which all members derive from the same data: the
-earliest registration time plus ``gather_timeout``. Only registrations of expected peers count, so a stale
-registration left by a daemon that has since died or moved on cannot pull anyone into a dead group. Registrations stamped after the deadline are ignored by
-everyone, so members that read complete data agree on the group. A rare disagreement yields different group
-ids; the all-reduce then fails for the disagreeing member, which falls behind and catches up by download.
+A daemon ready for round (fragment, version) stores a signed registration ``{peer_id, weight, time}`` under the
+round's key. A registration counts if its owner is alive (it has a live progress record) and is not known to be
+past this version, so a stale registration left by a daemon that has since died or moved on is ignored.
+
+The earliest counted registrant (by time, then peer id) is the round's coordinator. It closes the group when
+every peer it expects has registered (the live peers at this version or one behind, i.e. about to arrive) or
+at its gather deadline, and publishes the sorted member list under ``<round key>_group``. Everyone else waits
+for a group record and uses it verbatim, so all members run the all-reduce with the same list. A daemon left
+out of the group (it registered too late) gets an empty list and catches up by download; if no coordinator
+publishes in time (it died), the round is skipped and retried at the next sync point without it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from hivemind import DHT
 from hivemind.utils import get_dht_time
@@ -21,6 +25,25 @@ from hivemind.utils import get_dht_time
 from .records import parse_round_record, round_key, unwrap_subkeys
 
 logger = logging.getLogger("atoll")
+MAX_GROUP = 1024
+
+
+def group_key(run_id: str, fragment: int, version: int) -> str:
+    return round_key(run_id, fragment, version) + "_group"
+
+
+def parse_group_record(value: Any) -> list[str] | None:
+    """A group decision ``{members: [peer ids], time}``, or None if malformed."""
+    if not isinstance(value, dict) or set(value) != {"members", "time"}:
+        return None
+    members = value["members"]
+    if not isinstance(members, list) or not 0 < len(members) <= MAX_GROUP or not all(
+        isinstance(m, str) and 0 < len(m) < 128 for m in members
+    ):
+        return None
+    if len(set(members)) != len(members) or members != sorted(members):
+        return None
+    return members
 
 
 async def form_group(
@@ -32,39 +55,58 @@ async def form_group(
     peer_id: str,
     subkey: bytes,
     weight: float,
-    expected: Callable[[], Awaitable[set[str]]],
+    live_peers: Callable[[], Awaitable[dict[str, int]]],
     gather_timeout: float,
     abort: Callable[[], bool],
     poll_interval: float = 0.2,
     on_reject: Callable[[str], None] = lambda kind: None,
 ) -> list[str] | None:
-    """Register for the round and return its sorted member list (always including this daemon).
+    """Register for the round and return its sorted member list.
 
-    ``expected()`` refreshes and returns the live peers at this version (excluding this daemon).
-    Returns None when ``abort()`` becomes true (e.g. a heavier replica appeared and this daemon must catch up).
+    ``live_peers()`` refreshes and returns ``{peer_id: version}`` of the live training peers (excluding this one).
+    Returns None when ``abort()`` becomes true (a heavier replica appeared: catch up instead), and an empty list
+    when this daemon is not in the round's group or no group was decided in time.
     """
-    key = round_key(run_id, fragment, version)
+    key, gkey = round_key(run_id, fragment, version), group_key(run_id, fragment, version)
     now = get_dht_time()
+    expiration = now + 4 * gather_timeout + 60
     record = {"peer_id": peer_id, "weight": float(weight), "time": float(now)}
-    stored = await dht.store(key, record, expiration_time=now + 4 * gather_timeout + 60, subkey=subkey,
-                             return_future=True)
-    if not stored:
+    if not await dht.store(key, record, expiration_time=expiration, subkey=subkey, return_future=True):
         logger.warning("round v%d: could not store registration in the DHT", version)
-    deadline = now + gather_timeout
     while True:
         if abort():
             return None
-        entry = await dht.get(key, latest=True, return_future=True)
-        peers = await expected()
+        entry, group_entry = await asyncio.gather(
+            dht.get(key, latest=True, return_future=True), dht.get(gkey, latest=True, return_future=True)
+        )
+        peers = await live_peers()
         registered: dict[str, float] = {peer_id: now}
         for value in unwrap_subkeys(entry).values():
             rec = parse_round_record(value)
             if rec is None:
                 on_reject("round_record")
-            elif rec["peer_id"] in peers:
+            elif rec["peer_id"] in peers and peers[rec["peer_id"]] <= version:
                 registered[rec["peer_id"]] = rec["time"]
-        deadline = min(registered.values()) + gather_timeout
-        on_time = {p for p, t in registered.items() if t <= deadline}
-        if peers <= on_time or get_dht_time() > deadline:
-            return sorted(on_time | {peer_id})
+        decisions = []
+        for value in unwrap_subkeys(group_entry).values():
+            members = parse_group_record(value)
+            if members is None:
+                on_reject("group_record")
+            else:
+                decisions.append((float(value["time"]) if isinstance(value["time"], float) else 0.0, members))
+        if decisions:
+            _, members = min(decisions, key=lambda d: (d[0], d[1]))
+            return members if peer_id in members else []
+        coordinator = min(registered, key=lambda p: (registered[p], p))
+        deadline = registered[coordinator] + gather_timeout
+        if coordinator == peer_id:
+            expected = {p for p, v in peers.items() if version - 1 <= v <= version}
+            if expected <= set(registered) or get_dht_time() > deadline:
+                members = sorted(registered)
+                await dht.store(gkey, {"members": members, "time": float(get_dht_time())},
+                                expiration_time=expiration, subkey=subkey, return_future=True)
+                return members
+        elif get_dht_time() > deadline + gather_timeout / 2 + 2:
+            logger.warning("round v%d: no group was decided by coordinator %s in time", version, coordinator[-8:])
+            return []
         await asyncio.sleep(poll_interval)

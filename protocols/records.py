@@ -53,6 +53,9 @@ class ProgressRecord(pydantic.BaseModel):
     rejected: conint(ge=0, strict=True)
     time: StrictFloat
 
+    class Config:
+        extra = pydantic.Extra.forbid
+
     @pydantic.validator("status")
     def _known_status(cls, v: str) -> str:  # noqa: N805 (pydantic signature)
         if v not in STATUSES:
@@ -72,6 +75,9 @@ class RunConfigRecord(pydantic.BaseModel):
     fields: Dict[StrictStr, Any]
     started_by: StrictStr
     started_at: StrictFloat
+
+    class Config:
+        extra = pydantic.Extra.forbid
 
 
 class RunSchema(pydantic.BaseModel):

@@ -1,0 +1,90 @@
+"""The averaging round's math and message checks, without sockets."""
+
+import asyncio
+
+import msgpack
+import pytest
+import torch
+
+from atoll.protocols.averaging import AveragingServicer, GroupSpec, TrafficStats, shard_bounds
+from atoll.protocols.wire import WireError, pack_request, parts_to_tensor, tensor_to_parts, unpack
+
+
+def test_shard_bounds_are_balanced_and_cover():
+    for numel in (0, 1, 7, 100, 1001):
+        for parts in (1, 2, 3, 8):
+            b = shard_bounds(numel, parts)
+            assert b[0][0] == 0 and b[-1][1] == numel
+            assert all(b[i][1] == b[i + 1][0] for i in range(parts - 1))
+            sizes = [hi - lo for lo, hi in b]
+            assert max(sizes) - min(sizes) <= 1
+
+
+def test_group_id_depends_on_everything_that_must_agree():
+    base = GroupSpec("run", 0, 3, 0, ("a", "b"), 100)
+    for other in (GroupSpec("run", 0, 3, 1, ("a", "b"), 100), GroupSpec("run", 0, 4, 0, ("a", "b"), 100),
+                  GroupSpec("run", 0, 3, 0, ("a", "c"), 100), GroupSpec("run", 0, 3, 0, ("a", "b"), 101)):
+        assert other.group_id != base.group_id
+    assert GroupSpec("run", 0, 3, 0, ("a", "b"), 100).group_id == base.group_id
+
+
+def test_reduction_is_weighted_and_independent_of_arrival_order():
+    async def reduce(order):
+        servicer = AveragingServicer("run", "b", TrafficStats())
+        spec = GroupSpec("run", 0, 0, 0, ("a", "b", "c"), 9)
+        reduction = servicer.open(spec, timeout=5)
+        parts = {"a": (1.0, torch.full((3,), 1.0)), "b": (2.0, torch.full((3,), 4.0)),
+                 "c": (1.0, torch.full((3,), 0.1))}
+        for peer in order:
+            reduction.add(peer, *parts[peer])
+        return await reduction.result
+
+    r1 = asyncio.run(reduce("abc"))
+    r2 = asyncio.run(reduce("cba"))
+    assert torch.equal(r1.values, r2.values)
+    expect = (1.0 * 1.0 + 2.0 * 4.0 + 1.0 * 0.1) / 4.0
+    assert torch.allclose(r1.values, torch.full((3,), expect, dtype=torch.float32))
+    assert r1.values.dtype == torch.float32  # what travels is what everyone applies
+    assert r1.contributors == ["a", "b", "c"] and r1.weight == 4.0
+
+
+def test_reduction_times_out_without_missing_members():
+    async def run():
+        servicer = AveragingServicer("run", "a", TrafficStats())
+        reduction = servicer.open(GroupSpec("run", 0, 0, 0, ("a", "b"), 4), timeout=0.2)
+        reduction.add("a", 1.0, torch.ones(2))
+        return await reduction.result
+
+    result = asyncio.run(run())
+    assert result.contributors == ["a"] and torch.equal(result.values, torch.ones(2))
+
+
+def test_wire_roundtrip_and_rejections():
+    t = torch.randn(1000)
+    parts = list(tensor_to_parts(t, part_bytes=1000))
+    assert len(parts) == 4 and torch.equal(parts_to_tensor(parts, 1000), t)
+    with pytest.raises(WireError, match="bytes"):
+        parts_to_tensor(parts[:-1], 1000)
+    bad = torch.tensor([1.0, float("nan")])
+    with pytest.raises(WireError, match="NaN"):
+        parts_to_tensor(list(tensor_to_parts(bad)), 2)
+    msg = unpack(pack_request({"group_id": "g", "weight": 2, "numel": 3}), {"group_id": str, "weight": float})
+    assert msg["weight"] == 2
+    with pytest.raises(WireError, match="lacks"):
+        unpack(pack_request({"a": 1}), {"b": int})
+    with pytest.raises(WireError, match="type"):
+        unpack(pack_request({"numel": "3"}), {"numel": int})
+    with pytest.raises(WireError, match="type"):
+        unpack(pack_request({"numel": True}), {"numel": int})
+
+    class Raw:
+        metadata = b"\xc1\xff\x00"
+
+    with pytest.raises(WireError, match="undecodable"):
+        unpack(Raw(), {})
+
+    class Big:
+        metadata = msgpack.packb({"data": b"x" * (3 << 20)})
+
+    with pytest.raises(WireError, match="oversized"):
+        unpack(Big(), {})

@@ -1,0 +1,84 @@
+"""Configuration: validation errors are one clear line and exit code 2."""
+
+import pytest
+
+from atoll.node.cli import main
+from atoll.node.config import ConfigError, RunConfig, load_config, reconcile_run_config
+from atoll.node.device import resolve_device, xla_available
+
+PEER = "/ip4/127.0.0.1/tcp/31337/p2p/QmTt18CRK6oG1T7ZZcNcypAuQXGM92vRXWthaDYPaUFgh7"
+
+
+def test_defaults_are_valid():
+    cfg, explicit = load_config({})
+    assert cfg.run.algorithm == "diloco" and cfg.run.sync_every > 0 and explicit == set()
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"device": "tpu"}, "device: unknown"),
+        ({"initial_peers": ["not-a-maddr"]}, "initial_peers: malformed multiaddr"),
+        ({"initial_peers": ["/ip4/127.0.0.1/tcp/1"]}, "lacks the /p2p/"),
+        ({"host_maddrs": ["/ip4/999.0.0.1/tcp/1"]}, "host_maddrs: malformed"),
+        ({"model": "huge"}, "model: unknown"),
+        ({"algorithm": "magic"}, "algorithm: unknown"),
+        ({"sync_every": 0}, "sync_every: must be a positive"),
+        ({"outer_momentum": 1.5}, "outer_momentum"),
+        ({"batch_size": "many"}, "batch_size: expected a int"),
+        ({"data": "/nonexistent/corpus"}, "data:"),
+        ({"faults": ["explode=1"]}, "faults: unknown fault"),
+        ({"run_id": "bad id!"}, "run_id"),
+    ],
+)
+def test_bad_values_raise_one_line_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(overrides)
+    assert "\n" not in str(info.value)
+
+
+def test_toml_file_and_precedence(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('run_id = "exp1"\nbatch_size = 4\n[run]\nsync_every = 25\nmodel = "nano"\n')
+    cfg, explicit = load_config({"batch_size": 16}, str(path))
+    assert cfg.run_id == "exp1" and cfg.batch_size == 16 and cfg.run.sync_every == 25 and cfg.run.model == "nano"
+    assert explicit == {"sync_every", "model"}
+    path.write_text("bogus_key = 1\n")
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_config({}, str(path))
+    path.write_text("this is not toml [")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config({}, str(path))
+    with pytest.raises(ConfigError, match="not found"):
+        load_config({}, str(tmp_path / "missing.toml"))
+
+
+def test_joiner_adopts_run_config_and_refuses_conflicts():
+    published = RunConfig(model="nano", sync_every=10).published()
+    adopted = reconcile_run_config(RunConfig(), set(), published)
+    assert adopted.model == "nano" and adopted.sync_every == 10
+    same = reconcile_run_config(RunConfig(model="nano"), {"model"}, published)
+    assert same.model == "nano"
+    with pytest.raises(ConfigError, match="disagrees.*sync_every=50"):
+        reconcile_run_config(RunConfig(sync_every=50), {"sync_every"}, published)
+    with pytest.raises(ConfigError, match="does not know"):
+        reconcile_run_config(RunConfig(), set(), {**published, "future_field": 1})
+
+
+@pytest.mark.skipif(xla_available(), reason="torch_xla is installed here")
+def test_xla_without_torch_xla_is_a_config_error():
+    with pytest.raises(ConfigError, match="torch_xla is not installed"):
+        resolve_device("xla")
+
+
+def test_cpu_device_resolves():
+    assert resolve_device("cpu").kind == "cpu"
+    assert resolve_device("auto").kind in ("cpu", "cuda")
+
+
+def test_cli_prints_one_line_and_exits_2(capsys):
+    assert main(["start", "--device", "tpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["atoll: error: device: unknown 'tpu'; use one of auto, cpu, cuda, xla"]
+    assert main(["start", "--initial-peers", "garbage"]) == 2
+    assert "malformed multiaddr" in capsys.readouterr().err

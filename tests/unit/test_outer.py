@@ -1,0 +1,122 @@
+"""Outer-loop math against naive references, and DiLoCo's degenerate case against plain training."""
+
+import math
+
+import pytest
+import torch
+
+from atoll.models.configs import MODELS
+from atoll.models.data import Corpus, load_corpus
+from atoll.models.outer import NesterovOuter, flatten_params, pseudo_gradient, tensor_hash, unflatten_into, weighted_mean
+from atoll.node.config import RunConfig
+from atoll.node.device import resolve_device
+from atoll.node.learner import Learner
+from atoll.node.replica import Replica
+
+
+def test_nesterov_matches_hand_written_reference():
+    torch.manual_seed(0)
+    params, buf = torch.randn(50), torch.zeros(50)
+    ref_p, ref_b = params.tolist(), [0.0] * 50
+    opt = NesterovOuter(lr=0.7, momentum=0.9)
+    for _ in range(4):
+        delta = torch.randn(50) * 0.1
+        opt.step(params, buf, delta.double())
+        for i, d in enumerate(delta.double().tolist()):
+            ref_b[i] = 0.9 * ref_b[i] + d
+            ref_p[i] = ref_p[i] - 0.7 * (d + 0.9 * ref_b[i])
+            ref_b[i] = float(torch.tensor(ref_b[i], dtype=torch.float32))  # state is stored in fp32
+            ref_p[i] = float(torch.tensor(ref_p[i], dtype=torch.float32))
+    assert params.tolist() == ref_p
+    assert buf.tolist() == ref_b
+
+
+def test_nesterov_chunking_does_not_change_the_result():
+    torch.manual_seed(1)
+    p1, b1, delta = torch.randn(1000), torch.randn(1000), torch.randn(1000).double()
+    p2, b2 = p1.clone(), b1.clone()
+    NesterovOuter().step(p1, b1, delta)
+    NesterovOuter().step(p2, b2, delta, chunk=7)
+    assert torch.equal(p1, p2) and torch.equal(b1, b2)
+
+
+def test_nesterov_rejects_bad_hyperparameters():
+    with pytest.raises(ValueError):
+        NesterovOuter(lr=0)
+    with pytest.raises(ValueError):
+        NesterovOuter(momentum=1.0)
+
+
+def test_weighted_mean_matches_naive_loop():
+    torch.manual_seed(2)
+    deltas = [torch.randn(33) for _ in range(4)]
+    weights = [3.0, 1.0, 7.5, 0.25]
+    got = weighted_mean(deltas, weights)
+    total = sum(weights)
+    for i in range(33):
+        expect = sum(w * float(d[i]) for d, w in zip(deltas, weights)) / total
+        assert math.isclose(float(got[i]), expect, rel_tol=1e-12, abs_tol=1e-15)
+
+
+def test_weighted_mean_of_one_is_exact_and_rejects_bad_weights():
+    d = torch.randn(100).double()
+    assert torch.equal(weighted_mean([d], [12345.0]), d)
+    with pytest.raises(ValueError):
+        weighted_mean([d, d], [1.0, 0.0])
+    with pytest.raises(ValueError):
+        weighted_mean([], [])
+
+
+def test_pseudo_gradient_and_flatten_roundtrip():
+    a, b = torch.randn(10), torch.randn(10)
+    assert torch.equal(pseudo_gradient(a, b), a.double() - b.double())
+    params = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))]
+    flat = flatten_params(params)
+    target = torch.randn(flat.numel())
+    unflatten_into(target, params)
+    assert torch.equal(flatten_params(params), target)
+    with pytest.raises(ValueError):
+        unflatten_into(torch.zeros(3), params)
+
+
+def test_tensor_hash_is_content_hash():
+    a = torch.arange(10.0)
+    assert tensor_hash(a) == tensor_hash(a.clone())
+    b = a.clone()
+    b[3] = torch.nextafter(b[3], torch.tensor(100.0))
+    assert tensor_hash(a) != tensor_hash(b)
+
+
+def _learner(run: RunConfig) -> Learner:
+    tokens, _ = load_corpus("builtin")
+    corpus = Corpus(tokens, MODELS[run.model].seq_len, run.num_shards)
+    return Learner(run, resolve_device("cpu"), corpus, shard=3, batch_size=4)
+
+
+def test_one_daemon_diloco_with_lr1_momentum0_equals_plain_training_bit_for_bit():
+    run = RunConfig(model="nano", sync_every=5, outer_lr=1.0, outer_momentum=0.0)
+    plain, diloco = _learner(run), _learner(run)
+    replica = Replica(diloco.flat_params())
+    outer = NesterovOuter(run.outer_lr, run.outer_momentum)
+    for _ in range(4):
+        for _ in range(run.sync_every):
+            plain.train_step()
+            diloco.train_step()
+        theta, version = replica.params_copy()
+        merged = weighted_mean([pseudo_gradient(theta, diloco.flat_params())], [float(diloco.tokens)])
+        assert replica.apply_outer_step(version, merged, 1.0, outer)
+        diloco.load_flat(replica.params_copy()[0])
+    assert torch.equal(plain.flat_params(), diloco.flat_params())
+    assert replica.version == 4
+
+
+def test_outer_step_is_deterministic_across_replicas():
+    torch.manual_seed(3)
+    theta = torch.randn(500)
+    r1, r2 = Replica(theta), Replica(theta.clone())
+    outer = NesterovOuter()
+    for v in range(3):
+        delta = torch.randn(500).double() * 0.01
+        assert r1.apply_outer_step(v, delta, 2.0, outer) and r2.apply_outer_step(v, delta.clone(), 2.0, outer)
+    assert r1.identity == r2.identity
+    assert not r1.apply_outer_step(0, delta, 1.0, outer)  # stale version: refused

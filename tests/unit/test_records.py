@@ -1,0 +1,99 @@
+"""DHT record schemas reject malformed records; only owners can write their subkeys."""
+
+import math
+
+import pytest
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
+from hivemind.utils import MSGPackSerializer, get_dht_time
+
+from atoll.protocols.records import (
+    heavier,
+    make_validators,
+    parse_progress,
+    parse_round_record,
+    progress_key,
+    unwrap_subkeys,
+)
+
+
+def good_progress(**changes):
+    rec = dict(
+        peer_id="QmPeer", status="training", device="cpu", algorithm="diloco", step=10, version=2,
+        replica_weight=1024.0, replica_hash="abc", steps_since_round=3, tokens=4096, tokens_per_s=100.0, loss=2.5,
+        held_out_loss=None, rounds=2, bytes_sent=10, bytes_received=20, rejected=0, time=get_dht_time(),
+    )
+    rec.update(changes)
+    return rec
+
+
+def test_good_progress_record_parses():
+    assert parse_progress(good_progress()).version == 2
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"step": -1}, {"step": 1.5}, {"version": "2"}, {"status": "dancing"}, {"tokens_per_s": math.nan},
+        {"replica_weight": -1.0}, {"loss": "low"}, {"extra_field": 1}, {"peer_id": 42}, {"time": math.inf},
+    ],
+)
+def test_malformed_progress_records_are_rejected(changes):
+    assert parse_progress(good_progress(**changes)) is None
+
+
+def test_missing_field_and_non_dict_are_rejected():
+    rec = good_progress()
+    del rec["version"]
+    assert parse_progress(rec) is None
+    assert parse_progress([1, 2]) is None
+    assert parse_progress(None) is None
+
+
+@pytest.mark.parametrize(
+    "value, ok",
+    [
+        ({"peer_id": "Qm1", "weight": 10.0, "time": 1.0}, True),
+        ({"peer_id": "Qm1", "weight": 0.0, "time": 1.0}, False),
+        ({"peer_id": "Qm1", "weight": math.nan, "time": 1.0}, False),
+        ({"peer_id": "Qm1", "weight": 1e30, "time": 1.0}, False),
+        ({"peer_id": "", "weight": 1.0, "time": 1.0}, False),
+        ({"peer_id": "Qm1", "weight": 1.0}, False),
+        ({"peer_id": "Qm1", "weight": 1.0, "time": 1.0, "x": 1}, False),
+        ("garbage", False),
+    ],
+)
+def test_round_records(value, ok):
+    assert (parse_round_record(value) is not None) == ok
+
+
+def _record(key, subkey, value):
+    return DHTRecord(
+        key=DHTID.generate(source=key).to_bytes(), subkey=DHTID.generate(source=subkey).to_bytes()
+        if not isinstance(subkey, bytes) else MSGPackSerializer.dumps(subkey),
+        value=MSGPackSerializer.dumps(value), expiration_time=get_dht_time() + 10,
+    )
+
+
+def test_schema_validator_checks_progress_values():
+    _, schema = make_validators("run1")
+    owner = RSASignatureValidator().local_public_key
+    assert schema.validate(_record(progress_key("run1"), owner, good_progress()))
+    assert not schema.validate(_record(progress_key("run1"), owner, good_progress(step=-5)))
+
+
+def test_signature_validator_refuses_unsigned_owner_records():
+    validator = RSASignatureValidator()
+    record = _record(progress_key("run1"), validator.local_public_key, good_progress())
+    assert not validator.validate(record)  # an owner subkey without the owner's signature
+    signed = DHTRecord(record.key, record.subkey, validator.sign_value(record), record.expiration_time)
+    assert validator.validate(signed)
+
+
+def test_replica_order_and_unwrap():
+    assert heavier((3, 0.0, "a"), (2, 99.0, "z"))
+    assert heavier((2, 5.0, "a"), (2, 4.0, "z"))
+    assert heavier((2, 5.0, "b"), (2, 5.0, "a"))
+    assert not heavier((2, 5.0, "a"), (2, 5.0, "a"))
+    assert unwrap_subkeys(None) == {}
