@@ -78,7 +78,7 @@ class NodeConfig:
     threads: int = 1
     max_steps: int = 0  # 0: train until stopped
     heartbeat: float = 2.0  # seconds between progress records
-    eval_batches: int = 4
+    eval_batches: int = 8
     bootstrap_retries: int = 3
     log_level: str = "INFO"
     # Deterministic fault injection for tests: "kill_in_round=N" SIGKILLs this daemon's process group after the

@@ -233,7 +233,8 @@ class Daemon:
                         self.held_out_loss, digest)
             self._metric(event="round", version=ver, hash=digest, weight=w, members=outcome.members,
                          contributors=outcome.contributors, step=learner.step, tokens=learner.tokens,
-                         held_out_loss=self.held_out_loss, seconds=outcome.seconds)
+                         held_out_loss=self.held_out_loss, seconds=outcome.seconds,
+                         bytes_sent=self.syncer.stats.bytes_sent, bytes_received=self.syncer.stats.bytes_received)
             self._checkpoint()
         elif outcome.kind == "behind":
             logger.info("round v%d abandoned: a heavier replica exists; catching up", version)

@@ -236,6 +236,8 @@ def main() -> int:
     from rich.live import Live
 
     console = Console()
+    if not console.is_terminal:  # piped or logged: rich would fold the tables to 80 columns
+        console = Console(width=120)
     workdir = Path(args.workdir)
     if workdir.exists():
         import shutil
@@ -248,7 +250,7 @@ def main() -> int:
     try:
         console.print(f"starting {args.daemons} daemons (model {args.model}, H={args.sync_every}) in {workdir}/ ...")
         first = swarm.start("daemon-0")
-        console.print(f"first daemon listens on {first.maddrs[0]}")
+        console.print(f"first daemon listens on {first.maddrs[0]}", soft_wrap=True)
         for i in range(1, args.daemons):
             swarm.start(f"daemon-{i}")
         reader = StatusReader(swarm.bootstrap)

@@ -94,6 +94,18 @@ def test_status_json_lists_all_daemons(swarm):
     assert doc["totals"]["peers"] >= 2 and doc["totals"]["tokens"] > 0
 
 
+def test_joiner_with_conflicting_run_config_is_refused(swarm, tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "atoll.node.cli", "start", "--initial-peers", *swarm.bootstrap, "--host-maddrs",
+         "/ip4/127.0.0.1/tcp/0", "--sync-every", "99", "--checkpoint-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == (
+        "atoll: error: run config disagrees with the run's: sync_every=99 (run has 20)"
+    )
+
+
 def test_joiner_downloads_state_and_contributes(swarm):
     d = swarm.start("d")
     joined = wait_for(lambda: [m for m in d.metrics() if m.get("event") == "joined"], 120, "d to download state")

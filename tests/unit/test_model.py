@@ -22,7 +22,7 @@ def test_forward_is_finite_and_embeddings_are_tied():
     model = GPT(cfg)
     x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1))
     loss = model(x[:, :-1], x[:, 1:])
-    assert torch.isfinite(loss) and abs(float(loss) - torch.log(torch.tensor(256.0))) < 0.5
+    assert torch.isfinite(loss) and abs(loss.item() - torch.log(torch.tensor(256.0)).item()) < 0.5
     assert not any(n.startswith("head") for n, _ in model.named_parameters())
 
 

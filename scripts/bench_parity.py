@@ -1,0 +1,136 @@
+#!/usr/bin/env python3
+"""Parity: one process alone vs three daemons with DiLoCo, same model and the same total token budget.
+
+    python scripts/bench_parity.py [--steps 600] [--sync-every 50] [--model tiny]
+
+(a) trains ``3 × steps`` inner steps in one process (plain AdamW, no outer loop); (b) runs three daemons on
+127.0.0.1 with ``--max-steps steps`` each (the same tokens in total). Both are evaluated on the same held-out
+batches: (a) its final model, (b) the final global replica Θ from a daemon's last checkpoint. Reports the
+held-out loss of each, their ratio, and the bytes each daemon sent per outer round. Writes
+docs/results/bench_parity.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from swarm import LocalSwarm  # noqa: E402
+
+from atoll.models.configs import get_model_config  # noqa: E402
+from atoll.models.data import Corpus, load_corpus  # noqa: E402
+from atoll.node.checkpoint import load_checkpoint  # noqa: E402
+from atoll.node.config import RunConfig  # noqa: E402
+from atoll.node.device import resolve_device  # noqa: E402
+from atoll.node.learner import Learner  # noqa: E402
+
+EVAL_BATCHES = 32
+BATCH = 8
+
+
+def make_learner(run: RunConfig, shard: int) -> tuple[Learner, list[torch.Tensor]]:
+    tokens, _ = load_corpus(run.data)
+    corpus = Corpus(tokens, get_model_config(run.model).seq_len, run.num_shards)
+    return Learner(run, resolve_device("cpu"), corpus, shard, BATCH), corpus.held_out(EVAL_BATCHES, BATCH)
+
+
+def solo(run: RunConfig, steps: int) -> dict:
+    torch.set_num_threads(1)
+    learner, held_out = make_learner(run, shard=0)
+    curve, start = [], time.monotonic()
+    for step in range(1, steps + 1):
+        learner.train_step()
+        if step % (steps // 10) == 0:
+            curve.append({"tokens": learner.tokens, "held_out_loss": learner.evaluate(held_out[:8])})
+    return {"held_out_loss": learner.evaluate(held_out), "tokens": learner.tokens, "curve": curve,
+            "seconds": time.monotonic() - start}
+
+
+def swarm_run(run: RunConfig, steps: int, workdir: Path) -> dict:
+    common = ["--model", run.model, "--sync-every", str(run.sync_every), "--batch-size", str(BATCH),
+              "--max-steps", str(steps), "--gather-timeout", "20", "--round-timeout", "20", "--threads", "1"]
+    start = time.monotonic()
+    with LocalSwarm(workdir, common) as swarm:
+        swarm.start("d0", join=False)
+        swarm.start("d1")
+        swarm.start("d2")
+        for d in swarm.daemons.values():
+            d.proc.wait(3600)
+        codes = {n: d.proc.returncode for n, d in swarm.daemons.items()}
+    seconds = time.monotonic() - start
+    per_daemon = {}
+    for name, d in swarm.daemons.items():
+        rounds = d.rounds()
+        sent = [b["bytes_sent"] - a["bytes_sent"] for a, b in zip(rounds, rounds[1:])]
+        per_daemon[name] = {
+            "exit_code": codes[name], "rounds": len(rounds),
+            "bytes_sent_per_round_median": sorted(sent)[len(sent) // 2] if sent else None,
+            "final_version": rounds[-1]["version"] if rounds else 0,
+            "curve": [{"tokens": r["tokens"], "held_out_loss": r["held_out_loss"]} for r in rounds],
+        }
+    # Evaluate the global replica Θ of the daemon that reached the highest version.
+    best = max(swarm.daemons.values(), key=lambda d: per_daemon[d.name]["final_version"])
+    tensors, meta = load_checkpoint(best.workdir)
+    learner, held_out = make_learner(run, shard=0)
+    learner.load_flat(tensors["replica.params"])
+    return {"held_out_loss": learner.evaluate(held_out), "version": meta["version"], "daemons": per_daemon,
+            "seconds": seconds, "tokens": sum(json.loads(sorted(d.workdir.glob("ckpt-*.json"))[-1].read_text())["tokens"]
+                                               for d in swarm.daemons.values())}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=600, help="inner steps per daemon (solo: 3x)")
+    parser.add_argument("--sync-every", type=int, default=50)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--out", default="docs/results")
+    args = parser.parse_args()
+    run = RunConfig(model=args.model, sync_every=args.sync_every)
+    print(f"(b) three daemons, {args.steps} steps each, H={args.sync_every} ...", flush=True)
+    diloco = swarm_run(run, args.steps, Path("runs/bench_parity"))
+    print(f"    held-out loss {diloco['held_out_loss']:.4f} in {diloco['seconds']:.0f} s", flush=True)
+    print(f"(a) one process, {3 * args.steps} steps ...", flush=True)
+    alone = solo(run, 3 * args.steps)
+    print(f"    held-out loss {alone['held_out_loss']:.4f} in {alone['seconds']:.0f} s", flush=True)
+    result = {
+        "command": "python scripts/bench_parity.py " + " ".join(sys.argv[1:]),
+        "model": args.model, "params": get_model_config(args.model).num_params, "sync_every": args.sync_every,
+        "steps_per_daemon": args.steps, "batch_size": BATCH, "eval_batches": EVAL_BATCHES,
+        "solo": alone, "diloco_3_daemons": diloco,
+        "loss_ratio_diloco_over_solo": diloco["held_out_loss"] / alone["held_out_loss"],
+        "fp32_model_bytes": 4 * get_model_config(args.model).num_params,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_parity.json").write_text(json.dumps(result, indent=1))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot([c["tokens"] for c in alone["curve"]], [c["held_out_loss"] for c in alone["curve"]], "k-o",
+            label="one process (3x steps)")
+    for name, d in diloco["daemons"].items():
+        ax.plot([3 * c["tokens"] for c in d["curve"]], [c["held_out_loss"] for c in d["curve"]], "-", alpha=0.7,
+                label=f"DiLoCo {name} (x-axis: 3x its tokens)")
+    ax.set_xlabel("tokens (swarm total)")
+    ax.set_ylabel("held-out loss")
+    ax.set_title(f"parity: ratio {result['loss_ratio_diloco_over_solo']:.3f}")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "bench_parity.png", dpi=110)
+    print(json.dumps({k: result[k] for k in ("loss_ratio_diloco_over_solo", "fp32_model_bytes")}, indent=1))
+    print({n: d["bytes_sent_per_round_median"] for n, d in diloco["daemons"].items()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
