@@ -85,3 +85,47 @@ def tensor_hash(*tensors: torch.Tensor) -> str:
     for t in tensors:
         h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def radial_directional_average(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """RDA = (Σ w·‖v‖ / Σ w) · φ(Σ w·φ(v) / Σ w), φ(x) = x/‖x‖, in float64.
+
+    The merged vector keeps the weighted mean norm of the inputs, so when inputs are nearly orthogonal its norm
+    does not shrink as 1/√M like a plain mean's. Zero inputs contribute no direction.
+    """
+    if len(deltas) != len(weights) or not deltas:
+        raise ValueError("need one positive weight per delta, and at least one delta")
+    norms = [float(torch.linalg.vector_norm(d.double())) for d in deltas]
+    directions = [d.double() / n if n > 0 else torch.zeros_like(d, dtype=torch.float64) for d, n in zip(deltas, norms)]
+    mean_direction = weighted_mean(directions, weights)
+    return rda_finish(mean_direction, weighted_norm(norms, weights))
+
+
+def weighted_norm(norms: Sequence[float], weights: Sequence[float]) -> float:
+    """Σ w·‖v‖ / Σ w: the norm RDA gives its result."""
+    total = math.fsum(weights)
+    return math.fsum(w * n for w, n in zip(weights, norms)) / total
+
+
+def rda_finish(mean_direction: torch.Tensor, norm: float) -> torch.Tensor:
+    """Scale the weighted mean of unit directions to ``norm`` (the last step of RDA; zero stays zero)."""
+    length = float(torch.linalg.vector_norm(mean_direction))
+    if length == 0.0:
+        return torch.zeros_like(mean_direction, dtype=torch.float64)
+    return mean_direction.double() * (norm / length)
+
+
+def token_weight(tokens: int, steps: int) -> float:
+    """Decoupled DiLoCo's contribution weight c_tokens² / c_steps (tokens since the fragment was last received,
+    times tokens per step): a daemon that did more, larger steps since its last merge counts more."""
+    if tokens <= 0 or steps <= 0:
+        raise ValueError(f"need positive tokens and steps, got {tokens}, {steps}")
+    return float(tokens) * float(tokens) / float(steps)
+
+
+def grace_window(gamma: float, overlap_steps: int, step_time: float, quorum_time: float, sync_time: float) -> float:
+    """How long a round may wait for more members after quorum without costing compute:
+    γ·(τ·step_time − quorum_time − sync_time), never negative (the merge is due τ steps after the snapshot)."""
+    if not 0 <= gamma < 1:
+        raise ValueError(f"gamma must be in [0, 1), got {gamma}")
+    return max(0.0, gamma * (overlap_steps * step_time - quorum_time - sync_time))

@@ -19,7 +19,7 @@ from multiaddr import Multiaddr
 
 from atoll.models.configs import MODELS
 
-ALGORITHMS = ("diloco",)
+ALGORITHMS = ("diloco", "streaming", "decoupled")
 DEVICES = ("auto", "cpu", "cuda", "xla")
 FAULTS = {"kill_in_round": int, "step_delay": float}
 
@@ -45,6 +45,13 @@ class RunConfig:
     num_shards: int = 16
     gather_timeout: float = 30.0  # seconds a round waits for expected members
     round_timeout: float = 30.0  # seconds a reducer waits for missing parts
+    # streaming / decoupled (diloco always uses one fragment, no overlap, every live member):
+    fragments: int = 4  # P
+    overlap: int = 2  # τ: inner steps between a fragment's snapshot and its merge
+    alpha: float = 0.0  # merge θ ← α·θ + (1−α)·Θ
+    quorum: int = 1  # K (decoupled): minimum members before a round may close
+    grace_gamma: float = 0.5  # γ < 1: share of the overlap's slack a round may wait for more members
+    rda: bool = True  # radial-directional averaging for non-embedding fragments (decoupled)
 
     def validate(self) -> None:
         if self.model not in MODELS:
@@ -53,10 +60,25 @@ class RunConfig:
             raise ConfigError(f"algorithm: unknown {self.algorithm!r}; known: {', '.join(ALGORITHMS)}")
         if self.data != "builtin" and not Path(self.data).exists():
             raise ConfigError(f"data: {self.data!r} is neither 'builtin' nor an existing path")
-        _positive(self, "sync_every", "num_shards", "outer_lr", "inner_lr", "gather_timeout", "round_timeout")
-        _non_negative(self, "warmup_steps", "weight_decay", "seed")
+        _positive(self, "sync_every", "num_shards", "outer_lr", "inner_lr", "gather_timeout", "round_timeout",
+                  "fragments", "quorum")
+        _non_negative(self, "warmup_steps", "weight_decay", "seed", "overlap")
+        if not 0 <= self.alpha < 1:
+            raise ConfigError(f"alpha: must be in [0, 1), got {self.alpha}")
+        if not 0 <= self.grace_gamma < 1:
+            raise ConfigError(f"grace_gamma: must be in [0, 1), got {self.grace_gamma}")
         if not 0 <= self.outer_momentum < 1:
             raise ConfigError(f"outer_momentum: must be in [0, 1), got {self.outer_momentum}")
+        if self.overlap >= self.sync_every:
+            raise ConfigError(f"overlap: must be smaller than sync_every ({self.sync_every}), got {self.overlap}")
+
+    @property
+    def num_fragments(self) -> int:
+        return 1 if self.algorithm == "diloco" else self.fragments
+
+    @property
+    def overlap_steps(self) -> int:
+        return 0 if self.algorithm == "diloco" else self.overlap
 
     def published(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -156,13 +178,19 @@ NODE_FIELDS = {f.name for f in fields(NodeConfig)} - {"run"}
 
 
 def _coerce(name: str, value: Any, default: Any) -> Any:
+    if isinstance(default, bool):
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{name}: expected true or false, got {value!r}")
     if isinstance(default, tuple):
         if isinstance(value, str):
             value = [value]
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{name}: expected a list of strings, got {value!r}")
         return tuple(value)
-    if isinstance(default, bool) or default is None or isinstance(default, str):
+    if default is None or isinstance(default, str):
         if value is not None and not isinstance(value, str):
             raise ConfigError(f"{name}: expected a string, got {value!r}")
         return value

@@ -8,6 +8,7 @@ replicas the syncer adopted at step boundaries.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import math
@@ -16,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,16 +27,18 @@ from hivemind.utils import get_dht_time
 
 from atoll.models.configs import get_model_config
 from atoll.models.data import Corpus, load_corpus, shard_for_peer
-from atoll.models.outer import pseudo_gradient
+from atoll.models.fragments import make_fragments
+from atoll.models.outer import token_weight
 from atoll.protocols.records import RunConfigRecord, config_key, make_validators, unwrap_subkeys
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import ConfigError, NodeConfig, reconcile_run_config
 from .device import resolve_device
-from .learner import Learner, initial_params
+from .learner import Learner
+from .local_state import LocalFragmentState
 from .log import context as log_context
 from .replica import Replica
-from .syncer import Syncer
+from .syncer import RoundOutcome, Syncer
 
 logger = logging.getLogger("atoll")
 CONFIG_TTL = 24 * 3600.0
@@ -63,6 +67,13 @@ def start_dht(cfg: NodeConfig, validators: list, client_mode: bool = False) -> D
     raise RuntimeError(f"could not start the DHT: {last_error}")
 
 
+@dataclass
+class _Pending:
+    future: concurrent.futures.Future
+    merge_at: int  # schedule step at which the result is merged in (due step + τ)
+    version: int
+
+
 class Daemon:
     def __init__(self, cfg: NodeConfig, explicit_run_fields: set[str]) -> None:
         self.cfg, self.explicit = cfg, explicit_run_fields
@@ -71,9 +82,12 @@ class Daemon:
         self.loss: float | None = None
         self.held_out_loss: float | None = None
         self.tokens_per_s = 0.0
-        self.steps_since_round = 0
-        self.tokens_at_round = 0
         self.metrics_file = None
+        self.tokens_lost = 0
+        self.train_seconds = 0.0
+        self.blocked_seconds = 0.0
+        self.started = time.monotonic()
+        self.pending: dict[int, _Pending] = {}
 
     # ---- set-up --------------------------------------------------------------------------------------------
     def _agree_on_run_config(self, dht: DHT) -> None:
@@ -102,11 +116,13 @@ class Daemon:
 
     def _progress(self) -> dict[str, Any]:
         learner = getattr(self, "learner", None)
+        wall = max(time.monotonic() - self.started, 1e-9)
         return {
             "status": self.status, "device": self.device.describe(), "algorithm": self.cfg.run.algorithm,
             "step": learner.step if learner else 0, "tokens": learner.tokens if learner else 0,
             "tokens_per_s": float(self.tokens_per_s), "loss": _finite_or_none(self.loss),
-            "held_out_loss": _finite_or_none(self.held_out_loss),
+            "held_out_loss": _finite_or_none(self.held_out_loss), "tokens_lost": int(self.tokens_lost),
+            "goodput": float(min(1.0, self.train_seconds / wall)), "blocked_s": float(self.blocked_seconds),
         }
 
     def _metric(self, **fields: Any) -> None:
@@ -117,6 +133,7 @@ class Daemon:
     # ---- main ---------------------------------------------------------------------------------------------
     def run(self) -> int:
         cfg = self.cfg
+        self._install_signal_handlers()  # first: a SIGTERM during start-up still means a clean exit 0
         self.device = resolve_device(cfg.device)
         torch.set_num_threads(cfg.threads)
         signature_validator, schema_validator = make_validators(cfg.run_id)
@@ -143,22 +160,32 @@ class Daemon:
         shard = shard_for_peer(peer_id, run.num_shards)
         self.held_out = corpus.held_out(self.cfg.eval_batches, self.cfg.batch_size)
         self.learner = learner = Learner(run, self.device, corpus, shard, self.cfg.batch_size)
-        self.replica = Replica(initial_params(run))
+        try:
+            self.fragments = make_fragments(learner.params, run.num_fragments, run.sync_every,
+                                            embedding=learner.model.embed.weight)
+        except ValueError as e:
+            raise ConfigError(f"fragments: {e}") from None
+        # Θ₀ is the learner's initial model: the same seed on every daemon (initialised on the CPU).
+        self.replica = Replica([f.gather(learner.params) for f in self.fragments])
+        self.local = [LocalFragmentState(f.gather(learner.params)) for f in self.fragments]
         if self.cfg.checkpoint_dir:
             self.metrics_file = open(Path(self.cfg.checkpoint_dir) / "metrics.jsonl", "a")
         resumed = self._restore()
-        self.syncer = syncer = Syncer(self.cfg, dht, self.subkey, self.replica, self._progress)
+        self.syncer = syncer = Syncer(self.cfg, dht, self.subkey, self.replica, self._progress, self.fragments)
         syncer.config_record = self.config_record
         syncer.start()
-        self._install_signal_handlers()
         if not resumed:
-            state = syncer.download_initial_state(timeout=max(60.0, 4 * run.round_timeout))
-            if state is not None:
-                self._load_replica_into_learner(state.steps_since_round)
-                logger.info("joined at version %d from %s (shard %d)", state.version, state.donor[-8:], shard)
-                self._metric(event="joined", version=state.version, donor=state.donor)
+            states = syncer.download_initial_state(timeout=max(60.0, 4 * run.round_timeout))
+            for p, fragment in enumerate(self.fragments):
+                theta_p = self.replica.params_copy(p)[0]
+                fragment.scatter(theta_p, learner.params)
+                self.local[p] = LocalFragmentState(theta_p)
+            if len(states) == len(self.fragments):
+                self.replica.schedule_step = states[0].schedule_step
+                logger.info("joined at version %d from %s (shard %d)", self.replica.total_version,
+                            states[0].donor[-8:], shard)
+                self._metric(event="joined", version=self.replica.total_version, donor=states[0].donor)
             else:
-                self.learner.load_flat(self.replica.params_copy()[0])
                 logger.info("no peer holds state yet: starting from the seed's initial model (shard %d)", shard)
         self.status = "training"
         try:
@@ -167,7 +194,7 @@ class Daemon:
             self.status = "leaving"
             syncer.shutdown()
             self._checkpoint()
-            logger.info("stopped at step %d, version %d", learner.step, self.replica.identity[0])
+            logger.info("stopped at step %d, version %d", learner.step, self.replica.total_version)
         return 0
 
     def _install_signal_handlers(self) -> None:
@@ -178,84 +205,139 @@ class Daemon:
         signal.signal(signal.SIGINT, handler)
         signal.signal(signal.SIGTERM, handler)
 
-    def _load_replica_into_learner(self, steps_since_round: int) -> None:
-        params, _ = self.replica.params_copy()
-        self.learner.load_flat(params)
-        self.steps_since_round = steps_since_round
-        self.replica.steps_since_round = steps_since_round
-        self.tokens_at_round = self.learner.tokens
-
     # ---- the training loop ----------------------------------------------------------------------------------
     def _train(self) -> None:
-        cfg, learner = self.cfg, self.learner
+        """The learner's loop: never awaits the network. Rounds run in the syncer; results merge at step
+        boundaries. Only the synchronous algorithms (diloco, streaming) block when a merge is due."""
+        cfg, learner, run = self.cfg, self.learner, self.cfg.run
         step_delay = cfg.parsed_faults().get("step_delay", 0.0)
         window_start, window_tokens = time.monotonic(), 0
+        self.started = time.monotonic()
         while not self.stop.is_set() and (cfg.max_steps == 0 or learner.step < cfg.max_steps):
-            adopted = self.syncer.take_adopted()
-            if adopted is not None:
-                lost = learner.tokens - self.tokens_at_round
-                self._load_replica_into_learner(adopted.steps_since_round)
-                logger.info("adopted replica v%d from %s; %d local tokens discarded", adopted.version,
-                            adopted.donor[-8:], lost)
-                self._metric(event="adopted", version=adopted.version, lost_tokens=lost, step=learner.step)
+            self._apply_adopted()
+            t0 = time.monotonic()
             if step_delay:
                 time.sleep(step_delay)
             self.loss = learner.train_step()
+            elapsed_step = time.monotonic() - t0
+            self.train_seconds += elapsed_step
+            self.syncer.step_time = elapsed_step if not self.syncer.step_time else (
+                0.9 * self.syncer.step_time + 0.1 * elapsed_step)
             log_context.step = learner.step
-            self.steps_since_round += 1
-            self.replica.steps_since_round = self.steps_since_round
+            self.replica.schedule_step += 1
+            for local in self.local:
+                local.add_step(learner.tokens_per_step)
             window_tokens += learner.tokens_per_step
             elapsed = time.monotonic() - window_start
             if elapsed >= 5.0:
                 self.tokens_per_s, window_start, window_tokens = window_tokens / elapsed, time.monotonic(), 0
             if learner.step % 10 == 0:
                 self._metric(step=learner.step, tokens=learner.tokens, loss=self.loss)
-            if self.steps_since_round >= cfg.run.sync_every:
-                self._outer_round()
+            for fragment in self.fragments:
+                if fragment.due(self.replica.schedule_step, run.sync_every):
+                    self._start_round(fragment.index)
+            self._merge_due()
 
-    def _outer_round(self) -> None:
+    def _apply_adopted(self) -> None:
+        for state in self.syncer.take_adopted():
+            p = state.fragment
+            fragment, params = self.fragments[p], self.learner.params
+            new, _ = self.replica.params_copy(p)
+            self.local[p].adopted(new, fragment.gather(params))
+            fragment.scatter(new, params)
+            logger.info("adopted fragment %d v%d from %s; %d unmerged local tokens carried into the next round", p,
+                        state.version, state.donor[-8:], self.local[p].tokens)
+            self._metric(event="adopted", fragment=p, version=state.version, carried_tokens=self.local[p].tokens,
+                         step=self.learner.step)
+
+    def _start_round(self, p: int) -> None:
+        if p in self.pending:  # the previous round of this fragment has not landed: do not queue another
+            self.syncer.rounds_skipped += 1
+            return
+        run, local = self.cfg.run, self.local[p]
+        version = self.replica.identity(p)[0]
+        delta = local.delta(self.fragments[p].gather(self.learner.params))
+        weight = token_weight(local.tokens, local.steps) if run.algorithm == "decoupled" else float(local.tokens)
+        future = self.syncer.submit_round(p, delta, weight)
+        self.pending[p] = _Pending(future, self.replica.schedule_step + run.overlap_steps, version)
+
+    def _merge_due(self) -> None:
+        synchronous = self.cfg.run.algorithm in ("diloco", "streaming")
+        for p, pending in list(self.pending.items()):
+            if self.replica.schedule_step < pending.merge_at:
+                continue
+            if not pending.future.done():
+                if not synchronous:
+                    continue  # decoupled: never wait; merge whenever the round lands
+                t0 = time.monotonic()
+                while not pending.future.done():
+                    if self.stop.wait(0.02):
+                        self.blocked_seconds += time.monotonic() - t0
+                        return
+                self.blocked_seconds += time.monotonic() - t0
+            del self.pending[p]
+            self._finish_round(p, pending)
+
+    def _finish_round(self, p: int, pending: _Pending) -> None:
         learner, run = self.learner, self.cfg.run
-        theta, version = self.replica.params_copy()
-        delta = pseudo_gradient(theta, learner.flat_params())
-        weight = float(learner.tokens - self.tokens_at_round)
-        future = self.syncer.submit_round(delta, weight)
-        while not future.done():
-            if self.stop.wait(0.05):
-                logger.info("leaving during round v%d", version)
-                return
-        outcome = future.result()
+        try:
+            outcome = pending.future.result()
+        except (concurrent.futures.CancelledError, Exception) as e:  # a round must never end the training loop
+            logger.warning("round f%d v%d ended with an error: %r", p, pending.version, e)
+            outcome = RoundOutcome("failed", pending.version)
         if outcome.kind == "merged":
-            self._load_replica_into_learner(0)
-            self.held_out_loss = learner.evaluate(self.held_out)
-            ver, w, digest = self.replica.identity
-            logger.info("round v%d→v%d done in %.1fs: %d members, %d contributors, held-out loss %.4f, hash %s",
-                        version, ver, outcome.seconds, len(outcome.members), len(outcome.contributors),
-                        self.held_out_loss, digest)
-            self._metric(event="round", version=ver, hash=digest, weight=w, members=outcome.members,
+            fragment = self.fragments[p]
+            merged, _ = self.replica.params_copy(p)
+            # Overwriting θ_p drops the τ steps trained on it since the snapshot (the paper's α = 0 choice).
+            self.tokens_lost += run.overlap_steps * learner.tokens_per_step // len(self.fragments)
+            self.local[p].merged(merged)
+            if run.alpha:
+                merged = run.alpha * fragment.gather(learner.params) + (1 - run.alpha) * merged
+            fragment.scatter(merged, learner.params)
+            ver, w, digest = self.replica.identity(p)
+            if p == 0:
+                self.held_out_loss = learner.evaluate(self.held_out)
+            logger.info("round f%d v%d→v%d done in %.1fs: %d members, %d contributors, held-out loss %s, hash %s",
+                        p, pending.version, ver, outcome.seconds, len(outcome.members), len(outcome.contributors),
+                        f"{self.held_out_loss:.4f}" if self.held_out_loss is not None else "-", digest)
+            self._metric(event="round", fragment=p, version=ver, hash=digest, weight=w, members=outcome.members,
                          contributors=outcome.contributors, step=learner.step, tokens=learner.tokens,
                          held_out_loss=self.held_out_loss, seconds=outcome.seconds,
                          bytes_sent=self.syncer.stats.bytes_sent, bytes_received=self.syncer.stats.bytes_received)
-            self._checkpoint()
+            if p == len(self.fragments) - 1:
+                self._checkpoint()
         elif outcome.kind == "behind":
-            logger.info("round v%d abandoned: a heavier replica exists; catching up", version)
-            deadline = time.monotonic() + 2 * self.cfg.heartbeat + 2 * run.round_timeout
-            while time.monotonic() < deadline and not self.stop.is_set() and not self.syncer.replica_changed(version):
-                time.sleep(0.05)
+            logger.info("round f%d v%d abandoned: a heavier replica exists; catching up", p, pending.version)
+            if run.algorithm in ("diloco", "streaming"):
+                t0 = time.monotonic()
+                deadline = t0 + 2 * self.cfg.heartbeat + 2 * run.round_timeout
+                while (time.monotonic() < deadline and not self.stop.is_set()
+                       and not self.syncer.replica_changed(p, pending.version)):
+                    time.sleep(0.02)
+                self.blocked_seconds += time.monotonic() - t0
         else:
-            logger.warning("round v%d failed; continuing with local progress", version)
-            self.steps_since_round = 0
+            logger.warning("round f%d v%d failed; continuing with local progress", p, pending.version)
 
     # ---- checkpoints ----------------------------------------------------------------------------------------
     def _checkpoint(self) -> None:
         if not self.cfg.checkpoint_dir:
             return
-        snap = self.replica.snapshot()
-        tensors = {"replica.params": snap.params, "replica.momentum": snap.momentum, **self.learner.state_tensors()}
+        tensors = dict(self.learner.state_tensors())
+        for p, local in enumerate(self.local):
+            tensors.update(local.state_tensors(f"local.{p}"))
+        versions, weights, digests = [], [], []
+        for p in range(len(self.fragments)):
+            snap = self.replica.snapshot(p)
+            tensors[f"replica.{p}.params"], tensors[f"replica.{p}.momentum"] = snap.params, snap.momentum
+            versions.append(snap.version)
+            weights.append(snap.weight)
+            digests.append(snap.digest)
         meta = {
             "run_id": self.cfg.run_id, "peer_id": str(self.dht.peer_id), "run": self.cfg.run.published(),
-            "version": snap.version, "weight": snap.weight, "digest": snap.digest, "step": self.learner.step,
-            "tokens": self.learner.tokens, "position": self.learner.position,
-            "steps_since_round": self.steps_since_round, "tokens_at_round": self.tokens_at_round,
+            "version": sum(versions), "versions": versions, "weights": weights, "digests": digests,
+            "step": self.learner.step, "tokens": self.learner.tokens, "position": self.learner.position,
+            "schedule_step": self.replica.schedule_step, "counters": [[lo.tokens, lo.steps] for lo in self.local],
+            "tokens_lost": self.tokens_lost,
         }
         save_checkpoint(self.cfg.checkpoint_dir, tensors, meta)
 
@@ -268,13 +350,17 @@ class Daemon:
         tensors, meta = loaded
         if meta.get("run") != self.cfg.run.published():
             raise ConfigError(f"checkpoint_dir: {self.cfg.checkpoint_dir!r} holds a checkpoint of a different run config")
-        self.replica = Replica(tensors["replica.params"], tensors["replica.momentum"], meta["version"], meta["weight"])
-        if self.replica.digest != meta["digest"]:
-            raise ConfigError("checkpoint_dir: the checkpoint's replica does not match its recorded hash")
+        n = len(self.fragments)
+        self.replica = Replica([tensors[f"replica.{p}.params"] for p in range(n)],
+                               [tensors[f"replica.{p}.momentum"] for p in range(n)], meta["versions"], meta["weights"])
+        if [d for _, _, d in self.replica.identities()] != meta["digests"]:
+            raise ConfigError("checkpoint_dir: the checkpoint's replica does not match its recorded hashes")
         self.learner.load_state_tensors(tensors)
         self.learner.step, self.learner.tokens, self.learner.position = meta["step"], meta["tokens"], meta["position"]
-        self.steps_since_round = self.replica.steps_since_round = meta["steps_since_round"]
-        self.tokens_at_round = meta["tokens_at_round"]
+        self.replica.schedule_step = meta["schedule_step"]
+        for p, (tokens, steps) in enumerate(meta["counters"]):
+            self.local[p].load(tensors, f"local.{p}", tokens, steps)
+        self.tokens_lost = meta["tokens_lost"]
         log_context.step = self.learner.step
         logger.info("resumed from checkpoint: version %d, step %d, data position %d", meta["version"], meta["step"],
                     meta["position"])

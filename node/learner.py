@@ -19,12 +19,6 @@ from .config import RunConfig
 from .device import Device
 
 
-def initial_params(run: RunConfig) -> torch.Tensor:
-    """Θ₀: identical on every daemon of a run (same seed, initialised on the CPU whatever the device)."""
-    torch.manual_seed(run.seed)
-    return flatten_params(list(GPT(get_model_config(run.model)).parameters()))
-
-
 class Learner:
     def __init__(self, run: RunConfig, device: Device, corpus: Corpus, shard: int, batch_size: int) -> None:
         self.run, self.device, self.corpus, self.shard, self.batch_size = run, device, corpus, shard, batch_size

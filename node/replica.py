@@ -1,13 +1,14 @@
-"""This daemon's replica of the global state: Θ, the outer momentum, version, merged weight, hash.
+"""This daemon's replica of the global state, per fragment: Θ_p, the outer momentum, version, merged weight, hash.
 
 Lives in host memory as flat fp32 tensors and is shared by the learner thread and the protocol thread, so
-every access goes through one lock. Identity of a replica: (version, weight, digest) — see
-``atoll.protocols.records.heavier``.
+every access goes through one lock. Identity of a fragment replica: (version, weight, digest) — see
+``atoll.protocols.records.heavier``. ``diloco`` uses a single fragment holding every parameter.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 import torch
 
@@ -15,50 +16,76 @@ from atoll.models.outer import NesterovOuter, tensor_hash
 from atoll.protocols.state_sync import ReplicaState
 
 
-class Replica:
-    def __init__(self, params: torch.Tensor, momentum: torch.Tensor | None = None, version: int = 0,
-                 weight: float = 0.0) -> None:
-        self._lock = threading.Lock()
+class _Fragment:
+    def __init__(self, params: torch.Tensor, momentum: torch.Tensor | None, version: int, weight: float) -> None:
         self.params = params.detach().to("cpu", torch.float32).clone()
-        self.momentum = torch.zeros_like(self.params) if momentum is None else momentum.clone()
+        self.momentum = torch.zeros_like(self.params) if momentum is None else momentum.detach().float().clone()
         self.version, self.weight = version, float(weight)
         self.digest = tensor_hash(self.params, self.momentum)
-        self.steps_since_round = 0  # the learner's position in the sync period, shared with joiners
+
+
+class Replica:
+    def __init__(self, params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor] | None = None,
+                 versions: Sequence[int] | None = None, weights: Sequence[float] | None = None) -> None:
+        n = len(params)
+        self._lock = threading.Lock()
+        self._frags = [
+            _Fragment(params[p], None if momentum is None else momentum[p], 0 if versions is None else versions[p],
+                      0.0 if weights is None else weights[p])
+            for p in range(n)
+        ]
+        self.schedule_step = 0  # the learner's position in the sync schedule, shared with joiners
 
     @property
-    def identity(self) -> tuple[int, float, str]:
+    def num_fragments(self) -> int:
+        return len(self._frags)
+
+    def numel(self, p: int) -> int:
+        return self._frags[p].params.numel()
+
+    def identity(self, p: int) -> tuple[int, float, str]:
         with self._lock:
-            return self.version, self.weight, self.digest
+            f = self._frags[p]
+            return f.version, f.weight, f.digest
+
+    def identities(self) -> list[tuple[int, float, str]]:
+        with self._lock:
+            return [(f.version, f.weight, f.digest) for f in self._frags]
 
     @property
-    def numel(self) -> int:
-        return self.params.numel()
+    def total_version(self) -> int:
+        """Sum of fragment versions: one number that grows with every merged round."""
+        return sum(v for v, _, _ in self.identities())
 
-    def params_copy(self) -> tuple[torch.Tensor, int]:
+    def params_copy(self, p: int) -> tuple[torch.Tensor, int]:
         with self._lock:
-            return self.params.clone(), self.version
+            return self._frags[p].params.clone(), self._frags[p].version
 
-    def snapshot(self) -> ReplicaState:
+    def snapshot(self, p: int) -> ReplicaState:
         with self._lock:
-            return ReplicaState(self.version, self.weight, self.digest, self.params.clone(), self.momentum.clone(),
-                                self.steps_since_round)
+            f = self._frags[p]
+            return ReplicaState(f.version, f.weight, f.digest, f.params.clone(), f.momentum.clone(),
+                                self.schedule_step, fragment=p)
 
-    def apply_outer_step(self, version: int, delta: torch.Tensor, weight: float, outer: NesterovOuter) -> bool:
-        """Apply a round's merged delta if the replica is still at ``version``; returns whether it was applied."""
+    def apply_outer_step(self, p: int, version: int, delta: torch.Tensor, weight: float,
+                         outer: NesterovOuter) -> bool:
+        """Apply a round's merged delta if fragment ``p`` is still at ``version``; returns whether it was applied."""
         with self._lock:
-            if self.version != version:
+            f = self._frags[p]
+            if f.version != version:
                 return False
-            outer.step(self.params, self.momentum, delta)
-            self.version += 1
-            self.weight += float(weight)
-            self.digest = tensor_hash(self.params, self.momentum)
+            outer.step(f.params, f.momentum, delta)
+            f.version += 1
+            f.weight += float(weight)
+            f.digest = tensor_hash(f.params, f.momentum)
             return True
 
     def adopt(self, state: ReplicaState) -> bool:
-        """Replace the replica with a heavier downloaded one; returns False if ours became at least as heavy."""
+        """Replace a fragment with a heavier downloaded one; False if ours became at least as heavy meanwhile."""
         with self._lock:
-            if (state.version, state.weight, state.digest) <= (self.version, self.weight, self.digest):
+            f = self._frags[state.fragment]
+            if (state.version, state.weight, state.digest) <= (f.version, f.weight, f.digest):
                 return False
-            self.params, self.momentum = state.params.clone(), state.momentum.clone()
-            self.version, self.weight, self.digest = state.version, state.weight, state.digest
+            f.params, f.momentum = state.params.clone(), state.momentum.clone()
+            f.version, f.weight, f.digest = state.version, state.weight, state.digest
             return True

@@ -1,8 +1,9 @@
 """The syncer: atoll's protocol side, on one uvloop event loop in a background thread.
 
 It publishes this daemon's progress record every heartbeat, keeps a table of live peers, serves the averaging
-and state-download RPCs, runs outer rounds when the learner asks, and keeps the replica consistent with the
-swarm: when a live peer holds a heavier replica it downloads it and hands it to the learner. The learner
+and state-download RPCs, runs outer rounds (one fragment each) when the learner asks, and keeps every fragment
+of the replica consistent with the swarm: when a live peer holds a heavier replica of a fragment it downloads
+it and hands it to the learner. The learner
 talks to it only through thread-safe calls that return ``concurrent.futures.Future`` objects; tensor work
 (outer steps, hashing) runs in an executor, never on the event loop.
 """
@@ -25,7 +26,8 @@ import uvloop
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
-from atoll.models.outer import NesterovOuter
+from atoll.models.fragments import Fragment
+from atoll.models.outer import NesterovOuter, grace_window
 from atoll.protocols.averaging import AveragingServicer, GroupSpec, TrafficStats, allreduce
 from atoll.protocols.matchmaking import form_group
 from atoll.protocols.records import ProgressRecord, config_key, heavier, parse_progress, progress_key, unwrap_subkeys
@@ -51,20 +53,25 @@ class RoundOutcome:
 
 class Syncer:
     def __init__(self, cfg: NodeConfig, dht: DHT, subkey: bytes, replica: Replica,
-                 progress: Callable[[], dict[str, Any]]) -> None:
-        self.cfg, self.dht, self.replica, self._progress = cfg, dht, replica, progress
+                 progress: Callable[[], dict[str, Any]], fragments: list[Fragment]) -> None:
+        self.cfg, self.dht, self.replica, self._progress, self.fragments = cfg, dht, replica, progress, fragments
         self.peer_id = str(dht.peer_id)
         self.stats = TrafficStats()
         self.outer = NesterovOuter(cfg.run.outer_lr, cfg.run.outer_momentum)
         self.faults = cfg.parsed_faults()
         self.rounds_done = 0
+        self.rounds_skipped = 0
+        self.forks_healed = 0
+        self.step_time = 0.0  # seconds per inner step, set by the learner (for the grace window)
+        self._sync_time = EMA()
+        self._quorum_time = EMA()
         self._subkey = subkey  # our RSA public key: the DHT lets only us write records under it
         self._peers: dict[str, ProgressRecord] = {}
         self._peers_lock = threading.Lock()
-        self._adopted: ReplicaState | None = None
+        self._adopted: list[ReplicaState] = []
         self._adopted_lock = threading.Lock()
-        self._downloading = False
-        self._in_round = False
+        self._downloading: set[int] = set()
+        self._in_round: set[int] = set()
         self._leaving = False
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -91,7 +98,8 @@ class Syncer:
         self.p2p = await self.dht.replicate_p2p()
         self.averager = AveragingServicer(self.cfg.run_id, self.peer_id, self.stats)
         await self.averager.add_p2p_handlers(self.p2p, namespace=self.cfg.run_id)
-        await StateServicer(self.replica.snapshot, self.stats).add_p2p_handlers(self.p2p, namespace=self.cfg.run_id)
+        await StateServicer(self.replica.snapshot, self.replica.num_fragments, self.stats).add_p2p_handlers(
+            self.p2p, namespace=self.cfg.run_id)
         self._heartbeat_task = self._spawn(self._heartbeat())
 
     def _spawn(self, coro) -> asyncio.Task:
@@ -127,11 +135,13 @@ class Syncer:
 
     # ---- progress and peers ---------------------------------------------------------------------------------
     def progress_record(self, status: str) -> dict[str, Any]:
-        version, weight, digest = self.replica.identity
+        ids = self.replica.identities()
         rec = dict(self._progress())
         rec.update(
-            peer_id=self.peer_id, status=status, version=version, replica_weight=float(weight), replica_hash=digest,
-            steps_since_round=self.replica.steps_since_round, rounds=self.rounds_done,
+            peer_id=self.peer_id, status=status, version=sum(v for v, _, _ in ids),
+            fragment_versions=[v for v, _, _ in ids], fragment_weights=[float(w) for _, w, _ in ids],
+            fragment_hashes=[d for _, _, d in ids], schedule_step=self.replica.schedule_step,
+            rounds=self.rounds_done, rounds_skipped=self.rounds_skipped, forks_healed=self.forks_healed,
             bytes_sent=self.stats.bytes_sent, bytes_received=self.stats.bytes_received,
             rejected=self.stats.rejected, time=float(get_dht_time()),
         )
@@ -152,6 +162,9 @@ class Syncer:
         for value in unwrap_subkeys(entry).values():
             rec = parse_progress(value)
             if rec is None:
+                self.stats.reject("progress_record")
+                continue
+            if len(rec.fragment_versions) != self.replica.num_fragments:
                 self.stats.reject("progress_record")
                 continue
             if rec.peer_id != self.peer_id and rec.status != "leaving":
@@ -184,118 +197,155 @@ class Syncer:
             await asyncio.sleep(self.cfg.heartbeat)
 
     # ---- consistency: adopt heavier replicas ------------------------------------------------------------------
-    def _heavier_peers(self) -> list[ProgressRecord]:
-        mine = self.replica.identity
-        candidates = [
-            p for p in self.peers().values()
-            if p.status == "training" and heavier((p.version, p.replica_weight, p.replica_hash), mine)
-        ]
-        return sorted(candidates, key=lambda p: (p.version, p.replica_weight, p.replica_hash), reverse=True)
+    def _heavier_peers(self, p: int) -> list[ProgressRecord]:
+        mine = self.replica.identity(p)
+        candidates = [peer for peer in self.peers().values()
+                      if peer.status == "training" and heavier(peer.fragment(p), mine)]
+        return sorted(candidates, key=lambda peer: peer.fragment(p), reverse=True)
 
-    def behind(self) -> bool:
-        return bool(self._heavier_peers())
+    def behind(self, p: int) -> bool:
+        return bool(self._heavier_peers(p))
 
     def _maybe_catch_up(self) -> None:
-        if self._downloading or self._in_round or self._leaving or self._progress().get("status") == "joining":
+        if self._leaving or self._progress().get("status") == "joining":
             return
-        donors = self._heavier_peers()
-        if donors:
-            self._spawn(self._catch_up(donors))
+        for p in range(self.replica.num_fragments):
+            if p in self._downloading or p in self._in_round:
+                continue
+            donors = self._heavier_peers(p)
+            if donors:
+                self._downloading.add(p)
+                self._spawn(self._catch_up(p, donors))
 
-    async def _catch_up(self, donors: list[ProgressRecord]) -> None:
-        self._downloading = True
+    async def _catch_up(self, p: int, donors: list[ProgressRecord]) -> None:
         try:
-            best = donors[0]
-            logger.info("peer %s holds a heavier replica (v%d vs our v%d); downloading it",
-                        best.peer_id[-8:], best.version, self.replica.identity[0])
-            state = await download_state(self.p2p, self.cfg.run_id, [d.peer_id for d in donors], self.replica.numel,
-                                         self.cfg.run.round_timeout, self.stats)
+            mine = self.replica.identity(p)
+            logger.info("peer %s holds a heavier replica of fragment %d (v%d vs our v%d); downloading it",
+                        donors[0].peer_id[-8:], p, donors[0].fragment(p)[0], mine[0])
+            state = await download_state(self.p2p, self.cfg.run_id, [d.peer_id for d in donors], p,
+                                         self.replica.numel(p), self.cfg.run.round_timeout, self.stats)
             if state is not None and await asyncio.get_running_loop().run_in_executor(None, self.replica.adopt, state):
+                if state.version == mine[0]:
+                    self.forks_healed += 1  # two groups merged at the same version: ours lost
                 with self._adopted_lock:
-                    self._adopted = state
+                    self._adopted.append(state)
         finally:
-            self._downloading = False
+            self._downloading.discard(p)
 
-    def replica_changed(self, version: int) -> bool:
-        """True once the replica has moved past ``version`` (a round merged or a heavier replica was adopted)."""
-        return self.replica.identity[0] != version
+    def replica_changed(self, p: int, version: int) -> bool:
+        """True once fragment ``p`` has moved past ``version`` (a round merged or a heavier replica was adopted)."""
+        return self.replica.identity(p)[0] != version
 
-    def take_adopted(self) -> ReplicaState | None:
-        """The replica adopted since the last call (the learner must reload θ from it), or None."""
+    def take_adopted(self) -> list[ReplicaState]:
+        """Fragments adopted since the last call (the learner must reload them into θ)."""
         with self._adopted_lock:
-            state, self._adopted = self._adopted, None
-            return state
+            states, self._adopted = self._adopted, []
+            return states
 
-    def download_initial_state(self, timeout: float) -> ReplicaState | None:
-        """Joining: download the heaviest replica among live peers and adopt it. Blocks up to ``timeout``."""
+    def download_initial_state(self, timeout: float) -> list[ReplicaState]:
+        """Joining: download every fragment's heaviest replica among live peers. Blocks up to ``timeout``."""
 
-        async def run() -> ReplicaState | None:
+        async def run() -> list[ReplicaState]:
             peers = await self.refresh_peers()
-            donors = sorted((p for p in peers.values() if p.status == "training"),
-                            key=lambda p: (p.version, p.replica_weight, p.replica_hash), reverse=True)
-            if not donors:
-                return None
-            state = await download_state(self.p2p, self.cfg.run_id, [d.peer_id for d in donors], self.replica.numel,
-                                         self.cfg.run.round_timeout, self.stats)
-            if state is not None:
+            out = []
+            for p in range(self.replica.num_fragments):
+                donors = sorted((peer for peer in peers.values() if peer.status == "training"),
+                                key=lambda peer: peer.fragment(p), reverse=True)
+                if not donors:
+                    return []
+                state = await download_state(self.p2p, self.cfg.run_id, [d.peer_id for d in donors], p,
+                                             self.replica.numel(p), self.cfg.run.round_timeout, self.stats)
+                if state is None:
+                    return out
                 await asyncio.get_running_loop().run_in_executor(None, self.replica.adopt, state)
-            return state
+                out.append(state)
+            return out
 
         return self._submit(run()).result(timeout)
 
-    # ---- rounds --------------------------------------------------------------------------------------------
-    def submit_round(self, delta: torch.Tensor, weight: float) -> concurrent.futures.Future:
-        """Start an outer round with this daemon's pseudo-gradient; the future resolves to a ``RoundOutcome``."""
-        return self._submit(self._round(delta, weight))
+    def grace(self) -> float:
+        """The adaptive grace window (seconds) a decoupled round may wait for more members after quorum."""
+        run = self.cfg.run
+        return grace_window(run.grace_gamma, run.overlap, self.step_time, self._quorum_time.value,
+                            self._sync_time.value)
 
-    async def _round(self, delta: torch.Tensor, weight: float) -> RoundOutcome:
+    # ---- rounds --------------------------------------------------------------------------------------------
+    def submit_round(self, p: int, delta: torch.Tensor, weight: float) -> concurrent.futures.Future:
+        """Start an outer round of fragment ``p`` with this daemon's pseudo-gradient; resolves to a ``RoundOutcome``."""
+        return self._submit(self._round(p, delta, weight))
+
+    async def _round(self, p: int, delta: torch.Tensor, weight: float) -> RoundOutcome:
         started = time.monotonic()
-        version = self.replica.identity[0]
-        self._in_round = True
+        run = self.cfg.run
+        version = self.replica.identity(p)[0]
+        self._in_round.add(p)
+        behind = False
         try:
 
             async def live_peers() -> dict[str, int]:
                 peers = await self.refresh_peers()
-                return {p.peer_id: p.version for p in peers.values() if p.status == "training"}
+                return {peer.peer_id: peer.fragment_versions[p] for peer in peers.values()
+                        if peer.status == "training"}
 
+            decoupled = run.algorithm == "decoupled"
             members = await form_group(
-                self.dht, run_id=self.cfg.run_id, fragment=0, version=version, peer_id=self.peer_id,
-                subkey=self._subkey, weight=weight, live_peers=live_peers, gather_timeout=self.cfg.run.gather_timeout,
-                abort=self.behind, on_reject=self.stats.reject,
+                self.dht, run_id=self.cfg.run_id, fragment=p, version=version, peer_id=self.peer_id,
+                subkey=self._subkey, weight=weight, live_peers=live_peers, gather_timeout=run.gather_timeout,
+                abort=lambda: self.behind(p), quorum=run.quorum if decoupled else None,
+                grace=self.grace, on_reject=self.stats.reject,
             )
+            formed = time.monotonic()
             if members is None:
-                return RoundOutcome("behind", version, seconds=time.monotonic() - started)
+                behind = True
+                return RoundOutcome("behind", version, seconds=formed - started)
             if not members:
-                return RoundOutcome("failed", version, seconds=time.monotonic() - started)
+                return RoundOutcome("failed", version, seconds=formed - started)
+            if run.quorum > 1:
+                self._quorum_time.update(formed - started)
             if self.faults.get("kill_in_round") == self.rounds_done + 1:
                 logger.warning("fault injection: killing this daemon (and its DHT and p2pd) in round v%d", version)
                 os.killpg(os.getpgid(0), signal.SIGKILL)
+            mode = "rda" if decoupled and run.rda and not self.fragments[p].has_embedding else "mean"
             alive = list(members)
             for attempt in range(MAX_ATTEMPTS):
-                spec = GroupSpec(self.cfg.run_id, 0, version, attempt, tuple(alive), delta.numel())
+                spec = GroupSpec(self.cfg.run_id, p, version, attempt, tuple(alive), delta.numel(), mode)
                 result = await allreduce(self.p2p, self.averager, spec, self.peer_id, delta, weight,
-                                         self.cfg.run.round_timeout)
+                                         run.round_timeout)
                 if result.merged is not None:
                     break
                 if result.refused:
                     # Live members disagree about the group. Merging without them would fork the replica;
                     # instead keep the local progress and let consistency catch us up to the heavier side.
-                    logger.info("round v%d: members %s disagree about the group; skipping this round", version,
-                                [r[-8:] for r in result.refused])
+                    logger.info("round f%d v%d: members %s disagree about the group; skipping this round", p,
+                                version, [r[-8:] for r in result.refused])
                     return RoundOutcome("failed", version, members, seconds=time.monotonic() - started)
                 alive = [m for m in alive if m not in result.failed]
-                logger.info("round v%d attempt %d failed (reducers %s); retrying with %d members", version, attempt,
-                            [f[-8:] for f in result.failed], len(alive))
+                logger.info("round f%d v%d attempt %d failed (reducers %s); retrying with %d members", p, version,
+                            attempt, [f[-8:] for f in result.failed], len(alive))
             else:
                 return RoundOutcome("failed", version, members, seconds=time.monotonic() - started)
+            self._sync_time.update(time.monotonic() - formed)
             applied = await asyncio.get_running_loop().run_in_executor(
-                None, self.replica.apply_outer_step, version, result.merged, result.weight, self.outer
+                None, self.replica.apply_outer_step, p, version, result.merged, result.weight, self.outer
             )
             if not applied:
+                behind = True
                 return RoundOutcome("behind", version, members, seconds=time.monotonic() - started)
             self.rounds_done += 1
             return RoundOutcome("merged", version + 1, members, result.contributors, time.monotonic() - started)
         finally:
-            self._in_round = False
+            self._in_round.discard(p)
             self._spawn(self._publish())
-            self._maybe_catch_up()
+            if behind:
+                self._maybe_catch_up()
+
+
+class EMA:
+    """Exponential moving average of a duration; 0 until the first sample."""
+
+    def __init__(self, beta: float = 0.7) -> None:
+        self.beta, self.value, self._seen = beta, 0.0, False
+
+    def update(self, x: float) -> None:
+        self.value = x if not self._seen else self.beta * self.value + (1 - self.beta) * x
+        self._seen = True

@@ -6,6 +6,10 @@ the reducer of shard j: every member streams its part of shard j (and its weight
 peer-id order and sends everyone, itself included, the same fp32 bytes, so all members end the round with a
 bit-identical merged delta.
 
+Two merge modes: ``mean`` (token-weighted mean) and ``rda`` (radial-directional averaging: reducers average the
+unit directions Δ/‖Δ‖ using each member's whole-fragment norm, sent alongside its part; every member then
+rescales the gathered direction to the weighted mean norm, from the same bytes, so results stay identical).
+
 A member that never sends its part costs its reducer at most ``timeout``; the shard is reduced without it.
 A reducer that fails is reported in ``AllreduceResult.failed`` so the caller can retry the round without it.
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 from collections.abc import Sequence
 from typing import AsyncIterator  # hivemind detects streaming RPCs by typing.AsyncIterator hints
 from dataclasses import dataclass, field
@@ -23,7 +28,7 @@ import torch
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
-from atoll.models.outer import weighted_mean
+from atoll.models.outer import rda_finish, weighted_mean, weighted_norm
 
 from .wire import WireError, check_fields, pack_request, pack_response, parts_to_tensor, tensor_to_parts, unpack
 
@@ -55,10 +60,12 @@ class GroupSpec:
     attempt: int
     members: tuple[str, ...]
     numel: int
+    mode: str = "mean"  # "mean" or "rda"
 
     @property
     def group_id(self) -> str:
-        text = f"{self.run_id}|{self.fragment}|{self.version}|{self.attempt}|{','.join(self.members)}|{self.numel}"
+        text = (f"{self.run_id}|{self.fragment}|{self.version}|{self.attempt}|{','.join(self.members)}|{self.numel}"
+                f"|{self.mode}")
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
@@ -81,6 +88,7 @@ class ShardResult:
     values: torch.Tensor
     weight: float
     contributors: list[str]
+    norm: float = 0.0  # rda: Σ w·‖Δ‖ / Σ w over the contributors
 
 
 class _Reduction:
@@ -88,7 +96,7 @@ class _Reduction:
 
     def __init__(self, spec: GroupSpec, bounds: tuple[int, int], timeout: float) -> None:
         self.spec, self.bounds, self.timeout = spec, bounds, timeout
-        self.parts: dict[str, tuple[float, torch.Tensor]] = {}
+        self.parts: dict[str, tuple[float, torch.Tensor, float]] = {}
         self.result: asyncio.Future[ShardResult] = asyncio.get_running_loop().create_future()
         self._timer = asyncio.get_running_loop().call_later(timeout, self._finish)
 
@@ -96,10 +104,10 @@ class _Reduction:
     def numel(self) -> int:
         return self.bounds[1] - self.bounds[0]
 
-    def add(self, peer: str, weight: float, values: torch.Tensor) -> None:
+    def add(self, peer: str, weight: float, values: torch.Tensor, norm: float = 0.0) -> None:
         if self.result.done() or peer in self.parts:
             return
-        self.parts[peer] = (weight, values)
+        self.parts[peer] = (weight, values, norm)
         if len(self.parts) == len(self.spec.members):
             self._finish()
 
@@ -109,11 +117,17 @@ class _Reduction:
         self._timer.cancel()
         peers = sorted(self.parts)  # fixed summation order: the result does not depend on arrival order
         weights = [self.parts[p][0] for p in peers]
-        merged = weighted_mean([self.parts[p][1] for p in peers], weights)
+        norms = [self.parts[p][2] for p in peers]
+        if self.spec.mode == "rda":
+            values = [self.parts[p][1].double() / n if n > 0 else torch.zeros(self.numel, dtype=torch.float64)
+                      for p, n in zip(peers, norms)]
+        else:
+            values = [self.parts[p][1] for p in peers]
+        merged = weighted_mean(values, weights)
         if len(self.spec.members) > 1:
             # Others receive fp32 on the wire; the reducer applies exactly the same rounded values.
             merged = merged.float()
-        self.result.set_result(ShardResult(merged, float(sum(weights)), peers))
+        self.result.set_result(ShardResult(merged, float(sum(weights)), peers, weighted_norm(norms, weights)))
 
 
 class AveragingServicer(ServicerBase):
@@ -156,7 +170,8 @@ class AveragingServicer(ServicerBase):
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         sender = str(context.remote_id)
         try:
-            header = unpack(await anext(requests), {"group_id": str, "weight": float, "numel": int, "wait": float})
+            header = unpack(await anext(requests),
+                            {"group_id": str, "weight": float, "numel": int, "wait": float, "norm": float})
             reduction = await self._await_group(header["group_id"], min(max(header["wait"], 0.0), 600.0))
             if reduction is None:
                 raise WireError(f"unknown group {header['group_id']}")
@@ -165,6 +180,9 @@ class AveragingServicer(ServicerBase):
             weight = float(header["weight"])
             if not 0 < weight < 1e15:
                 raise WireError(f"weight {weight} out of range")
+            norm = float(header["norm"])
+            if not (math.isfinite(norm) and norm >= 0):
+                raise WireError(f"norm {norm} is not a finite non-negative number")
             if header["numel"] != reduction.numel:
                 raise WireError(f"part has {header['numel']} values, shard has {reduction.numel}")
             parts = []
@@ -174,7 +192,7 @@ class AveragingServicer(ServicerBase):
                 parts.append(part)
                 if sum(map(len, parts)) > 4 * reduction.numel:
                     raise WireError("part longer than announced")
-            reduction.add(sender, weight, parts_to_tensor(parts, reduction.numel))
+            reduction.add(sender, weight, parts_to_tensor(parts, reduction.numel), norm)
         except (WireError, StopAsyncIteration) as e:
             kind = "protocol" if isinstance(e, WireError) else "truncated"
             self.stats.reject(kind)
@@ -182,9 +200,8 @@ class AveragingServicer(ServicerBase):
             yield pack_response({"ok": False, "error": str(e)})
             return
         result = await reduction.result
-        yield pack_response(
-            {"ok": True, "weight": result.weight, "contributors": result.contributors, "numel": reduction.numel}
-        )
+        yield pack_response({"ok": True, "weight": result.weight, "contributors": result.contributors,
+                             "numel": reduction.numel, "norm": result.norm})
         for part in tensor_to_parts(result.values):
             self.stats.bytes_sent += len(part)
             yield pack_response({"data": part})
@@ -207,13 +224,14 @@ class AllreduceResult:
 
 async def _exchange_with(
     p2p: P2P, servicer: AveragingServicer, spec: GroupSpec, reducer: str, part: torch.Tensor, weight: float,
-    timeout: float,
+    norm: float, timeout: float,
 ) -> ShardResult:
     stub = AveragingServicer.get_stub(p2p, PeerID.from_base58(reducer), namespace=spec.run_id)
     stats = servicer.stats
 
     async def requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
-        yield pack_request({"group_id": spec.group_id, "weight": weight, "numel": part.numel(), "wait": timeout})
+        yield pack_request({"group_id": spec.group_id, "weight": weight, "numel": part.numel(), "wait": timeout,
+                            "norm": norm})
         for chunk in tensor_to_parts(part):
             stats.bytes_sent += len(chunk)
             yield pack_request({"data": chunk})
@@ -223,7 +241,7 @@ async def _exchange_with(
         header = unpack(await anext(stream), {"ok": bool})
         if not header["ok"]:
             raise GroupRefused(f"reducer refused: {header.get('error')}")
-        check_fields(header, {"weight": float, "contributors": list, "numel": int})
+        check_fields(header, {"weight": float, "contributors": list, "numel": int, "norm": float})
         if header["numel"] != part.numel():
             raise WireError("reducer answered with a shard of the wrong size")
         chunks = []
@@ -231,7 +249,8 @@ async def _exchange_with(
             chunk = unpack(msg, {"data": bytes})["data"]
             stats.bytes_received += len(chunk)
             chunks.append(chunk)
-        return ShardResult(parts_to_tensor(chunks, part.numel()), float(header["weight"]), list(header["contributors"]))
+        return ShardResult(parts_to_tensor(chunks, part.numel()), float(header["weight"]),
+                           list(header["contributors"]), float(header["norm"]))
 
     # The reducer may wait up to `timeout` for slow members before it answers; allow for the transfer on top.
     return await asyncio.wait_for(call(), timeout=2 * timeout + 10)
@@ -241,17 +260,18 @@ async def allreduce(
     p2p: P2P, servicer: AveragingServicer, spec: GroupSpec, local_peer: str, flat: torch.Tensor, weight: float,
     timeout: float,
 ) -> AllreduceResult:
-    """Weighted average of ``flat`` across ``spec.members``; see the module docstring for the protocol."""
+    """Weighted merge of ``flat`` across ``spec.members``; see the module docstring for the protocol."""
     bounds = shard_bounds(spec.numel, len(spec.members))
+    norm = float(torch.linalg.vector_norm(flat.double()))
     reduction = servicer.open(spec, timeout)
     me = spec.members.index(local_peer)
-    reduction.add(local_peer, weight, flat[bounds[me][0] : bounds[me][1]].clone())
+    reduction.add(local_peer, weight, flat[bounds[me][0] : bounds[me][1]].clone(), norm)
     tasks: dict[str, asyncio.Future] = {}
     for j, peer in enumerate(spec.members):
         if j != me:
             lo, hi = bounds[j]
             tasks[peer] = asyncio.ensure_future(
-                _exchange_with(p2p, servicer, spec, peer, flat[lo:hi].clone(), weight, timeout)
+                _exchange_with(p2p, servicer, spec, peer, flat[lo:hi].clone(), weight, norm, timeout)
             )
     tasks[local_peer] = asyncio.ensure_future(asyncio.shield(reduction.result))
     await asyncio.wait(tasks.values())
@@ -267,6 +287,10 @@ async def allreduce(
         return AllreduceResult(None, 0.0, [], failed, refused)
     ordered = [shards[p] for p in spec.members]
     merged = torch.cat([s.values for s in ordered])
+    if spec.mode == "rda":
+        # The norm of the shard that heard from the most weight: the same choice on every member.
+        anchor = max(range(len(ordered)), key=lambda i: (ordered[i].weight, -i))
+        merged = rda_finish(merged, ordered[anchor].norm)
     contributors = sorted({c for s in ordered for c in s.contributors})
     return AllreduceResult(merged, max(s.weight for s in ordered), contributors, [])
 

@@ -5,8 +5,9 @@ round's key. A registration counts if its owner is alive (it has a live progress
 past this version, so a stale registration left by a daemon that has since died or moved on is ignored.
 
 The earliest counted registrant (by time, then peer id) is the round's coordinator. It closes the group when
-every peer it expects has registered (the live peers at this version or one behind, i.e. about to arrive) or
-at its gather deadline, and publishes the sorted member list under ``<round key>_group``. Everyone else waits
+every peer it expects has registered (the live peers at this version or one behind, i.e. about to arrive), or
+— with a minimum quorum K — once K members are in and the grace window since then has passed, or at its
+gather deadline; then it publishes the sorted member list under ``<round key>_group``. Everyone else waits
 for a group record and uses it verbatim, so all members run the all-reduce with the same list. A daemon left
 out of the group (it registered too late) gets an empty list and catches up by download; if no coordinator
 publishes in time (it died), the round is skipped and retried at the next sync point without it.
@@ -58,12 +59,16 @@ async def form_group(
     live_peers: Callable[[], Awaitable[dict[str, int]]],
     gather_timeout: float,
     abort: Callable[[], bool],
+    quorum: int | None = None,
+    grace: Callable[[], float] = lambda: 0.0,
     poll_interval: float = 0.2,
     on_reject: Callable[[str], None] = lambda kind: None,
 ) -> list[str] | None:
     """Register for the round and return its sorted member list.
 
     ``live_peers()`` refreshes and returns ``{peer_id: version}`` of the live training peers (excluding this one).
+    ``quorum=None`` waits for every expected peer (synchronous algorithms); an integer K closes the group once K
+    members registered and ``grace()`` seconds passed since (or everyone expected is in).
     Returns None when ``abort()`` becomes true (a heavier replica appeared: catch up instead), and an empty list
     when this daemon is not in the round's group or no group was decided in time.
     """
@@ -73,6 +78,7 @@ async def form_group(
     record = {"peer_id": peer_id, "weight": float(weight), "time": float(now)}
     if not await dht.store(key, record, expiration_time=expiration, subkey=subkey, return_future=True):
         logger.warning("round v%d: could not store registration in the DHT", version)
+    quorum_since: float | None = None
     while True:
         if abort():
             return None
@@ -101,7 +107,12 @@ async def form_group(
         deadline = registered[coordinator] + gather_timeout
         if coordinator == peer_id:
             expected = {p for p, v in peers.items() if version - 1 <= v <= version}
-            if expected <= set(registered) or get_dht_time() > deadline:
+            t = get_dht_time()
+            close = expected <= set(registered) or t > deadline
+            if quorum is not None and len(registered) >= quorum:
+                quorum_since = t if quorum_since is None else quorum_since
+                close = close or t >= quorum_since + grace()
+            if close:
                 members = sorted(registered)
                 await dht.store(gkey, {"members": members, "time": float(get_dht_time())},
                                 expiration_time=expiration, subkey=subkey, return_future=True)

@@ -9,13 +9,14 @@ them; round registrations are validated by the reader (``parse_round_record``).
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import pydantic.v1 as pydantic
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
 from pydantic.v1 import StrictFloat, StrictStr, conint
 
 STATUSES = ("joining", "training", "leaving")
+MAX_FRAGMENTS = 256
 MAX_ROUND_WEIGHT = 1e15
 
 
@@ -39,15 +40,21 @@ class ProgressRecord(pydantic.BaseModel):
     device: StrictStr
     algorithm: StrictStr
     step: conint(ge=0, strict=True)
-    version: conint(ge=0, strict=True)
-    replica_weight: StrictFloat
-    replica_hash: StrictStr
-    steps_since_round: conint(ge=0, strict=True)
+    version: conint(ge=0, strict=True)  # sum of fragment versions
+    fragment_versions: List[conint(ge=0, strict=True)]
+    fragment_weights: List[StrictFloat]
+    fragment_hashes: List[StrictStr]
+    schedule_step: conint(ge=0, strict=True)
     tokens: conint(ge=0, strict=True)
     tokens_per_s: StrictFloat
     loss: Optional[StrictFloat]
     held_out_loss: Optional[StrictFloat]
     rounds: conint(ge=0, strict=True)
+    rounds_skipped: conint(ge=0, strict=True)
+    forks_healed: conint(ge=0, strict=True)
+    tokens_lost: conint(ge=0, strict=True)
+    goodput: StrictFloat
+    blocked_s: StrictFloat
     bytes_sent: conint(ge=0, strict=True)
     bytes_received: conint(ge=0, strict=True)
     rejected: conint(ge=0, strict=True)
@@ -62,11 +69,30 @@ class ProgressRecord(pydantic.BaseModel):
             raise ValueError(f"status must be one of {STATUSES}")
         return v
 
-    @pydantic.validator("replica_weight", "tokens_per_s", "time")
+    @pydantic.validator("tokens_per_s", "time", "goodput", "blocked_s")
     def _finite(cls, v: float) -> float:  # noqa: N805
         if not math.isfinite(v) or v < 0:
             raise ValueError("must be finite and non-negative")
         return v
+
+    @pydantic.validator("fragment_weights", each_item=True)
+    def _finite_weights(cls, v: float) -> float:  # noqa: N805
+        if not math.isfinite(v) or v < 0:
+            raise ValueError("fragment weights must be finite and non-negative")
+        return v
+
+    @pydantic.root_validator(skip_on_failure=True)
+    def _fragments_agree(cls, values: dict) -> dict:  # noqa: N805
+        n = len(values["fragment_versions"])
+        if not 0 < n <= MAX_FRAGMENTS or len(values["fragment_weights"]) != n or len(values["fragment_hashes"]) != n:
+            raise ValueError("fragment lists must be non-empty, at most MAX_FRAGMENTS long and of equal length")
+        if values["version"] != sum(values["fragment_versions"]):
+            raise ValueError("version must be the sum of fragment versions")
+        return values
+
+    def fragment(self, p: int) -> tuple[int, float, str]:
+        """The identity of this peer's replica of fragment ``p``."""
+        return self.fragment_versions[p], self.fragment_weights[p], self.fragment_hashes[p]
 
 
 class RunConfigRecord(pydantic.BaseModel):

@@ -1,4 +1,4 @@
-"""State sync: a daemon downloads the global replica (Θ, outer momentum, version, weight) from a donor.
+"""State sync: a daemon downloads one fragment of the global replica (Θ_p, momentum, version, weight).
 
 The donor streams a header and then the tensors in parts; the receiver applies a timeout to every part, checks
 sizes, finiteness and the content hash, and falls back to the next donor when one fails.
@@ -27,36 +27,46 @@ logger = logging.getLogger("atoll")
 
 @dataclass
 class ReplicaState:
-    """A full replica of the global state, as served and as downloaded."""
+    """One fragment's replica, as served and as downloaded (``schedule_step``: the donor's sync-schedule step)."""
 
     version: int
     weight: float
     digest: str
     params: torch.Tensor
     momentum: torch.Tensor
-    steps_since_round: int
+    schedule_step: int
     donor: str = ""
+    fragment: int = 0
 
 
-_HEADER = {"version": int, "weight": float, "digest": str, "numel": int, "steps_since_round": int}
+_HEADER = {"version": int, "weight": float, "digest": str, "numel": int, "schedule_step": int, "fragment": int}
 
 
 class StateServicer(ServicerBase):
     """Serves ``rpc_download_state`` from a snapshot callback (called on the event loop; must be cheap)."""
 
-    def __init__(self, snapshot: Callable[[], ReplicaState | None], stats: TrafficStats) -> None:
-        self._snapshot, self.stats = snapshot, stats
+    def __init__(self, snapshot: Callable[[int], ReplicaState | None], num_fragments: int,
+                 stats: TrafficStats) -> None:
+        self._snapshot, self.num_fragments, self.stats = snapshot, num_fragments, stats
 
     async def rpc_download_state(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        state = self._snapshot()
+        try:
+            fragment = unpack(request, {"fragment": int})["fragment"]
+            if not 0 <= fragment < self.num_fragments:
+                raise WireError(f"no fragment {fragment}")
+        except WireError as e:
+            self.stats.reject("state_request")
+            yield pack_response({"ok": False, "error": str(e)})
+            return
+        state = self._snapshot(fragment)
         if state is None:
             yield pack_response({"ok": False, "error": "no state to share yet"})
             return
         yield pack_response(
             {"ok": True, "version": state.version, "weight": state.weight, "digest": state.digest,
-             "numel": state.params.numel(), "steps_since_round": state.steps_since_round}
+             "numel": state.params.numel(), "schedule_step": state.schedule_step, "fragment": fragment}
         )
         for tensor in (state.params, state.momentum):
             for part in tensor_to_parts(tensor):
@@ -64,16 +74,16 @@ class StateServicer(ServicerBase):
                 yield pack_response({"data": part})
 
 
-async def _download_from(p2p: P2P, namespace: str, donor: str, numel: int, part_timeout: float,
+async def _download_from(p2p: P2P, namespace: str, donor: str, fragment: int, numel: int, part_timeout: float,
                          stats: TrafficStats) -> ReplicaState:
     stub = StateServicer.get_stub(p2p, PeerID.from_base58(donor), namespace=namespace)
-    stream = await asyncio.wait_for(stub.rpc_download_state(pack_request({})), part_timeout)
+    stream = await asyncio.wait_for(stub.rpc_download_state(pack_request({"fragment": fragment})), part_timeout)
     header: dict[str, Any] = unpack(await asyncio.wait_for(anext(stream), part_timeout), {"ok": bool})
     if not header["ok"]:
         raise WireError(f"donor refused: {header.get('error')}")
     check_fields(header, _HEADER)
-    if header["numel"] != numel:
-        raise WireError(f"donor's model has {header['numel']} parameters, ours {numel}")
+    if header["numel"] != numel or header["fragment"] != fragment:
+        raise WireError(f"donor's fragment {header['fragment']} has {header['numel']} values, ours {numel}")
     chunks: list[bytes] = []
     received = 0
     while received < 8 * numel:
@@ -87,17 +97,18 @@ async def _download_from(p2p: P2P, namespace: str, donor: str, numel: int, part_
     if digest != header["digest"]:
         raise WireError(f"hash mismatch: donor announced {header['digest']}, received {digest}")
     return ReplicaState(header["version"], float(header["weight"]), digest, params, momentum,
-                        header["steps_since_round"], donor)
+                        header["schedule_step"], donor, fragment)
 
 
 async def download_state(
-    p2p: P2P, namespace: str, donors: Sequence[str], numel: int, part_timeout: float, stats: TrafficStats
+    p2p: P2P, namespace: str, donors: Sequence[str], fragment: int, numel: int, part_timeout: float,
+    stats: TrafficStats,
 ) -> ReplicaState | None:
-    """Try ``donors`` in order (best first); return the first verified replica, or None if all failed."""
+    """Try ``donors`` in order (best first); return the first verified fragment replica, or None if all failed."""
     for donor in donors:
         try:
-            state = await _download_from(p2p, namespace, donor, numel, part_timeout, stats)
-            logger.info("downloaded state v%d from %s", state.version, donor[-8:])
+            state = await _download_from(p2p, namespace, donor, fragment, numel, part_timeout, stats)
+            logger.info("downloaded fragment %d v%d from %s", fragment, state.version, donor[-8:])
             return state
         except Exception as e:  # a donor can fail in many ways (dead, slow, lying); all mean: try the next
             if isinstance(e, WireError):

@@ -45,10 +45,11 @@ def assert_replicas_agree(swarm, names):
                 # The other daemon's record of the round that produced this version (the last one if it
                 # adopted a heavier replica at the same version later).
                 theirs = [o for o in by_peer[other].rounds() if o["version"] == r["version"]
-                          and set(o["contributors"]) == set(r["contributors"])]
+                          and o["fragment"] == r["fragment"] and set(o["contributors"]) == set(r["contributors"])]
                 if theirs:
                     checked += 1
-                    assert theirs[0]["hash"] == r["hash"], f"round v{r['version']} ended with different replicas"
+                    assert theirs[0]["hash"] == r["hash"], (
+                        f"round f{r['fragment']} v{r['version']} ended with different replicas")
     assert checked > 0
 
 @pytest.fixture(scope="module")

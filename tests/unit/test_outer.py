@@ -96,27 +96,27 @@ def _learner(run: RunConfig) -> Learner:
 def test_one_daemon_diloco_with_lr1_momentum0_equals_plain_training_bit_for_bit():
     run = RunConfig(model="nano", sync_every=5, outer_lr=1.0, outer_momentum=0.0)
     plain, diloco = _learner(run), _learner(run)
-    replica = Replica(diloco.flat_params())
+    replica = Replica([diloco.flat_params()])
     outer = NesterovOuter(run.outer_lr, run.outer_momentum)
     for _ in range(4):
         for _ in range(run.sync_every):
             plain.train_step()
             diloco.train_step()
-        theta, version = replica.params_copy()
+        theta, version = replica.params_copy(0)
         merged = weighted_mean([pseudo_gradient(theta, diloco.flat_params())], [float(diloco.tokens)])
-        assert replica.apply_outer_step(version, merged, 1.0, outer)
-        diloco.load_flat(replica.params_copy()[0])
+        assert replica.apply_outer_step(0, version, merged, 1.0, outer)
+        diloco.load_flat(replica.params_copy(0)[0])
     assert torch.equal(plain.flat_params(), diloco.flat_params())
-    assert replica.version == 4
+    assert replica.identity(0)[0] == 4
 
 
 def test_outer_step_is_deterministic_across_replicas():
     torch.manual_seed(3)
     theta = torch.randn(500)
-    r1, r2 = Replica(theta), Replica(theta.clone())
+    r1, r2 = Replica([theta]), Replica([theta.clone()])
     outer = NesterovOuter()
     for v in range(3):
         delta = torch.randn(500).double() * 0.01
-        assert r1.apply_outer_step(v, delta, 2.0, outer) and r2.apply_outer_step(v, delta.clone(), 2.0, outer)
-    assert r1.identity == r2.identity
-    assert not r1.apply_outer_step(0, delta, 1.0, outer)  # stale version: refused
+        assert r1.apply_outer_step(0, v, delta, 2.0, outer) and r2.apply_outer_step(0, v, delta.clone(), 2.0, outer)
+    assert r1.identities() == r2.identities()
+    assert not r1.apply_outer_step(0, 0, delta, 1.0, outer)  # stale version: refused

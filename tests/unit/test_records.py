@@ -21,8 +21,9 @@ from atoll.protocols.records import (
 def good_progress(**changes):
     rec = dict(
         peer_id="QmPeer", status="training", device="cpu", algorithm="diloco", step=10, version=2,
-        replica_weight=1024.0, replica_hash="abc", steps_since_round=3, tokens=4096, tokens_per_s=100.0, loss=2.5,
-        held_out_loss=None, rounds=2, bytes_sent=10, bytes_received=20, rejected=0, time=get_dht_time(),
+        fragment_versions=[2], fragment_weights=[1024.0], fragment_hashes=["abc"], schedule_step=3, tokens=4096,
+        tokens_per_s=100.0, loss=2.5, held_out_loss=None, rounds=2, rounds_skipped=0, forks_healed=0, tokens_lost=0,
+        goodput=0.9, blocked_s=1.5, bytes_sent=10, bytes_received=20, rejected=0, time=get_dht_time(),
     )
     rec.update(changes)
     return rec
@@ -36,7 +37,8 @@ def test_good_progress_record_parses():
     "changes",
     [
         {"step": -1}, {"step": 1.5}, {"version": "2"}, {"status": "dancing"}, {"tokens_per_s": math.nan},
-        {"replica_weight": -1.0}, {"loss": "low"}, {"extra_field": 1}, {"peer_id": 42}, {"time": math.inf},
+        {"fragment_weights": [-1.0]}, {"loss": "low"}, {"fragment_versions": [1, 1]}, {"version": 3},
+        {"fragment_hashes": []}, {"goodput": math.nan}, {"extra_field": 1}, {"peer_id": 42}, {"time": math.inf},
     ],
 )
 def test_malformed_progress_records_are_rejected(changes):

@@ -1,0 +1,35 @@
+"""``streaming`` and ``decoupled`` (fragments, overlap) train three real daemons; every round ends with identical
+replicas on all of its contributors, and decoupled learners are never blocked by the network."""
+
+import pytest
+from swarm import LocalSwarm
+from test_swarm import assert_replicas_agree, peer_id, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize("algorithm", ["streaming", "decoupled"])
+def test_three_daemons_train_with_fragments(algorithm, tmp_path):
+    common = ["--model", "nano", "--batch-size", "4", "--algorithm", algorithm, "--sync-every", "40",
+              "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1", "--fault", "step_delay=0.03"]
+    with LocalSwarm(tmp_path, common) as swarm:
+        for name in "abc":
+            swarm.start(name, join=name != "a")
+        ids = {peer_id(swarm.daemons[n]) for n in "abc"}
+
+        def multi_member_rounds():
+            return [r for n in "abc" for r in swarm.daemons[n].rounds() if len(set(r["contributors"]) & ids) >= 2]
+
+        def everyone_contributed():
+            rounds = multi_member_rounds()
+            return len(rounds) >= 6 and set().union(*(r["contributors"] for r in rounds)) >= ids
+
+        wait_for(everyone_contributed, 240, f"{algorithm}: rounds with several contributors, from every daemon")
+        fragments = {r["fragment"] for r in multi_member_rounds()}
+        assert len(fragments) >= 2  # the fragments take turns
+        assert_replicas_agree(swarm, "abc")
+        codes = swarm.stop_all(timeout=60)
+        assert all(code == 0 for code in codes.values()), codes
+        for name in "abc":
+            log = swarm.daemons[name].log()
+            assert "Traceback" not in log, log[log.index("Traceback") - 500:][:3000]
