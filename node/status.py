@@ -40,15 +40,20 @@ def render_table(doc: dict[str, Any]) -> None:
 
     table = Table(title=f"run {doc['run_id']}: {doc['totals']['peers']} peers, "
                         f"{doc['totals']['tokens']:,} tokens, {doc['totals']['tokens_per_s']:,.0f} tokens/s")
-    for col in ("peer", "status", "device", "step", "version", "tokens", "tok/s", "loss", "held-out", "rounds",
-                "sent MB", "recv MB"):
-        table.add_column(col, justify="left" if col in ("peer", "status", "device") else "right")
+    for col in ("peer", "status", "device", "step", "versions", "tokens", "tok/s", "loss", "held-out", "rounds",
+                "skipped", "goodput", "blocked s", "forks healed", "tokens lost", "sent MB", "recv MB", "rejected"):
+        table.add_column(col, justify="left" if col in ("peer", "status", "device", "versions") else "right")
     fmt = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
     for p in doc["peers"]:
-        table.add_row(p["peer_id"][-8:], p["status"], p["device"], str(p["step"]), str(p["version"]),
-                      f"{p['tokens']:,}", f"{p['tokens_per_s']:,.0f}", fmt(p["loss"]), fmt(p["held_out_loss"]),
-                      str(p["rounds"]), f"{p['bytes_sent'] / 1e6:.1f}", f"{p['bytes_received'] / 1e6:.1f}")
-    Console().print(table)
+        table.add_row(p["peer_id"][-8:], p["status"], p["device"], str(p["step"]),
+                      "/".join(map(str, p["fragment_versions"])), f"{p['tokens']:,}", f"{p['tokens_per_s']:,.0f}",
+                      fmt(p["loss"]), fmt(p["held_out_loss"]), str(p["rounds"]), str(p["rounds_skipped"]),
+                      f"{p['goodput']:.2f}", f"{p['blocked_s']:.1f}", str(p["forks_healed"]), f"{p['tokens_lost']:,}",
+                      f"{p['bytes_sent'] / 1e6:.1f}", f"{p['bytes_received'] / 1e6:.1f}", str(p["rejected"]))
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)
+    console.print(table)
 
 
 def run_status(initial_peers: list[str], run_id: str, as_json: bool) -> int:

@@ -1,0 +1,66 @@
+"""Decoupled DiLoCo under deterministic faults: a 3× slower daemon does not slow the others, and a frozen
+daemon (SIGSTOP) catches up by downloading newer fragments and contributes again while the others never stop.
+"""
+
+import signal
+
+import pytest
+from swarm import LocalSwarm
+from test_swarm import assert_replicas_agree, peer_id, wait_for
+
+pytestmark = pytest.mark.integration
+
+FAST_DELAY, SLOW_DELAY = 0.03, 0.12  # seconds slept per step on top of ~10-20 ms of compute: ≥ 3× slower
+COMMON = ["--model", "nano", "--batch-size", "4", "--algorithm", "decoupled", "--sync-every", "40",
+          "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1"]
+
+
+def last_step(d):
+    steps = [m["step"] for m in d.metrics() if "step" in m and "event" not in m]
+    return steps[-1] if steps else 0
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    s = LocalSwarm(tmp_path_factory.mktemp("decoupled"), COMMON)
+    try:
+        s.start("a", ["--fault", f"step_delay={FAST_DELAY}"], join=False)
+        s.start("b", ["--fault", f"step_delay={FAST_DELAY}"])
+        s.start("slow", ["--fault", f"step_delay={SLOW_DELAY}"])
+        yield s
+    finally:
+        s.stop_all(timeout=30)
+
+
+def test_slow_daemon_does_not_slow_the_others(swarm):
+    slow = swarm.daemons["slow"]
+    ids = {peer_id(d) for d in swarm.daemons.values()}
+    wait_for(lambda: any(peer_id(slow) in r["contributors"] and len(set(r["contributors"]) & ids) >= 2
+                         for n in ("a", "b") for r in swarm.daemons[n].rounds()), 180,
+             "the slow daemon to contribute to a shared round")
+    start = {n: last_step(d) for n, d in swarm.daemons.items()}
+    # Barrier: the slow daemon advances 60 steps; meanwhile the fast ones must keep their own pace.
+    wait_for(lambda: last_step(slow) >= start["slow"] + 60, 180, "the slow daemon to advance 60 steps")
+    progress = {n: last_step(d) - start[n] for n, d in swarm.daemons.items()}
+    for fast in ("a", "b"):
+        assert progress[fast] >= 2 * progress["slow"], progress
+    assert_replicas_agree(swarm, ("a", "b", "slow"))
+
+
+def test_frozen_daemon_catches_up_and_contributes_again(swarm):
+    b, a = swarm.daemons["b"], swarm.daemons["a"]
+    swarm.signal("b", signal.SIGSTOP)  # b, its DHT process and its p2pd
+    try:
+        frozen_at = {"a": last_step(a), "a_rounds": len(a.rounds()), "b_adopted": len(
+            [m for m in b.metrics() if m.get("event") == "adopted"])}
+        wait_for(lambda: len(a.rounds()) >= frozen_at["a_rounds"] + 8, 180, "a to merge 8 rounds while b is frozen")
+    finally:
+        swarm.signal("b", signal.SIGCONT)
+    assert last_step(a) > frozen_at["a"] + 40  # a never stopped
+    resumed_round = len(b.rounds())
+    wait_for(lambda: len([m for m in b.metrics() if m.get("event") == "adopted"]) > frozen_at["b_adopted"], 120,
+             "b to download newer fragments")
+    me = peer_id(b)
+    wait_for(lambda: any(me in r["contributors"] and len(r["contributors"]) >= 2 for r in b.rounds()[resumed_round:]),
+             180, "b to contribute to a shared round again")
+    assert_replicas_agree(swarm, ("a", "b", "slow"))
