@@ -18,10 +18,11 @@ from typing import Any
 from multiaddr import Multiaddr
 
 from atoll.models.configs import MODELS
+from atoll.protocols.codecs import CODECS
 
 ALGORITHMS = ("diloco", "streaming", "decoupled")
 DEVICES = ("auto", "cpu", "cuda", "xla")
-FAULTS = {"kill_in_round": int, "step_delay": float}
+FAULTS = {"kill_in_round": int, "step_delay": float, "corrupt_round": int}
 
 
 class ConfigError(ValueError):
@@ -52,6 +53,9 @@ class RunConfig:
     quorum: int = 1  # K (decoupled): minimum members before a round may close
     grace_gamma: float = 0.5  # γ < 1: share of the overlap's slack a round may wait for more members
     rda: bool = True  # radial-directional averaging for non-embedding fragments (decoupled)
+    compression: str = "none"  # codec of outer deltas on the wire (see atoll.protocols.codecs)
+    error_feedback: bool = True  # keep what quantization dropped and add it to the next delta
+    codec_block: int = 256  # values per scale in the blockwise codecs
 
     def validate(self) -> None:
         if self.model not in MODELS:
@@ -69,6 +73,10 @@ class RunConfig:
             raise ConfigError(f"grace_gamma: must be in [0, 1), got {self.grace_gamma}")
         if not 0 <= self.outer_momentum < 1:
             raise ConfigError(f"outer_momentum: must be in [0, 1), got {self.outer_momentum}")
+        if self.compression not in CODECS:
+            raise ConfigError(f"compression: unknown codec {self.compression!r}; known: {', '.join(CODECS)}")
+        if self.codec_block <= 0 or self.codec_block % 4:
+            raise ConfigError(f"codec_block: must be a positive multiple of 4, got {self.codec_block}")
         if self.overlap >= self.sync_every:
             raise ConfigError(f"overlap: must be smaller than sync_every ({self.sync_every}), got {self.overlap}")
 
@@ -104,7 +112,8 @@ class NodeConfig:
     bootstrap_retries: int = 3
     log_level: str = "INFO"
     # Deterministic fault injection for tests: "kill_in_round=N" SIGKILLs this daemon's process group after the
-    # group of its N-th round formed; "step_delay=S" sleeps S seconds per inner step (a slow daemon).
+    # group of its N-th round formed; "step_delay=S" sleeps S seconds per inner step (a slow daemon);
+    # "corrupt_round=N" sends malformed parts (truncated, bad header, unknown codec, NaN) in rounds N..N+3.
     faults: tuple[str, ...] = ()
 
     def validate(self) -> None:

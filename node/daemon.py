@@ -88,6 +88,7 @@ class Daemon:
         self.blocked_seconds = 0.0
         self.started = time.monotonic()
         self.pending: dict[int, _Pending] = {}
+        self.restored_error_feedback: dict[str, torch.Tensor] = {}
 
     # ---- set-up --------------------------------------------------------------------------------------------
     def _agree_on_run_config(self, dht: DHT) -> None:
@@ -172,6 +173,7 @@ class Daemon:
             self.metrics_file = open(Path(self.cfg.checkpoint_dir) / "metrics.jsonl", "a")
         resumed = self._restore()
         self.syncer = syncer = Syncer(self.cfg, dht, self.subkey, self.replica, self._progress, self.fragments)
+        syncer.error_feedback.load_state_dict(self.restored_error_feedback)
         syncer.config_record = self.config_record
         syncer.start()
         if not resumed:
@@ -243,10 +245,11 @@ class Daemon:
             p = state.fragment
             fragment, params = self.fragments[p], self.learner.params
             new, _ = self.replica.params_copy(p)
-            self.local[p].adopted(new, fragment.gather(params))
+            lost = self.local[p].adopted(new, fragment.gather(params))
+            self.tokens_lost += lost // len(self.fragments)  # the share of those tokens that trained this fragment
             fragment.scatter(new, params)
             logger.info("adopted fragment %d v%d from %s; %d unmerged local tokens carried into the next round", p,
-                        state.version, state.donor[-8:], self.local[p].tokens)
+                        state.version, state.donor[-8:], self.local[p].carry_tokens)
             self._metric(event="adopted", fragment=p, version=state.version, carried_tokens=self.local[p].tokens,
                          step=self.learner.step)
 
@@ -323,6 +326,7 @@ class Daemon:
         if not self.cfg.checkpoint_dir:
             return
         tensors = dict(self.learner.state_tensors())
+        tensors.update({f"ef.{k}": v for k, v in self.syncer.error_feedback_state().items()})
         for p, local in enumerate(self.local):
             tensors.update(local.state_tensors(f"local.{p}"))
         versions, weights, digests = [], [], []
@@ -336,7 +340,7 @@ class Daemon:
             "run_id": self.cfg.run_id, "peer_id": str(self.dht.peer_id), "run": self.cfg.run.published(),
             "version": sum(versions), "versions": versions, "weights": weights, "digests": digests,
             "step": self.learner.step, "tokens": self.learner.tokens, "position": self.learner.position,
-            "schedule_step": self.replica.schedule_step, "counters": [[lo.tokens, lo.steps] for lo in self.local],
+            "schedule_step": self.replica.schedule_step, "counters": [lo.counters() for lo in self.local],
             "tokens_lost": self.tokens_lost,
         }
         save_checkpoint(self.cfg.checkpoint_dir, tensors, meta)
@@ -358,9 +362,10 @@ class Daemon:
         self.learner.load_state_tensors(tensors)
         self.learner.step, self.learner.tokens, self.learner.position = meta["step"], meta["tokens"], meta["position"]
         self.replica.schedule_step = meta["schedule_step"]
-        for p, (tokens, steps) in enumerate(meta["counters"]):
-            self.local[p].load(tensors, f"local.{p}", tokens, steps)
+        for p, counters in enumerate(meta["counters"]):
+            self.local[p].load(tensors, f"local.{p}", counters)
         self.tokens_lost = meta["tokens_lost"]
+        self.restored_error_feedback = {k[3:]: v for k, v in tensors.items() if k.startswith("ef.")}
         log_context.step = self.learner.step
         logger.info("resumed from checkpoint: version %d, step %d, data position %d", meta["version"], meta["step"],
                     meta["position"])

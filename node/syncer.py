@@ -29,6 +29,7 @@ from hivemind.utils import get_dht_time
 from atoll.models.fragments import Fragment
 from atoll.models.outer import NesterovOuter, grace_window
 from atoll.protocols.averaging import AveragingServicer, GroupSpec, TrafficStats, allreduce
+from atoll.protocols.codecs import ErrorFeedback
 from atoll.protocols.matchmaking import form_group
 from atoll.protocols.records import ProgressRecord, config_key, heavier, parse_progress, progress_key, unwrap_subkeys
 from atoll.protocols.state_sync import ReplicaState, StateServicer, download_state
@@ -38,6 +39,7 @@ from .replica import Replica
 
 logger = logging.getLogger("atoll")
 MAX_ATTEMPTS = 3
+CORRUPTIONS = ("truncated", "header", "codec", "nan")
 
 
 @dataclass
@@ -58,9 +60,11 @@ class Syncer:
         self.peer_id = str(dht.peer_id)
         self.stats = TrafficStats()
         self.outer = NesterovOuter(cfg.run.outer_lr, cfg.run.outer_momentum)
+        self.error_feedback = ErrorFeedback()  # per fragment; only touched on the event loop
         self.faults = cfg.parsed_faults()
         self.rounds_done = 0
         self.rounds_skipped = 0
+        self.rounds_attempted = 0  # groups this daemon was a member of (the fault schedule counts these)
         self.forks_healed = 0
         self.step_time = 0.0  # seconds per inner step, set by the learner (for the grace window)
         self._sync_time = EMA()
@@ -232,6 +236,16 @@ class Syncer:
         finally:
             self._downloading.discard(p)
 
+    def error_feedback_state(self) -> dict[str, torch.Tensor]:
+        """A copy of the error-feedback residuals, taken on the event loop that owns them."""
+
+        async def copy() -> dict[str, torch.Tensor]:
+            return self.error_feedback.state_dict()
+
+        if self._loop is not None and self._loop.is_running():
+            return self._submit(copy()).result(30)
+        return self.error_feedback.state_dict()
+
     def replica_changed(self, p: int, version: int) -> bool:
         """True once fragment ``p`` has moved past ``version`` (a round merged or a heavier replica was adopted)."""
         return self.replica.identity(p)[0] != version
@@ -306,11 +320,21 @@ class Syncer:
                 logger.warning("fault injection: killing this daemon (and its DHT and p2pd) in round v%d", version)
                 os.killpg(os.getpgid(0), signal.SIGKILL)
             mode = "rda" if decoupled and run.rda and not self.fragments[p].has_embedding else "mean"
+            compress = run.compression != "none" and len(members) > 1
+            use_ef = compress and run.error_feedback
+            target = self.error_feedback.target(str(p), delta) if use_ef else delta
+            corrupt = None
+            self.rounds_attempted += 1
+            first_bad = self.faults.get("corrupt_round")
+            if first_bad is not None and 0 <= self.rounds_attempted - first_bad < len(CORRUPTIONS):
+                corrupt = CORRUPTIONS[self.rounds_attempted - first_bad]
+                logger.warning("fault injection: sending %s parts in round f%d v%d", corrupt, p, version)
             alive = list(members)
             for attempt in range(MAX_ATTEMPTS):
-                spec = GroupSpec(self.cfg.run_id, p, version, attempt, tuple(alive), delta.numel(), mode)
-                result = await allreduce(self.p2p, self.averager, spec, self.peer_id, delta, weight,
-                                         run.round_timeout)
+                spec = GroupSpec(self.cfg.run_id, p, version, attempt, tuple(alive), delta.numel(), mode,
+                                 run.compression, run.codec_block)
+                result = await allreduce(self.p2p, self.averager, spec, self.peer_id, target, weight,
+                                         run.round_timeout, corrupt)
                 if result.merged is not None:
                     break
                 if result.refused:
@@ -325,6 +349,8 @@ class Syncer:
             else:
                 return RoundOutcome("failed", version, members, seconds=time.monotonic() - started)
             self._sync_time.update(time.monotonic() - formed)
+            if use_ef and result.sent is not None and len(alive) > 1:
+                self.error_feedback.commit(str(p), target, result.sent)
             applied = await asyncio.get_running_loop().run_in_executor(
                 None, self.replica.apply_outer_step, p, version, result.merged, result.weight, self.outer
             )

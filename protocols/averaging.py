@@ -10,6 +10,12 @@ Two merge modes: ``mean`` (token-weighted mean) and ``rda`` (radial-directional 
 unit directions Δ/‖Δ‖ using each member's whole-fragment norm, sent alongside its part; every member then
 rescales the gathered direction to the weighted mean norm, from the same bytes, so results stay identical).
 
+Parts travel compressed with the run's codec (``protocols/codecs.py``, named in every message); shard boundaries
+are aligned to the codec's block so that per-shard encoding equals encoding the whole fragment. Reduced shards
+are compressed too, and the reducer applies the decoded values it sends, so replicas stay bit-identical. A part
+that does not decode (unknown codec, wrong size, NaN/Inf) is rejected with a log line and its sender is treated
+as missing; a reduced shard that does not decode counts as a failed reducer.
+
 A member that never sends its part costs its reducer at most ``timeout``; the shard is reduced without it.
 A reducer that fails is reported in ``AllreduceResult.failed`` so the caller can retry the round without it.
 """
@@ -17,9 +23,11 @@ A reducer that fails is reported in ``AllreduceResult.failed`` so the caller can
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import math
+import struct
 from collections.abc import Sequence
 from typing import AsyncIterator  # hivemind detects streaming RPCs by typing.AsyncIterator hints
 from dataclasses import dataclass, field
@@ -30,22 +38,25 @@ from hivemind.proto import runtime_pb2
 
 from atoll.models.outer import rda_finish, weighted_mean, weighted_norm
 
-from .wire import WireError, check_fields, pack_request, pack_response, parts_to_tensor, tensor_to_parts, unpack
+from . import codecs
+from .wire import PART_BYTES, WireError, check_fields, pack_request, pack_response, unpack
 
 logger = logging.getLogger("atoll")
 
 MAX_PENDING_GROUPS = 64
 
 
-def shard_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
-    """Balanced contiguous ranges covering ``range(numel)``; sizes differ by at most one."""
-    if parts <= 0:
-        raise ValueError("need at least one part")
-    base, extra = divmod(numel, parts)
+def shard_bounds(numel: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
+    """Contiguous ranges covering ``range(numel)``, one per part, starting at multiples of ``align``; the numbers
+    of ``align``-blocks per part differ by at most one."""
+    if parts <= 0 or align <= 0:
+        raise ValueError("need at least one part and a positive alignment")
+    blocks = -(-numel // align)
+    base, extra = divmod(blocks, parts)
     bounds, start = [], 0
     for i in range(parts):
         end = start + base + (1 if i < extra else 0)
-        bounds.append((start, end))
+        bounds.append((min(start * align, numel), min(end * align, numel)))
         start = end
     return bounds
 
@@ -61,12 +72,17 @@ class GroupSpec:
     members: tuple[str, ...]
     numel: int
     mode: str = "mean"  # "mean" or "rda"
+    codec: str = "none"
+    block: int = 256
 
     @property
     def group_id(self) -> str:
         text = (f"{self.run_id}|{self.fragment}|{self.version}|{self.attempt}|{','.join(self.members)}|{self.numel}"
-                f"|{self.mode}")
+                f"|{self.mode}|{self.codec}|{self.block}")
         return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+    def bounds(self) -> list[tuple[int, int]]:
+        return shard_bounds(self.numel, len(self.members), self.block)
 
 
 @dataclass
@@ -89,6 +105,7 @@ class ShardResult:
     weight: float
     contributors: list[str]
     norm: float = 0.0  # rda: Σ w·‖Δ‖ / Σ w over the contributors
+    payload: bytes | None = None  # the encoded values, as sent to the other members
 
 
 class _Reduction:
@@ -97,6 +114,8 @@ class _Reduction:
     def __init__(self, spec: GroupSpec, bounds: tuple[int, int], timeout: float) -> None:
         self.spec, self.bounds, self.timeout = spec, bounds, timeout
         self.parts: dict[str, tuple[float, torch.Tensor, float]] = {}
+        self.missing: set[str] = set()
+        self._finishing = False
         self.result: asyncio.Future[ShardResult] = asyncio.get_running_loop().create_future()
         self._timer = asyncio.get_running_loop().call_later(timeout, self._finish)
 
@@ -105,16 +124,40 @@ class _Reduction:
         return self.bounds[1] - self.bounds[0]
 
     def add(self, peer: str, weight: float, values: torch.Tensor, norm: float = 0.0) -> None:
-        if self.result.done() or peer in self.parts:
+        if self._finishing or peer in self.parts or peer in self.missing:
             return
         self.parts[peer] = (weight, values, norm)
-        if len(self.parts) == len(self.spec.members):
+        self._maybe_finish()
+
+    def exclude(self, peer: str) -> None:
+        """The peer's part was rejected: reduce without it, and without waiting for it."""
+        if peer not in self.parts:
+            self.missing.add(peer)
+            self._maybe_finish()
+
+    def _maybe_finish(self) -> None:
+        if len(self.parts) + len(self.missing) == len(self.spec.members):
             self._finish()
 
     def _finish(self) -> None:
-        if self.result.done():
+        if self._finishing:
             return
+        self._finishing = True
         self._timer.cancel()
+        self._task = asyncio.ensure_future(self._reduce())  # referenced: asyncio keeps only weak ones
+
+    async def _reduce(self) -> None:
+        # Tensor work (merge, encode) runs in an executor: the event loop keeps serving other RPCs meanwhile.
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(None, self._compute)
+        except Exception as e:  # surfaces in every member's wait for this shard
+            if not self.result.done():
+                self.result.set_exception(e)
+            return
+        if not self.result.done():
+            self.result.set_result(result)
+
+    def _compute(self) -> ShardResult:
         peers = sorted(self.parts)  # fixed summation order: the result does not depend on arrival order
         weights = [self.parts[p][0] for p in peers]
         norms = [self.parts[p][2] for p in peers]
@@ -124,10 +167,12 @@ class _Reduction:
         else:
             values = [self.parts[p][1] for p in peers]
         merged = weighted_mean(values, weights)
+        payload = None
         if len(self.spec.members) > 1:
-            # Others receive fp32 on the wire; the reducer applies exactly the same rounded values.
-            merged = merged.float()
-        self.result.set_result(ShardResult(merged, float(sum(weights)), peers, weighted_norm(norms, weights)))
+            # Others receive the encoded shard; the reducer applies exactly the values they will decode.
+            payload = codecs.encode(merged.float(), self.spec.codec, self.spec.block)
+            merged = codecs.decode(payload, expected_numel=self.numel)
+        return ShardResult(merged, float(sum(weights)), peers, weighted_norm(norms, weights), payload)
 
 
 class AveragingServicer(ServicerBase):
@@ -141,7 +186,7 @@ class AveragingServicer(ServicerBase):
     def open(self, spec: GroupSpec, timeout: float) -> _Reduction:
         """Start reducing this daemon's shard of ``spec``; requests for it that arrived early are released."""
         index = spec.members.index(self.local_peer)
-        reduction = _Reduction(spec, shard_bounds(spec.numel, len(spec.members))[index], timeout)
+        reduction = _Reduction(spec, spec.bounds()[index], timeout)
         gid = spec.group_id
         self._groups[gid] = reduction
         self._opened.setdefault(gid, asyncio.Event()).set()
@@ -169,70 +214,71 @@ class AveragingServicer(ServicerBase):
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         sender = str(context.remote_id)
+        reduction: _Reduction | None = None
         try:
-            header = unpack(await anext(requests),
-                            {"group_id": str, "weight": float, "numel": int, "wait": float, "norm": float})
+            header = unpack(await anext(requests), {"group_id": str, "weight": float, "numel": int, "wait": float,
+                                                    "norm": float, "codec": str})
             reduction = await self._await_group(header["group_id"], min(max(header["wait"], 0.0), 600.0))
             if reduction is None:
                 raise WireError(f"unknown group {header['group_id']}")
             if sender not in reduction.spec.members:
+                reduction = None
                 raise WireError("sender is not a member of the group")
-            weight = float(header["weight"])
+            spec = reduction.spec
+            weight, norm = float(header["weight"]), float(header["norm"])
             if not 0 < weight < 1e15:
                 raise WireError(f"weight {weight} out of range")
-            norm = float(header["norm"])
             if not (math.isfinite(norm) and norm >= 0):
                 raise WireError(f"norm {norm} is not a finite non-negative number")
             if header["numel"] != reduction.numel:
                 raise WireError(f"part has {header['numel']} values, shard has {reduction.numel}")
-            parts = []
+            if header["codec"] != spec.codec:
+                raise WireError(f"part uses codec {header['codec']!r}, the run uses {spec.codec!r}")
+            limit = codecs.encoded_size(reduction.numel, spec.codec, spec.block)
+            parts, size = [], 0
             async for msg in requests:
                 part = unpack(msg, {"data": bytes})["data"]
+                size += len(part)
                 self.stats.bytes_received += len(part)
+                if size > limit:
+                    raise WireError(f"part longer than {limit} bytes")
                 parts.append(part)
-                if sum(map(len, parts)) > 4 * reduction.numel:
-                    raise WireError("part longer than announced")
-            reduction.add(sender, weight, parts_to_tensor(parts, reduction.numel), norm)
+            try:
+                values = await asyncio.get_running_loop().run_in_executor(
+                    None, functools.partial(codecs.decode, b"".join(parts), expected_numel=reduction.numel))
+            except codecs.CodecError as e:
+                raise WireError(f"undecodable part: {e}") from None
+            reduction.add(sender, weight, values, norm)
         except (WireError, StopAsyncIteration) as e:
             kind = "protocol" if isinstance(e, WireError) else "truncated"
             self.stats.reject(kind)
             logger.warning("rejected aggregate part from %s: %s", sender[-8:], e)
+            if reduction is not None:
+                reduction.exclude(sender)  # treated as missing: the shard is reduced without it, at once
             yield pack_response({"ok": False, "error": str(e)})
             return
         result = await reduction.result
         yield pack_response({"ok": True, "weight": result.weight, "contributors": result.contributors,
                              "numel": reduction.numel, "norm": result.norm})
-        for part in tensor_to_parts(result.values):
-            self.stats.bytes_sent += len(part)
-            yield pack_response({"data": part})
-
-
-class GroupRefused(WireError):
-    """A live reducer does not know our group: the members disagree about who is in the round."""
-
-
-@dataclass
-class AllreduceResult:
-    """``failed``: reducers that could not be reached (dead or slow); ``refused``: live ones that disagreed."""
-
-    merged: torch.Tensor | None
-    weight: float
-    contributors: list[str]
-    failed: list[str]
-    refused: list[str] = field(default_factory=list)
+        assert result.payload is not None  # groups with a remote member always encode their result
+        for start in range(0, len(result.payload), PART_BYTES):
+            chunk = result.payload[start : start + PART_BYTES]
+            self.stats.bytes_sent += len(chunk)
+            yield pack_response({"data": chunk})
 
 
 async def _exchange_with(
-    p2p: P2P, servicer: AveragingServicer, spec: GroupSpec, reducer: str, part: torch.Tensor, weight: float,
+    p2p: P2P, servicer: AveragingServicer, spec: GroupSpec, reducer: str, payload: bytes, numel: int, weight: float,
     norm: float, timeout: float,
 ) -> ShardResult:
     stub = AveragingServicer.get_stub(p2p, PeerID.from_base58(reducer), namespace=spec.run_id)
     stats = servicer.stats
 
     async def requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
-        yield pack_request({"group_id": spec.group_id, "weight": weight, "numel": part.numel(), "wait": timeout,
-                            "norm": norm})
-        for chunk in tensor_to_parts(part):
+        yield pack_request({"group_id": spec.group_id, "weight": weight, "numel": numel, "wait": timeout,
+                            "norm": norm, "codec": spec.codec})
+        for start in range(0, len(payload), PART_BYTES):
+            chunk = payload[start : start + PART_BYTES]
             stats.bytes_sent += len(chunk)
             yield pack_request({"data": chunk})
 
@@ -242,36 +288,87 @@ async def _exchange_with(
         if not header["ok"]:
             raise GroupRefused(f"reducer refused: {header.get('error')}")
         check_fields(header, {"weight": float, "contributors": list, "numel": int, "norm": float})
-        if header["numel"] != part.numel():
+        if header["numel"] != numel:
             raise WireError("reducer answered with a shard of the wrong size")
-        chunks = []
+        limit = codecs.encoded_size(numel, spec.codec, spec.block)
+        chunks, size = [], 0
         async for msg in stream:
             chunk = unpack(msg, {"data": bytes})["data"]
+            size += len(chunk)
             stats.bytes_received += len(chunk)
+            if size > limit:
+                raise WireError(f"reduced shard longer than {limit} bytes")
             chunks.append(chunk)
-        return ShardResult(parts_to_tensor(chunks, part.numel()), float(header["weight"]),
-                           list(header["contributors"]), float(header["norm"]))
+        try:
+            values = await asyncio.get_running_loop().run_in_executor(
+                None, functools.partial(codecs.decode, b"".join(chunks), expected_numel=numel))
+        except codecs.CodecError as e:
+            stats.reject("codec")
+            raise WireError(f"undecodable reduced shard: {e}") from None
+        return ShardResult(values, float(header["weight"]), list(header["contributors"]), float(header["norm"]))
 
     # The reducer may wait up to `timeout` for slow members before it answers; allow for the transfer on top.
     return await asyncio.wait_for(call(), timeout=2 * timeout + 10)
 
 
+class GroupRefused(WireError):
+    """A live reducer does not know our group: the members disagree about who is in the round."""
+
+
+@dataclass
+class AllreduceResult:
+    """``failed``: reducers that could not be reached (dead, slow, or garbled); ``refused``: live ones that
+    disagreed. ``sent``: our contribution as the others decoded it (for error feedback)."""
+
+    merged: torch.Tensor | None
+    weight: float
+    contributors: list[str]
+    failed: list[str]
+    refused: list[str] = field(default_factory=list)
+    sent: torch.Tensor | None = None
+
+
+def corrupt_payload(payload: bytes, kind: str) -> bytes:
+    """Fault injection: a malformed variant of ``payload`` (what a buggy or hostile peer might send)."""
+    if kind == "truncated":
+        return payload[: len(payload) // 2]
+    if kind == "header":
+        return b"XXXX" + payload[4:]
+    if kind == "codec":
+        return payload[:5] + bytes([99]) + payload[6:]  # the codec id byte
+    if kind == "nan":
+        return payload[:20] + struct.pack("<f", float("nan")) + payload[24:]
+    raise ValueError(f"unknown corruption {kind!r}")
+
+
+def _encode_parts(flat: torch.Tensor, bounds: list[tuple[int, int]], codec: str, block: int,
+                  solo: bool) -> tuple[list[bytes], list[torch.Tensor]]:
+    """Encode each shard of our contribution, and decode it back: the values the reducers will use."""
+    if solo:  # nothing travels: keep the exact float64 values
+        return [b"" for _ in bounds], [flat[lo:hi] for lo, hi in bounds]
+    payloads = [codecs.encode(flat[lo:hi].float(), codec, block) for lo, hi in bounds]
+    return payloads, [codecs.decode(pl, expected_numel=hi - lo) for pl, (lo, hi) in zip(payloads, bounds)]
+
+
 async def allreduce(
     p2p: P2P, servicer: AveragingServicer, spec: GroupSpec, local_peer: str, flat: torch.Tensor, weight: float,
-    timeout: float,
+    timeout: float, corrupt: str | None = None,
 ) -> AllreduceResult:
     """Weighted merge of ``flat`` across ``spec.members``; see the module docstring for the protocol."""
-    bounds = shard_bounds(spec.numel, len(spec.members))
+    bounds = spec.bounds()
     norm = float(torch.linalg.vector_norm(flat.double()))
     reduction = servicer.open(spec, timeout)
     me = spec.members.index(local_peer)
-    reduction.add(local_peer, weight, flat[bounds[me][0] : bounds[me][1]].clone(), norm)
+    solo = len(spec.members) == 1
+    payloads, sent = await asyncio.get_running_loop().run_in_executor(
+        None, _encode_parts, flat, bounds, spec.codec, spec.block, solo)
+    reduction.add(local_peer, weight, sent[me], norm)
     tasks: dict[str, asyncio.Future] = {}
     for j, peer in enumerate(spec.members):
         if j != me:
-            lo, hi = bounds[j]
+            payload = payloads[j] if corrupt is None else corrupt_payload(payloads[j], corrupt)
             tasks[peer] = asyncio.ensure_future(
-                _exchange_with(p2p, servicer, spec, peer, flat[lo:hi].clone(), weight, norm, timeout)
+                _exchange_with(p2p, servicer, spec, peer, payload, bounds[j][1] - bounds[j][0], weight, norm, timeout)
             )
     tasks[local_peer] = asyncio.ensure_future(asyncio.shield(reduction.result))
     await asyncio.wait(tasks.values())
@@ -286,13 +383,13 @@ async def allreduce(
     if failed or refused:
         return AllreduceResult(None, 0.0, [], failed, refused)
     ordered = [shards[p] for p in spec.members]
-    merged = torch.cat([s.values for s in ordered])
+    merged = torch.cat([s.values.double() for s in ordered])
     if spec.mode == "rda":
         # The norm of the shard that heard from the most weight: the same choice on every member.
         anchor = max(range(len(ordered)), key=lambda i: (ordered[i].weight, -i))
         merged = rda_finish(merged, ordered[anchor].norm)
     contributors = sorted({c for s in ordered for c in s.contributors})
-    return AllreduceResult(merged, max(s.weight for s in ordered), contributors, [])
+    return AllreduceResult(merged, max(s.weight for s in ordered), contributors, [], [], torch.cat(sent))
 
 
 def members_sorted(peers: Sequence[str]) -> tuple[str, ...]:

@@ -450,20 +450,31 @@ class ErrorFeedback:
         residual is left unchanged.  Raises ``ValueError`` when ``delta``'s
         numel differs from the stored residual's.
         """
+        target = self.target(key, delta)
+        payload = encode(target, codec, block_size)
+        decoded = decode(payload, expected_numel=target.numel())
+        self.commit(key, target, decoded)
+        return payload, decoded
+
+    def target(self, key: str, delta: torch.Tensor) -> torch.Tensor:
+        """``delta`` plus the stored residual of ``key``: what to encode (a new tensor; ``delta`` is untouched).
+
+        With ``commit`` this is the two-phase form of ``compress`` for callers that encode the target in several
+        parts (one per reducer) and keep the residual only if the contribution was actually used.
+        """
         d = _flat_fp32(delta)
         res = self._residuals.get(key)
         if res is not None and res.numel() != d.numel():
             raise ValueError(f"error feedback {key!r}: delta has {d.numel()} elements, residual {res.numel()}")
-        target = d + res if res is not None else d  # `d` may alias the caller's tensor: never modify it
-        payload = encode(target, codec, block_size)
-        decoded = decode(payload, expected_numel=d.numel())
-        if codec == "none":
-            self._residuals.pop(key, None)  # lossless: nothing left over
-        elif res is not None:
-            self._residuals[key] = target.sub_(decoded)  # `target` is our own temporary
+        return d + res if res is not None else d.clone()
+
+    def commit(self, key: str, target: torch.Tensor, decoded: torch.Tensor) -> None:
+        """Store ``target − decoded`` (what quantization dropped) as the residual of ``key``."""
+        residual = _flat_fp32(target) - _flat_fp32(decoded)
+        if bool(torch.count_nonzero(residual)):
+            self._residuals[key] = residual
         else:
-            self._residuals[key] = d - decoded
-        return payload, decoded
+            self._residuals.pop(key, None)  # lossless: nothing left over
 
     def residual(self, key: str) -> torch.Tensor | None:
         """The stored residual for ``key`` (not a copy), or None."""

@@ -10,6 +10,12 @@ from atoll.protocols.averaging import AveragingServicer, GroupSpec, TrafficStats
 from atoll.protocols.wire import WireError, pack_request, parts_to_tensor, tensor_to_parts, unpack
 
 
+def test_shard_bounds_align_to_codec_blocks():
+    b = shard_bounds(1000, 3, align=256)
+    assert b == [(0, 512), (512, 768), (768, 1000)]
+    assert all(lo % 256 == 0 for lo, _ in b)
+
+
 def test_shard_bounds_are_balanced_and_cover():
     for numel in (0, 1, 7, 100, 1001):
         for parts in (1, 2, 3, 8):
@@ -31,10 +37,10 @@ def test_group_id_depends_on_everything_that_must_agree():
 def test_reduction_is_weighted_and_independent_of_arrival_order():
     async def reduce(order):
         servicer = AveragingServicer("run", "b", TrafficStats())
-        spec = GroupSpec("run", 0, 0, 0, ("a", "b", "c"), 9)
+        spec = GroupSpec("run", 0, 0, 0, ("a", "b", "c"), 12, block=4)
         reduction = servicer.open(spec, timeout=5)
-        parts = {"a": (1.0, torch.full((3,), 1.0)), "b": (2.0, torch.full((3,), 4.0)),
-                 "c": (1.0, torch.full((3,), 0.1))}
+        parts = {"a": (1.0, torch.full((4,), 1.0)), "b": (2.0, torch.full((4,), 4.0)),
+                 "c": (1.0, torch.full((4,), 0.1))}
         for peer in order:
             reduction.add(peer, *parts[peer])
         return await reduction.result
@@ -43,7 +49,7 @@ def test_reduction_is_weighted_and_independent_of_arrival_order():
     r2 = asyncio.run(reduce("cba"))
     assert torch.equal(r1.values, r2.values)
     expect = (1.0 * 1.0 + 2.0 * 4.0 + 1.0 * 0.1) / 4.0
-    assert torch.allclose(r1.values, torch.full((3,), expect, dtype=torch.float32))
+    assert torch.allclose(r1.values, torch.full((4,), expect, dtype=torch.float32))
     assert r1.values.dtype == torch.float32  # what travels is what everyone applies
     assert r1.contributors == ["a", "b", "c"] and r1.weight == 4.0
 
@@ -51,12 +57,12 @@ def test_reduction_is_weighted_and_independent_of_arrival_order():
 def test_reduction_times_out_without_missing_members():
     async def run():
         servicer = AveragingServicer("run", "a", TrafficStats())
-        reduction = servicer.open(GroupSpec("run", 0, 0, 0, ("a", "b"), 4), timeout=0.2)
-        reduction.add("a", 1.0, torch.ones(2))
+        reduction = servicer.open(GroupSpec("run", 0, 0, 0, ("a", "b"), 8, block=4), timeout=0.2)
+        reduction.add("a", 1.0, torch.ones(4))
         return await reduction.result
 
     result = asyncio.run(run())
-    assert result.contributors == ["a"] and torch.equal(result.values, torch.ones(2))
+    assert result.contributors == ["a"] and torch.equal(result.values, torch.ones(4))
 
 
 def test_wire_roundtrip_and_rejections():
@@ -88,3 +94,14 @@ def test_wire_roundtrip_and_rejections():
 
     with pytest.raises(WireError, match="oversized"):
         unpack(Big(), {})
+
+
+@pytest.mark.parametrize("kind", ["truncated", "header", "codec", "nan"])
+def test_corrupted_parts_never_decode(kind):
+    from atoll.protocols import codecs
+    from atoll.protocols.averaging import corrupt_payload
+
+    for codec in ("none", "bf16", "int8", "int4"):
+        payload = codecs.encode(torch.randn(1000), codec, 256)
+        with pytest.raises(codecs.CodecError):
+            codecs.decode(corrupt_payload(payload, kind), expected_numel=1000)

@@ -100,6 +100,10 @@ def test_adopting_a_heavier_replica_carries_local_progress():
     delta = state.delta(theta2)
     assert delta.tolist() == [1.5, 2.5, 0.5, -0.5]
     assert state.tokens == 100  # its weight still counts all the unmerged work
+    state.add_step(50)
+    # A second adoption before any merge: the older carry is stale by two versions and is dropped.
+    assert state.adopted(torch.full((4,), 9.0), theta2) == 100
+    assert state.tokens == 50 and state.carry.tolist() == [0.5] * 4
     state.merged(torch.ones(4))
     assert state.carry is None and state.tokens == 0 and torch.equal(state.delta(torch.ones(4)), torch.zeros(4).double())
 
