@@ -22,6 +22,7 @@ def _start_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="named model shape (tiny, small, ...)")
     p.add_argument("--algorithm", help="outer algorithm: diloco, streaming or decoupled (experimental)")
     p.add_argument("--compression", help="codec of outer deltas: none, bf16, int8, int4, fp4, int2")
+    p.add_argument("--error-feedback", choices=("true", "false"), help="keep what quantization dropped (default true)")
     p.add_argument("--fragments", type=int, metavar="P", help="fragments (streaming, decoupled)")
     p.add_argument("--overlap", type=int, metavar="TAU", help="inner steps between a fragment's snapshot and merge")
     p.add_argument("--quorum", type=int, metavar="K", help="minimum round size (decoupled)")

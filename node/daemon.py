@@ -168,7 +168,8 @@ class Daemon:
             raise ConfigError(f"fragments: {e}") from None
         # Θ₀ is the learner's initial model: the same seed on every daemon (initialised on the CPU).
         self.replica = Replica([f.gather(learner.params) for f in self.fragments])
-        self.local = [LocalFragmentState(f.gather(learner.params)) for f in self.fragments]
+        self.local = [LocalFragmentState(f.gather(learner.params), self._replica_id(p))
+                      for p, f in enumerate(self.fragments)]
         if self.cfg.checkpoint_dir:
             self.metrics_file = open(Path(self.cfg.checkpoint_dir) / "metrics.jsonl", "a")
         resumed = self._restore()
@@ -179,9 +180,9 @@ class Daemon:
         if not resumed:
             states = syncer.download_initial_state(timeout=max(60.0, 4 * run.round_timeout))
             for p, fragment in enumerate(self.fragments):
-                theta_p = self.replica.params_copy(p)[0]
+                theta_p, base_id = self.replica.params_and_id(p)
                 fragment.scatter(theta_p, learner.params)
-                self.local[p] = LocalFragmentState(theta_p)
+                self.local[p] = LocalFragmentState(theta_p, base_id)
             if len(states) == len(self.fragments):
                 self.replica.schedule_step = states[0].schedule_step
                 logger.info("joined at version %d from %s (shard %d)", self.replica.total_version,
@@ -198,6 +199,10 @@ class Daemon:
             self._checkpoint()
             logger.info("stopped at step %d, version %d", learner.step, self.replica.total_version)
         return 0
+
+    def _replica_id(self, p: int) -> tuple[int, str]:
+        version, _, digest = self.replica.identity(p)
+        return version, digest
 
     def _install_signal_handlers(self) -> None:
         def handler(signum: int, _frame: Any) -> None:
@@ -244,8 +249,8 @@ class Daemon:
         for state in self.syncer.take_adopted():
             p = state.fragment
             fragment, params = self.fragments[p], self.learner.params
-            new, _ = self.replica.params_copy(p)
-            lost = self.local[p].adopted(new, fragment.gather(params))
+            new, base_id = self.replica.params_and_id(p)
+            lost = self.local[p].adopted(new, base_id, fragment.gather(params))
             self.tokens_lost += lost // len(self.fragments)  # the share of those tokens that trained this fragment
             fragment.scatter(new, params)
             logger.info("adopted fragment %d v%d from %s; %d unmerged local tokens carried into the next round", p,
@@ -257,11 +262,15 @@ class Daemon:
         if p in self.pending:  # the previous round of this fragment has not landed: do not queue another
             self.syncer.rounds_skipped += 1
             return
+        self._apply_adopted()  # the pseudo-gradient must be taken against the replica the round will update
         run, local = self.cfg.run, self.local[p]
-        version = self.replica.identity(p)[0]
+        version, _, digest = self.replica.identity(p)
+        if (version, digest) != local.base_id:  # an adoption is landing right now: try again next period
+            self.syncer.rounds_skipped += 1
+            return
         delta = local.delta(self.fragments[p].gather(self.learner.params))
         weight = token_weight(local.tokens, local.steps) if run.algorithm == "decoupled" else float(local.tokens)
-        future = self.syncer.submit_round(p, delta, weight)
+        future = self.syncer.submit_round(p, delta, weight, local.base_id)
         self.pending[p] = _Pending(future, self.replica.schedule_step + run.overlap_steps, version)
 
     def _merge_due(self) -> None:
@@ -290,10 +299,10 @@ class Daemon:
             outcome = RoundOutcome("failed", pending.version)
         if outcome.kind == "merged":
             fragment = self.fragments[p]
-            merged, _ = self.replica.params_copy(p)
+            merged, base_id = self.replica.params_and_id(p)
             # Overwriting θ_p drops the τ steps trained on it since the snapshot (the paper's α = 0 choice).
             self.tokens_lost += run.overlap_steps * learner.tokens_per_step // len(self.fragments)
-            self.local[p].merged(merged)
+            self.local[p].merged(merged, base_id)
             if run.alpha:
                 merged = run.alpha * fragment.gather(learner.params) + (1 - run.alpha) * merged
             fragment.scatter(merged, learner.params)
@@ -363,7 +372,12 @@ class Daemon:
         self.learner.step, self.learner.tokens, self.learner.position = meta["step"], meta["tokens"], meta["position"]
         self.replica.schedule_step = meta["schedule_step"]
         for p, counters in enumerate(meta["counters"]):
-            self.local[p].load(tensors, f"local.{p}", counters)
+            local = self.local[p]
+            local.load(tensors, f"local.{p}", counters)
+            theta_p, local.base_id = self.replica.params_and_id(p)
+            if not torch.equal(local.base, theta_p):  # a merge was still pending: treat it as an adoption
+                local.adopted(theta_p, local.base_id, self.fragments[p].gather(self.learner.params))
+                self.fragments[p].scatter(theta_p, self.learner.params)
         self.tokens_lost = meta["tokens_lost"]
         self.restored_error_feedback = {k[3:]: v for k, v in tensors.items() if k.startswith("ef.")}
         log_context.step = self.learner.step

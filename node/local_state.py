@@ -16,8 +16,9 @@ from atoll.models.outer import pseudo_gradient
 
 
 class LocalFragmentState:
-    def __init__(self, base: torch.Tensor) -> None:
+    def __init__(self, base: torch.Tensor, base_id: tuple[int, str] = (0, "")) -> None:
         self.base = base.detach().to("cpu", torch.float32).clone()
+        self.base_id = base_id  # (version, digest) of the replica ``base`` was read from
         self.carry: torch.Tensor | None = None
         self.carry_tokens = self.carry_steps = 0
         self.gen_tokens = self.gen_steps = 0  # since θ_p last restarted from a base
@@ -40,13 +41,14 @@ class LocalFragmentState:
         d = pseudo_gradient(self.base, theta)
         return d if self.carry is None else d.add_(self.carry.double())
 
-    def merged(self, new_base: torch.Tensor) -> None:
+    def merged(self, new_base: torch.Tensor, base_id: tuple[int, str]) -> None:
         """A round that included our contribution landed: θ restarts from the new Θ, counters reset."""
         self.base = new_base.detach().to("cpu", torch.float32).clone()
+        self.base_id = base_id
         self.carry = None
         self.carry_tokens = self.carry_steps = self.gen_tokens = self.gen_steps = 0
 
-    def adopted(self, new_base: torch.Tensor, theta: torch.Tensor) -> int:
+    def adopted(self, new_base: torch.Tensor, base_id: tuple[int, str], theta: torch.Tensor) -> int:
         """A heavier replica replaced Θ: carry this generation's progress (base − θ) into the next contribution.
 
         Returns the tokens of older carried work that is dropped (lost)."""
@@ -55,6 +57,7 @@ class LocalFragmentState:
         self.carry_tokens, self.carry_steps = self.gen_tokens, self.gen_steps
         self.gen_tokens = self.gen_steps = 0
         self.base = new_base.detach().to("cpu", torch.float32).clone()
+        self.base_id = base_id
         return lost
 
     def state_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
@@ -64,6 +67,7 @@ class LocalFragmentState:
         return out
 
     def counters(self) -> list[int]:
+        """Token/step counters for checkpoints (``base_id`` is restored from the replica itself)."""
         return [self.carry_tokens, self.carry_steps, self.gen_tokens, self.gen_steps]
 
     def load(self, tensors: dict[str, torch.Tensor], prefix: str, counters: list[int]) -> None:

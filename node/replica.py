@@ -61,6 +61,12 @@ class Replica:
         with self._lock:
             return self._frags[p].params.clone(), self._frags[p].version
 
+    def params_and_id(self, p: int) -> tuple[torch.Tensor, tuple[int, str]]:
+        """Θ_p and the (version, digest) it is, read together."""
+        with self._lock:
+            f = self._frags[p]
+            return f.params.clone(), (f.version, f.digest)
+
     def snapshot(self, p: int) -> ReplicaState:
         with self._lock:
             f = self._frags[p]
@@ -68,11 +74,13 @@ class Replica:
                                 self.schedule_step, fragment=p)
 
     def apply_outer_step(self, p: int, version: int, delta: torch.Tensor, weight: float,
-                         outer: NesterovOuter) -> bool:
-        """Apply a round's merged delta if fragment ``p`` is still at ``version``; returns whether it was applied."""
+                         outer: NesterovOuter, digest: str | None = None) -> bool:
+        """Apply a round's merged delta if fragment ``p`` is still the replica the round started from (same
+        version and, when given, the same digest: a heavier replica adopted at the same version does not count);
+        returns whether it was applied."""
         with self._lock:
             f = self._frags[p]
-            if f.version != version:
+            if f.version != version or (digest is not None and f.digest != digest):
                 return False
             outer.step(f.params, f.momentum, delta)
             f.version += 1

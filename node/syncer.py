@@ -284,14 +284,16 @@ class Syncer:
                             self._sync_time.value)
 
     # ---- rounds --------------------------------------------------------------------------------------------
-    def submit_round(self, p: int, delta: torch.Tensor, weight: float) -> concurrent.futures.Future:
-        """Start an outer round of fragment ``p`` with this daemon's pseudo-gradient; resolves to a ``RoundOutcome``."""
-        return self._submit(self._round(p, delta, weight))
+    def submit_round(self, p: int, delta: torch.Tensor, weight: float,
+                     base: tuple[int, str]) -> concurrent.futures.Future:
+        """Start an outer round of fragment ``p`` with this daemon's pseudo-gradient, computed against the replica
+        ``base`` = (version, digest); resolves to a ``RoundOutcome``."""
+        return self._submit(self._round(p, delta, weight, base))
 
-    async def _round(self, p: int, delta: torch.Tensor, weight: float) -> RoundOutcome:
+    async def _round(self, p: int, delta: torch.Tensor, weight: float, base: tuple[int, str]) -> RoundOutcome:
         started = time.monotonic()
         run = self.cfg.run
-        version = self.replica.identity(p)[0]
+        version, digest = base
         self._in_round.add(p)
         behind = False
         try:
@@ -352,7 +354,7 @@ class Syncer:
             if use_ef and result.sent is not None and len(alive) > 1:
                 self.error_feedback.commit(str(p), target, result.sent)
             applied = await asyncio.get_running_loop().run_in_executor(
-                None, self.replica.apply_outer_step, p, version, result.merged, result.weight, self.outer
+                None, self.replica.apply_outer_step, p, version, result.merged, result.weight, self.outer, digest
             )
             if not applied:
                 behind = True

@@ -94,7 +94,7 @@ def test_adopting_a_heavier_replica_carries_local_progress():
     theta = torch.tensor([-1.0, -2.0, 0.0, 1.0])  # progress made from base: base − θ = (1, 2, 0, −1)
     state.add_step(100)
     new_global = torch.full((4,), 5.0)
-    state.adopted(new_global, theta)
+    state.adopted(new_global, (1, "x"), theta)
     # θ restarts from the new global; one more step of progress (0.5 on every value).
     theta2 = new_global - 0.5
     delta = state.delta(theta2)
@@ -102,9 +102,9 @@ def test_adopting_a_heavier_replica_carries_local_progress():
     assert state.tokens == 100  # its weight still counts all the unmerged work
     state.add_step(50)
     # A second adoption before any merge: the older carry is stale by two versions and is dropped.
-    assert state.adopted(torch.full((4,), 9.0), theta2) == 100
+    assert state.adopted(torch.full((4,), 9.0), (2, "y"), theta2) == 100
     assert state.tokens == 50 and state.carry.tolist() == [0.5] * 4
-    state.merged(torch.ones(4))
+    state.merged(torch.ones(4), (3, "z"))
     assert state.carry is None and state.tokens == 0 and torch.equal(state.delta(torch.ones(4)), torch.zeros(4).double())
 
 

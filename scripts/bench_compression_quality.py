@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""Quality of compressed outer deltas: 4 daemons, the same token budget, one run per codec.
+
+    python scripts/bench_compression_quality.py [--algorithm decoupled] [--steps 300] [--model tiny]
+
+For each codec (none, bf16, int8, int4 without and with error feedback, int2) a fresh local swarm of four
+daemons trains ``--steps`` inner steps each. The held-out loss of every daemon's final global replica Θ (all
+fragments, from its last checkpoint) is evaluated on the same 32 held-out batches; the mean over daemons is
+reported with its ratio to `none`. Bytes on the wire per token is the bytes all daemons sent divided by the
+tokens they trained, compared with ddp's: an fp32 gradient all-reduce every step moves 2·(M−1)/M of the model
+per daemon per step (the bandwidth-optimal volume; computed, since ddp would be the same for every codec).
+Writes docs/results/bench_compression_quality_<algorithm>.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_parity import BATCH, make_learner  # noqa: E402
+from swarm import LocalSwarm  # noqa: E402
+
+from atoll.models.configs import get_model_config  # noqa: E402
+from atoll.models.fragments import make_fragments  # noqa: E402
+from atoll.node.checkpoint import load_checkpoint  # noqa: E402
+from atoll.node.config import RunConfig  # noqa: E402
+
+DAEMONS = 4
+RUNS = [("none", "none", True), ("bf16", "bf16", True), ("int8", "int8", True), ("int4", "int4", False),
+        ("int4+ef", "int4", True), ("int2+ef", "int2", True)]
+
+
+def run_once(label: str, codec: str, ef: bool, args: argparse.Namespace, run: RunConfig) -> dict:
+    common = ["--model", args.model, "--algorithm", args.algorithm, "--sync-every", str(args.sync_every),
+              "--batch-size", str(BATCH), "--max-steps", str(args.steps), "--compression", codec,
+              "--error-feedback", "true" if ef else "false", "--gather-timeout", "20", "--round-timeout", "20",
+              "--threads", "1"]
+    start = time.monotonic()
+    with LocalSwarm(Path("runs/bench_compression") / f"{args.algorithm}-{label}", common) as swarm:
+        for i in range(DAEMONS):
+            swarm.start(f"d{i}", join=i > 0)
+        for d in swarm.daemons.values():
+            d.proc.wait(3600)
+    losses, sent, tokens, rounds = [], 0, 0, []
+    learner, held_out = make_learner(run, shard=0)
+    fragments = make_fragments(learner.params, run.num_fragments, run.sync_every, learner.model.embed.weight)
+    for d in swarm.daemons.values():
+        tensors, meta = load_checkpoint(d.workdir)
+        for f in fragments:
+            f.scatter(tensors[f"replica.{f.index}.params"], learner.params)
+        losses.append(learner.evaluate(held_out))
+        tokens += meta["tokens"]
+        r = d.rounds()
+        rounds.append(len(r))
+        sent += r[-1]["bytes_sent"] if r else 0
+    return {"label": label, "codec": codec, "error_feedback": ef, "held_out_loss_mean": statistics.mean(losses),
+            "held_out_loss_per_daemon": losses, "bytes_sent_total": sent, "tokens_total": tokens,
+            "bytes_per_token": sent / tokens, "rounds_per_daemon": rounds, "seconds": time.monotonic() - start}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--sync-every", type=int, default=40)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--algorithm", default="decoupled", choices=("diloco", "streaming", "decoupled"))
+    parser.add_argument("--out", default="docs/results")
+    args = parser.parse_args()
+    run = RunConfig(model=args.model, sync_every=args.sync_every, algorithm=args.algorithm)
+    n = get_model_config(args.model).num_params
+    ddp_bytes_per_token = 2 * (DAEMONS - 1) / DAEMONS * 4 * n / (BATCH * get_model_config(args.model).seq_len)
+    results = []
+    for label, codec, ef in RUNS:
+        print(f"{label}: {DAEMONS} daemons x {args.steps} steps ...", flush=True)
+        r = run_once(label, codec, ef, args, run)
+        results.append(r)
+        print(f"    held-out {r['held_out_loss_mean']:.4f}  bytes/token {r['bytes_per_token']:.1f}  "
+              f"({r['seconds']:.0f} s)", flush=True)
+    base = results[0]["held_out_loss_mean"]
+    for r in results:
+        r["loss_ratio_to_none"] = r["held_out_loss_mean"] / base
+        r["bytes_per_token_ddp_over_this"] = ddp_bytes_per_token / r["bytes_per_token"]
+    doc = {"command": "python scripts/bench_compression_quality.py " + " ".join(sys.argv[1:]),
+           "algorithm": args.algorithm, "model": args.model,
+           "params": n, "daemons": DAEMONS, "steps_per_daemon": args.steps, "sync_every": args.sync_every,
+           "fragments": run.num_fragments, "ddp_bytes_per_token": ddp_bytes_per_token, "runs": results}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"bench_compression_quality_{args.algorithm}"
+    (out / f"{name}.json").write_text(json.dumps(doc, indent=1))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    labels = [r["label"] for r in results]
+    ax1.bar(labels, [r["loss_ratio_to_none"] for r in results], color="tab:blue")
+    ax1.axhline(1.0, color="k", lw=0.8)
+    ax1.set_ylabel("held-out loss / none")
+    ax1.set_ylim(min(0.95, min(r["loss_ratio_to_none"] for r in results) - 0.01),
+                 max(1.05, max(r["loss_ratio_to_none"] for r in results) + 0.01))
+    ax2.bar(labels, [r["bytes_per_token_ddp_over_this"] for r in results], color="tab:green")
+    ax2.set_yscale("log")
+    ax2.set_ylabel("ddp bytes per token / this")
+    fig.suptitle(f"compressed outer deltas: {DAEMONS} daemons, {args.algorithm}, {args.model}, {args.steps} steps each")
+    fig.tight_layout()
+    fig.savefig(out / f"{name}.png", dpi=110)
+    for r in results:
+        print(f"{r['label']:8s} loss ratio {r['loss_ratio_to_none']:.4f}   ddp/this bytes {r['bytes_per_token_ddp_over_this']:.0f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
