@@ -248,15 +248,13 @@ class Daemon:
     def _apply_adopted(self) -> None:
         for state in self.syncer.take_adopted():
             p = state.fragment
-            fragment, params = self.fragments[p], self.learner.params
             new, base_id = self.replica.params_and_id(p)
-            lost = self.local[p].adopted(new, base_id, fragment.gather(params))
-            self.tokens_lost += lost // len(self.fragments)  # the share of those tokens that trained this fragment
-            fragment.scatter(new, params)
-            logger.info("adopted fragment %d v%d from %s; %d unmerged local tokens carried into the next round", p,
-                        state.version, state.donor[-8:], self.local[p].carry_tokens)
-            self._metric(event="adopted", fragment=p, version=state.version, carried_tokens=self.local[p].tokens,
-                         step=self.learner.step)
+            lost = self.local[p].restart(new, base_id) // len(self.fragments)  # the share that trained fragment p
+            self.tokens_lost += lost
+            self.fragments[p].scatter(new, self.learner.params)
+            logger.info("adopted fragment %d v%d from %s; %d local tokens' work on it discarded", p, state.version,
+                        state.donor[-8:], lost)
+            self._metric(event="adopted", fragment=p, version=state.version, lost_tokens=lost, step=self.learner.step)
 
     def _start_round(self, p: int) -> None:
         if p in self.pending:  # the previous round of this fragment has not landed: do not queue another
@@ -302,7 +300,7 @@ class Daemon:
             merged, base_id = self.replica.params_and_id(p)
             # Overwriting θ_p drops the τ steps trained on it since the snapshot (the paper's α = 0 choice).
             self.tokens_lost += run.overlap_steps * learner.tokens_per_step // len(self.fragments)
-            self.local[p].merged(merged, base_id)
+            self.local[p].restart(merged, base_id)
             if run.alpha:
                 merged = run.alpha * fragment.gather(learner.params) + (1 - run.alpha) * merged
             fragment.scatter(merged, learner.params)
@@ -375,8 +373,8 @@ class Daemon:
             local = self.local[p]
             local.load(tensors, f"local.{p}", counters)
             theta_p, local.base_id = self.replica.params_and_id(p)
-            if not torch.equal(local.base, theta_p):  # a merge was still pending: treat it as an adoption
-                local.adopted(theta_p, local.base_id, self.fragments[p].gather(self.learner.params))
+            if not torch.equal(local.base, theta_p):  # a merge was still pending: restart from the replica
+                local.restart(theta_p, local.base_id)
                 self.fragments[p].scatter(theta_p, self.learner.params)
         self.tokens_lost = meta["tokens_lost"]
         self.restored_error_feedback = {k[3:]: v for k, v in tensors.items() if k.startswith("ef.")}

@@ -88,24 +88,16 @@ def test_grace_window():
         grace_window(1.0, 2, 1.0, 0.0, 0.0)
 
 
-def test_adopting_a_heavier_replica_carries_local_progress():
-    base = torch.zeros(4)
-    state = LocalFragmentState(base)
-    theta = torch.tensor([-1.0, -2.0, 0.0, 1.0])  # progress made from base: base − θ = (1, 2, 0, −1)
+def test_local_state_counts_and_restarts():
+    state = LocalFragmentState(torch.zeros(4), (0, "a"))
+    theta = torch.tensor([-1.0, -2.0, 0.0, 1.0])
+    assert state.delta(theta).tolist() == [1.0, 2.0, 0.0, -1.0]  # Θ_base − θ
     state.add_step(100)
-    new_global = torch.full((4,), 5.0)
-    state.adopted(new_global, (1, "x"), theta)
-    # θ restarts from the new global; one more step of progress (0.5 on every value).
-    theta2 = new_global - 0.5
-    delta = state.delta(theta2)
-    assert delta.tolist() == [1.5, 2.5, 0.5, -0.5]
-    assert state.tokens == 100  # its weight still counts all the unmerged work
-    state.add_step(50)
-    # A second adoption before any merge: the older carry is stale by two versions and is dropped.
-    assert state.adopted(torch.full((4,), 9.0), (2, "y"), theta2) == 100
-    assert state.tokens == 50 and state.carry.tolist() == [0.5] * 4
-    state.merged(torch.ones(4), (3, "z"))
-    assert state.carry is None and state.tokens == 0 and torch.equal(state.delta(torch.ones(4)), torch.zeros(4).double())
+    state.add_step(100)
+    assert (state.tokens, state.steps) == (200, 2)
+    assert state.restart(torch.full((4,), 5.0), (1, "b")) == 200  # unmerged work, lost on adoption
+    assert state.base_id == (1, "b") and (state.tokens, state.steps) == (0, 0)
+    assert torch.equal(state.delta(torch.full((4,), 5.0)), torch.zeros(4, dtype=torch.float64))
 
 
 def test_decoupled_degenerates_to_diloco():
