@@ -263,7 +263,8 @@ class Daemon:
         self._apply_adopted()  # the pseudo-gradient must be taken against the replica the round will update
         run, local = self.cfg.run, self.local[p]
         version, _, digest = self.replica.identity(p)
-        if (version, digest) != local.base_id:  # an adoption is landing right now: try again next period
+        if (version, digest) != local.base_id or local.steps == 0:
+            # An adoption is landing right now, or one just restarted this fragment: nothing of ours to merge yet.
             self.syncer.rounds_skipped += 1
             return
         delta = local.delta(self.fragments[p].gather(self.learner.params))
