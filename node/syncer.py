@@ -130,10 +130,10 @@ class Syncer:
         self._thread.join(timeout=10)
 
     async def _announce_leaving(self) -> None:
-        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for task in others:
+        ours = [t for t in self._tasks if t is not asyncio.current_task()]  # not hivemind's own tasks
+        for task in ours:
             task.cancel()
-        await asyncio.gather(*others, return_exceptions=True)
+        await asyncio.gather(*ours, return_exceptions=True)
         await self._publish(status="leaving", ttl=self.cfg.heartbeat)
         await self.p2p.shutdown()
 
@@ -344,6 +344,8 @@ class Syncer:
                     # instead keep the local progress and let consistency catch us up to the heavier side.
                     logger.info("round f%d v%d: members %s disagree about the group; skipping this round", p,
                                 version, [r[-8:] for r in result.refused])
+                    return RoundOutcome("failed", version, members, seconds=time.monotonic() - started)
+                if self.peer_id in result.failed:  # our own shard failed: nothing to retry without
                     return RoundOutcome("failed", version, members, seconds=time.monotonic() - started)
                 alive = [m for m in alive if m not in result.failed]
                 logger.info("round f%d v%d attempt %d failed (reducers %s); retrying with %d members", p, version,

@@ -357,11 +357,13 @@ async def allreduce(
     """Weighted merge of ``flat`` across ``spec.members``; see the module docstring for the protocol."""
     bounds = spec.bounds()
     norm = float(torch.linalg.vector_norm(flat.double()))
-    reduction = servicer.open(spec, timeout)
     me = spec.members.index(local_peer)
     solo = len(spec.members) == 1
     payloads, sent = await asyncio.get_running_loop().run_in_executor(
         None, _encode_parts, flat, bounds, spec.codec, spec.block, solo)
+    # Open our shard only now, with our own part in it at once: its timeout must not run while we encode
+    # (a daemon frozen mid-encode would otherwise wake up to a reduction that timed out without its own part).
+    reduction = servicer.open(spec, timeout)
     reduction.add(local_peer, weight, sent[me], norm)
     tasks: dict[str, asyncio.Future] = {}
     for j, peer in enumerate(spec.members):

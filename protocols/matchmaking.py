@@ -10,7 +10,8 @@ every peer it expects has registered (the live peers at this version or one behi
 gather deadline; then it publishes the sorted member list under ``<round key>_group``. Everyone else waits
 for a group record and uses it verbatim, so all members run the all-reduce with the same list. A daemon left
 out of the group (it registered too late) gets an empty list and catches up by download; if no coordinator
-publishes in time (it died), the round is skipped and retried at the next sync point without it.
+publishes in time (it died), the round is skipped and retried at the next sync point without it. Decisions
+older than a few gather timeouts are ignored, so a round that was abandoned cannot shut anyone out for good.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from .records import parse_round_record, round_key, unwrap_subkeys
 
 logger = logging.getLogger("atoll")
 MAX_GROUP = 1024
+DECISION_LIFETIME_FACTOR = 3  # a group decision older than this many gather timeouts is stale
 
 
 def group_key(run_id: str, fragment: int, version: int) -> str:
@@ -94,12 +96,15 @@ async def form_group(
             elif rec["peer_id"] in peers and peers[rec["peer_id"]] <= version:
                 registered[rec["peer_id"]] = rec["time"]
         decisions = []
+        stale_before = get_dht_time() - DECISION_LIFETIME_FACTOR * gather_timeout
         for value in unwrap_subkeys(group_entry).values():
             members = parse_group_record(value)
             if members is None:
                 on_reject("group_record")
-            else:
-                decisions.append((float(value["time"]) if isinstance(value["time"], float) else 0.0, members))
+            elif isinstance(value["time"], float) and value["time"] >= stale_before:
+                # An older decision belongs to a round that ended (or never ran) long ago: ignore it, or a
+                # daemon left out of it would be shut out of this version forever.
+                decisions.append((value["time"], members))
         if decisions:
             _, members = min(decisions, key=lambda d: (d[0], d[1]))
             return members if peer_id in members else []
