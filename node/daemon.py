@@ -12,7 +12,6 @@ import concurrent.futures
 import json
 import logging
 import math
-import os
 import signal
 import sys
 import threading

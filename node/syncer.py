@@ -181,9 +181,6 @@ class Syncer:
         with self._peers_lock:
             return dict(self._peers)
 
-    def fetch_peers(self, timeout: float = 30) -> dict[str, ProgressRecord]:
-        return self._submit(self.refresh_peers()).result(timeout)
-
     async def _heartbeat(self) -> None:
         while True:
             try:

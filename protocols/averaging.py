@@ -28,7 +28,6 @@ import hashlib
 import logging
 import math
 import struct
-from collections.abc import Sequence
 from typing import AsyncIterator  # hivemind detects streaming RPCs by typing.AsyncIterator hints
 from dataclasses import dataclass, field
 
@@ -392,7 +391,3 @@ async def allreduce(
         merged = rda_finish(merged, ordered[anchor].norm)
     contributors = sorted({c for s in ordered for c in s.contributors})
     return AllreduceResult(merged, max(s.weight for s in ordered), contributors, [], [], torch.cat(sent))
-
-
-def members_sorted(peers: Sequence[str]) -> tuple[str, ...]:
-    return tuple(sorted(set(peers)))
