@@ -9,6 +9,7 @@ replicas the syncer adopted at step boundaries.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import logging
 import math
@@ -28,7 +29,7 @@ from atoll.models.configs import get_model_config
 from atoll.models.data import Corpus, load_corpus, shard_for_peer
 from atoll.models.fragments import make_fragments
 from atoll.models.outer import token_weight
-from atoll.protocols.records import RunConfigRecord, config_key, make_validators, unwrap_subkeys
+from atoll.protocols.records import RunConfigRecord, config_key, make_validators, parse_run_config, unwrap_subkeys
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import ConfigError, NodeConfig, reconcile_run_config
@@ -96,15 +97,15 @@ class Daemon:
         published = None
         if self.cfg.initial_peers:
             for _ in range(5):
-                records = [RunConfigRecord.parse_obj(v) for v in unwrap_subkeys(dht.get(key, latest=True)).values()
-                           if isinstance(v, dict) and set(v) == {"fields", "started_by", "started_at"}]
+                records = [r for r in map(parse_run_config, unwrap_subkeys(dht.get(key, latest=True)).values())
+                           if r is not None]
                 if records:
                     published = min(records, key=lambda r: r.started_at)
                     break
                 time.sleep(1)
         if published is not None:
             run = reconcile_run_config(self.cfg.run, self.explicit, published.fields)
-            self.cfg = type(self.cfg)(**{**self.cfg.__dict__, "run": run})
+            self.cfg = dataclasses.replace(self.cfg, run=run)
             self.config_record = published.dict()
             logger.info("joined run %r started by %s", self.cfg.run_id, published.started_by[-8:])
         else:
@@ -197,6 +198,8 @@ class Daemon:
             syncer.shutdown()
             self._checkpoint()
             logger.info("stopped at step %d, version %d", learner.step, self.replica.total_version)
+            if self.metrics_file is not None:
+                self.metrics_file.close()
         return 0
 
     def _replica_id(self, p: int) -> tuple[int, str]:

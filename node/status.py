@@ -7,7 +7,14 @@ import logging
 import time
 from typing import Any
 
-from atoll.protocols.records import config_key, make_validators, parse_progress, progress_key, unwrap_subkeys
+from atoll.protocols.records import (
+    config_key,
+    make_validators,
+    parse_progress,
+    parse_run_config,
+    progress_key,
+    unwrap_subkeys,
+)
 
 from .config import ConfigError, NodeConfig
 
@@ -20,8 +27,9 @@ def collect_status(dht: Any, run_id: str) -> dict[str, Any]:
         if rec is not None:
             peers.append(rec.dict())
     peers.sort(key=lambda r: r["peer_id"])
-    configs = [v for v in unwrap_subkeys(dht.get(config_key(run_id), latest=True)).values() if isinstance(v, dict)]
-    config = min(configs, key=lambda c: c.get("started_at", 0.0)).get("fields") if configs else None
+    configs = [c for c in map(parse_run_config, unwrap_subkeys(dht.get(config_key(run_id), latest=True)).values())
+               if c is not None]
+    config = min(configs, key=lambda c: c.started_at).fields if configs else None
     active = [p for p in peers if p["status"] != "leaving"]
     totals = {
         "peers": len(active),

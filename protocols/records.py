@@ -124,6 +124,14 @@ def parse_progress(value: Any) -> Optional[ProgressRecord]:
         return None
 
 
+def parse_run_config(value: Any) -> Optional[RunConfigRecord]:
+    """A run configuration record from a DHT value, or None if it is malformed."""
+    try:
+        return RunConfigRecord.parse_obj(value)
+    except (pydantic.ValidationError, TypeError):
+        return None
+
+
 def parse_round_record(value: Any) -> Optional[dict]:
     """A round registration ``{peer_id, weight, time}``, or None if malformed."""
     if not isinstance(value, dict) or set(value) != {"peer_id", "weight", "time"}:

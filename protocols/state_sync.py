@@ -60,7 +60,8 @@ class StateServicer(ServicerBase):
             self.stats.reject("state_request")
             yield pack_response({"ok": False, "error": str(e)})
             return
-        state = self._snapshot(fragment)
+        # Copying Θ_p and its momentum is tensor work: keep it off the event loop.
+        state = await asyncio.get_running_loop().run_in_executor(None, self._snapshot, fragment)
         if state is None:
             yield pack_response({"ok": False, "error": "no state to share yet"})
             return

@@ -99,3 +99,13 @@ def test_replica_order_and_unwrap():
     assert heavier((2, 5.0, "b"), (2, 5.0, "a"))
     assert not heavier((2, 5.0, "a"), (2, 5.0, "a"))
     assert unwrap_subkeys(None) == {}
+
+
+def test_run_config_records():
+    from atoll.protocols.records import parse_run_config
+
+    good = {"fields": {"model": "nano"}, "started_by": "Qm1", "started_at": 1.0}
+    assert parse_run_config(good).fields == {"model": "nano"}
+    assert parse_run_config({**good, "started_at": "yesterday"}) is None
+    assert parse_run_config({**good, "extra": 1}) is None
+    assert parse_run_config("garbage") is None
