@@ -113,7 +113,8 @@ class NodeConfig:
     log_level: str = "INFO"
     # Deterministic fault injection for tests: "kill_in_round=N" SIGKILLs this daemon's process group after the
     # group of its N-th round formed; "step_delay=S" sleeps S seconds per inner step (a slow daemon);
-    # "corrupt_round=N" sends malformed parts (truncated, bad header, unknown codec, NaN) in rounds N..N+3.
+    # "corrupt_round=N" sends malformed parts (truncated, bad header, unknown codec, NaN; each twice) in the
+    # multi-member rounds N..N+7.
     faults: tuple[str, ...] = ()
 
     def validate(self) -> None:

@@ -64,7 +64,7 @@ class Syncer:
         self.faults = cfg.parsed_faults()
         self.rounds_done = 0
         self.rounds_skipped = 0
-        self.rounds_attempted = 0  # groups this daemon was a member of (the fault schedule counts these)
+        self.rounds_attempted = 0  # multi-member groups this daemon was in (the fault schedule counts these)
         self.forks_healed = 0
         self.step_time = 0.0  # seconds per inner step, set by the learner (for the grace window)
         self._sync_time = EMA()
@@ -323,10 +323,13 @@ class Syncer:
             use_ef = compress and run.error_feedback
             target = self.error_feedback.target(str(p), delta) if use_ef else delta
             corrupt = None
-            self.rounds_attempted += 1
+            if len(members) > 1:  # a solo round sends nothing, so it cannot carry an injected fault
+                self.rounds_attempted += 1
             first_bad = self.faults.get("corrupt_round")
-            if first_bad is not None and 0 <= self.rounds_attempted - first_bad < len(CORRUPTIONS):
-                corrupt = CORRUPTIONS[self.rounds_attempted - first_bad]
+            # Each kind is sent in two rounds: a part may also be lost to an unrelated failure of one round.
+            index = self.rounds_attempted - first_bad if first_bad is not None else -1
+            if len(members) > 1 and 0 <= index < 2 * len(CORRUPTIONS):
+                corrupt = CORRUPTIONS[index % len(CORRUPTIONS)]
                 logger.warning("fault injection: sending %s parts in round f%d v%d", corrupt, p, version)
             alive = list(members)
             for attempt in range(MAX_ATTEMPTS):
