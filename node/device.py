@@ -1,21 +1,38 @@
-"""The accelerator a daemon trains on: cpu, cuda, or xla (torch_xla, imported only when asked for)."""
+"""The accelerator a daemon trains on: cpu, cuda, or xla (torch_xla, imported only when asked for).
+
+On xla (a TPU, or torch_xla's CPU runtime with ``PJRT_DEVICE=CPU``) operations are traced lazily and run when
+``sync()`` cuts the graph; each distinct graph is compiled once and cached. The learner therefore syncs exactly
+once per inner step, and everything that crosses the device boundary goes through ``to_host`` (one batched
+transfer for many tensors) or an in-place copy whose source is an uploaded buffer (a graph input, never a new
+graph shape).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .config import ConfigError
 
+PRECISIONS = ("fp32", "bf16")
+
 
 @dataclass(frozen=True)
 class Device:
-    """A resolved device. ``sync()`` ends an inner step (``torch_xla.sync()`` on xla, a no-op elsewhere)."""
+    """A resolved device. ``sync()`` ends an inner step (``torch_xla.sync()`` on xla, a no-op elsewhere).
+
+    ``precision`` is the learner's default compute precision: ``bf16`` autocast on xla (as on a TPU: fp32 master
+    weights and optimizer state, bf16 matmuls), ``fp32`` elsewhere.
+    """
 
     kind: str
     torch_device: torch.device
+    precision: str = "fp32"
 
     def sync(self) -> None:
         if self.kind == "xla":
@@ -23,9 +40,38 @@ class Device:
 
             torch_xla.sync()
 
+    def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies of ``tensors`` in host memory. On xla one batched device-to-host transfer for all of them
+        (pending operations on them run first, in one graph); elsewhere ``.cpu()`` each."""
+        if self.kind == "xla" and tensors:
+            import torch_xla
+
+            return list(torch_xla._XLAC._xla_get_cpu_tensors([t.detach() for t in tensors]))
+        return [t.detach().to("cpu", copy=True) for t in tensors]
+
+    def compilations(self) -> int:
+        """Graphs compiled so far in this process (xla; always 0 elsewhere). Flat after warm-up means no
+        per-step recompilation."""
+        if self.kind != "xla":
+            return 0
+        import torch_xla.debug.metrics as met
+
+        data = met.metric_data("CompileTime")
+        return int(data[0]) if data else 0
+
+    def autocast(self):
+        """The autocast context of ``precision`` on this device (a no-op context for fp32)."""
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.kind, dtype=torch.bfloat16)
+
     def describe(self) -> str:
         if self.kind == "cuda":
             return f"cuda:{torch.cuda.get_device_name(self.torch_device)}"
+        if self.kind == "xla":
+            import torch_xla.runtime as xr
+
+            return f"xla:{xr.device_type()}/{self.precision}"
         return self.kind
 
 
@@ -34,7 +80,10 @@ def xla_available() -> bool:
 
 
 def resolve_device(name: str) -> Device:
-    """Map ``auto|cpu|cuda|xla`` to a device; ``ConfigError`` when the requested one is not usable here."""
+    """Map ``auto|cpu|cuda|xla`` to a device; ``ConfigError`` when the requested one is not usable here.
+
+    ``ATOLL_XLA_PRECISION=fp32`` turns bf16 autocast off on xla (for debugging numerics against a CPU run).
+    """
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cpu":
@@ -46,7 +95,14 @@ def resolve_device(name: str) -> Device:
     if name == "xla":
         if not xla_available():
             raise ConfigError("device: xla requested but torch_xla is not installed (pip install 'atoll[xla]')")
-        import torch_xla
+        precision = os.environ.get("ATOLL_XLA_PRECISION", "bf16")
+        if precision not in PRECISIONS:
+            raise ConfigError(f"ATOLL_XLA_PRECISION: unknown {precision!r}; use one of {', '.join(PRECISIONS)}")
+        try:
+            import torch_xla
 
-        return Device("xla", torch_xla.device())
+            device = torch_xla.device()
+        except Exception as e:  # no PJRT runtime usable here (e.g. PJRT_DEVICE=TPU on a machine without one)
+            raise ConfigError(f"device: xla runtime failed to start ({type(e).__name__}: {e})") from None
+        return Device("xla", device, precision)
     raise ConfigError(f"device: unknown {name!r}")

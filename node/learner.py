@@ -1,36 +1,61 @@
 """The learner: a plain synchronous training loop step on the device. It never touches the network.
 
 It owns the local model θ, the AdamW inner optimizer and the data position. Between steps the daemon may
-replace θ with a merged replica (``load_flat``) or read it out (``flat_params``) for a pseudo-gradient.
+replace θ with a merged replica (``load_flat``, or ``scatter`` for one fragment) or read it out (``flat_params``,
+``gather``, ``snapshot``) for a pseudo-gradient.
+
+The same code runs on cpu, cuda and xla. What the xla path needs, and every device gets:
+
+- one ``device.sync()`` per inner step, and graphs whose shape never depends on the step: the AdamW step count
+  and bias corrections live on the device (``capturable``), Python scalars such as the warm-up learning rate
+  become graph inputs, so after the first steps nothing compiles again (``device.compilations()`` is flat);
+- the next batch is sliced and uploaded right after a step is dispatched, while the device still runs it;
+- parameters leave the device in one batched transfer (``device.to_host``), and ``snapshot`` copies a
+  fragment on the device and moves it to host memory in a background thread while training goes on;
+- merged values are copied back into the existing parameter tensors (uploaded buffers become graph inputs).
+
+``precision`` is ``fp32`` or ``bf16`` (autocast: bf16 matmuls, fp32 master weights, optimizer state and loss);
+the default is the device's (bf16 on xla, as on a TPU).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
+from collections.abc import Sequence
 
 import torch
 
 from atoll.models.configs import get_model_config
 from atoll.models.data import Corpus
 from atoll.models.gpt import GPT
-from atoll.models.outer import flatten_params, unflatten_into
+from atoll.models.outer import unflatten_into
 
 from .config import RunConfig
-from .device import Device
+from .device import PRECISIONS, Device
 
 
 class Learner:
-    def __init__(self, run: RunConfig, device: Device, corpus: Corpus, shard: int, batch_size: int) -> None:
+    def __init__(self, run: RunConfig, device: Device, corpus: Corpus, shard: int, batch_size: int,
+                 precision: str | None = None) -> None:
         self.run, self.device, self.corpus, self.shard, self.batch_size = run, device, corpus, shard, batch_size
+        self.precision = precision or device.precision
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        self._autocast_device = Device(device.kind, device.torch_device, self.precision)
         self.model_cfg = get_model_config(run.model)
         torch.manual_seed(run.seed)
-        self.model = GPT(self.model_cfg).to(device.torch_device)
+        self.model = GPT(self.model_cfg).to(device.torch_device)  # initialised on the CPU: the same θ₀ everywhere
         self.params = list(self.model.parameters())
+        # capturable: the step count and bias corrections are device tensors, so the optimizer's graph is the
+        # same at every step on xla (a host-side step count would change constants and recompile).
         self.optimizer = torch.optim.AdamW(self.params, lr=run.inner_lr, betas=(0.9, 0.95),
-                                           weight_decay=run.weight_decay)
+                                           weight_decay=run.weight_decay, capturable=device.kind != "cpu")
         self.position = 0  # data windows consumed in this daemon's shard
         self.step = 0
         self.tokens = 0
+        self._prefetched: tuple[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._snapshots: concurrent.futures.ThreadPoolExecutor | None = None
 
     @property
     def tokens_per_step(self) -> int:
@@ -40,56 +65,172 @@ class Learner:
         warm = self.run.warmup_steps
         return self.run.inner_lr * min(1.0, (self.step + 1) / warm) if warm else self.run.inner_lr
 
-    def train_step(self) -> float:
-        """One AdamW step on the next batch of this daemon's shard; returns the training loss."""
-        batch = self.corpus.batch_at(self.shard, self.position, self.batch_size).to(self.device.torch_device)
+    # ---- data -------------------------------------------------------------------------------------------------
+    def _load(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = self.corpus.batch_at(self.shard, position, self.batch_size)
+        dev = self.device.torch_device
+        return (batch[:, :-1].contiguous().to(dev, non_blocking=True),
+                batch[:, 1:].contiguous().to(dev, non_blocking=True))
+
+    def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch at ``position``: the prefetched one when it is for this position (the daemon may move
+        ``position`` on restore), else loaded now."""
+        key = (self.position, self.batch_size)
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is not None and prefetched[0] == key:
+            return prefetched[1]
+        return self._load(self.position)
+
+    def _prefetch(self) -> None:
+        """Slice and upload the next batch while the device runs the step just dispatched."""
+        self._prefetched = ((self.position, self.batch_size), self._load(self.position))
+
+    # ---- the inner step -----------------------------------------------------------------------------------------
+    def _forward_backward(self) -> torch.Tensor:
+        x, y = self._batch()
+        with self._autocast_device.autocast():
+            loss = self.model(x, y)
+        loss.backward()
+        return loss.detach()
+
+    def _update(self) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = self._lr()
-        loss = self.model(batch[:, :-1], batch[:, 1:])
-        loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.device.sync()
+
+    def _advance(self) -> None:
         self.position += self.batch_size
         self.step += 1
         self.tokens += self.tokens_per_step
-        return float(loss.detach())
 
+    def train_step(self) -> float:
+        """One AdamW step on the next batch of this daemon's shard; returns the training loss.
+
+        The same as ``backward()`` then ``apply_step()``, fused so that xla syncs (and compiles) one graph per step.
+        """
+        loss = self._forward_backward()
+        self._update()
+        self.device.sync()
+        self._advance()
+        self._prefetch()
+        return float(loss)
+
+    def backward(self) -> float:
+        """Forward and backward on the next batch; leaves the gradients in place and returns the loss.
+        Does not advance: ``apply_step()`` does."""
+        loss = self._forward_backward()
+        self.device.sync()
+        return float(loss)
+
+    def apply_step(self) -> None:
+        """Clip, AdamW step and zero the gradients left by ``backward()`` (or ``load_flat_grads``); advance."""
+        self._update()
+        self.device.sync()
+        self._advance()
+        self._prefetch()
+
+    def flat_grads(self) -> torch.Tensor:
+        """The gradients as one flat fp32 host tensor (zeros for a parameter without a gradient)."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        return torch.cat([g.reshape(-1).float() for g in self.device.to_host(grads)])
+
+    def load_flat_grads(self, flat: torch.Tensor) -> None:
+        """Replace the gradients with ``flat`` (``flat_grads`` order), e.g. an all-reduced mean."""
+        needed = sum(p.numel() for p in self.params)
+        if flat.numel() != needed:
+            raise ValueError(f"flat gradient has {flat.numel()} elements, parameters need {needed}")
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                g = flat[offset : offset + p.numel()].view_as(p).to(p.device, p.dtype)
+                p.grad = g if p.grad is None else p.grad.copy_(g)
+                offset += p.numel()
+        self.device.sync()
+
+    # ---- parameters in and out ----------------------------------------------------------------------------------
     def flat_params(self) -> torch.Tensor:
-        return flatten_params(self.params)
+        """θ as one flat fp32 host tensor (a copy)."""
+        return self.gather(range(len(self.params)))
 
     def load_flat(self, flat: torch.Tensor) -> None:
         unflatten_into(flat, self.params)
         self.device.sync()
 
+    def gather(self, indices: Sequence[int]) -> torch.Tensor:
+        """Parameters ``indices`` (a fragment's) as one flat fp32 host tensor: one batched transfer."""
+        host = self.device.to_host([self.params[i] for i in indices])
+        return torch.cat([t.reshape(-1).to(torch.float32) for t in host])
+
+    def scatter(self, indices: Sequence[int], flat: torch.Tensor) -> None:
+        """Copy ``flat`` into parameters ``indices`` in place (the tensors the optimizer holds stay the same)."""
+        unflatten_into(flat, [self.params[i] for i in indices])
+        self.device.sync()
+
+    def snapshot(self, indices: Sequence[int]) -> concurrent.futures.Future:
+        """A future of ``gather(indices)`` as of now, which does not hold up training.
+
+        On an accelerator the parameters are first copied on the device (cheap), then moved to host memory by a
+        background thread while the next steps run; on the CPU the copy is made right away.
+        """
+        if self.device.kind == "cpu":
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(self.gather(indices))
+            return done
+        with torch.no_grad():
+            copies = [self.params[i].detach().clone() for i in indices]
+        self.device.sync()  # the copies materialise as their own small graph, never inside a step's graph
+        if self._snapshots is None:
+            self._snapshots = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="snapshot")
+        device = self.device
+
+        def to_host() -> torch.Tensor:
+            return torch.cat([t.reshape(-1).to(torch.float32) for t in device.to_host(copies)])
+
+        return self._snapshots.submit(to_host)
+
     @torch.no_grad()
     def evaluate(self, batches: list[torch.Tensor]) -> float:
-        """Mean loss of the current θ on fixed held-out batches."""
+        """Mean loss of the current θ on fixed held-out batches (accumulated on the device, read once)."""
+        if not batches:
+            return math.nan
+        dev = self.device.torch_device
         self.model.eval()
-        losses = [float(self.model(b[:, :-1].to(self.device.torch_device), b[:, 1:].to(self.device.torch_device)))
-                  for b in batches]
+        total = torch.zeros((), dtype=torch.float32, device=dev)
+        for b in batches:
+            with self._autocast_device.autocast():
+                loss = self.model(b[:, :-1].contiguous().to(dev), b[:, 1:].contiguous().to(dev))
+            total = total + loss.float()
+            self.device.sync()
         self.model.train()
-        return sum(losses) / len(losses) if losses else math.nan
+        return float(total) / len(batches)
 
+    # ---- checkpoints --------------------------------------------------------------------------------------------
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """θ and the inner optimizer state as named CPU tensors (for checkpoints)."""
-        out = {f"model.{i}": p.detach().cpu() for i, p in enumerate(self.params)}
+        """θ and the inner optimizer state as named CPU tensors (for checkpoints); the same names and dtypes on
+        every device, so a checkpoint written on one device loads on another."""
+        names, tensors = [], []
+        for i, p in enumerate(self.params):
+            names.append(f"model.{i}")
+            tensors.append(p)
         for i, p in enumerate(self.params):
             for k, v in self.optimizer.state.get(p, {}).items():
-                out[f"opt.{i}.{k}"] = torch.as_tensor(v).detach().cpu()
-        return out
+                names.append(f"opt.{i}.{k}")
+                tensors.append(torch.as_tensor(v))
+        return dict(zip(names, self.device.to_host(tensors)))
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 p.copy_(tensors[f"model.{i}"].to(p.device, p.dtype))
         state = {}
-        for i, p in enumerate(self.params):
+        for i, _ in enumerate(self.params):
             entry = {k.split(".", 2)[2]: v for k, v in tensors.items() if k.startswith(f"opt.{i}.")}
             if entry:
-                state[i] = {k: v.to(p.device) if k != "step" else v for k, v in entry.items()}
+                state[i] = entry
         sd = self.optimizer.state_dict()
         sd["state"] = state
+        # load_state_dict places each value on its parameter's device (the step count too, when capturable).
         self.optimizer.load_state_dict(sd)
         self.device.sync()

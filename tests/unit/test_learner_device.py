@@ -1,0 +1,119 @@
+"""The learner's device-facing API on the CPU: split steps, gradients in and out, fragments in and out,
+prefetching, checkpoints state. The same properties on xla are in tests/xla/test_xla_learner.py."""
+
+import pytest
+import torch
+
+from atoll.models.configs import MODELS
+from atoll.models.data import Corpus, load_corpus
+from atoll.node.config import RunConfig
+from atoll.node.device import Device, resolve_device
+from atoll.node.learner import Learner
+
+RUN = RunConfig(model="nano", warmup_steps=3)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    tokens, _ = load_corpus("builtin")
+    return Corpus(tokens, MODELS["nano"].seq_len, RUN.num_shards)
+
+
+def make(corpus, precision=None):
+    return Learner(RUN, resolve_device("cpu"), corpus, shard=1, batch_size=4, precision=precision)
+
+
+def test_train_step_is_backward_then_apply_step(corpus):
+    fused, split = make(corpus), make(corpus)
+    for _ in range(4):
+        assert fused.train_step() == split.backward()
+        split.apply_step()
+    assert torch.equal(fused.flat_params(), split.flat_params())
+    assert (fused.step, fused.tokens, fused.position) == (split.step, split.tokens, split.position) == (4, 4 * fused.tokens_per_step, 16)
+
+
+def test_flat_grads_round_trip_and_loaded_grads_drive_the_step(corpus):
+    a, b, c = make(corpus), make(corpus), make(corpus)
+    a.backward()
+    g = a.flat_grads()
+    assert g.dtype == torch.float32 and g.numel() == a.flat_params().numel() and g.abs().sum() > 0
+    # b computes its own gradient on a different batch, then takes a's: its step must equal a's step.
+    b.position = 40
+    b.backward()
+    assert not torch.equal(b.flat_grads(), g)
+    b.load_flat_grads(g)
+    assert torch.equal(b.flat_grads(), g)
+    a.apply_step()
+    b.apply_step()
+    assert torch.equal(a.flat_params(), b.flat_params())
+    # Gradients that were never computed are loaded too (p.grad is None after a step).
+    c.load_flat_grads(g)
+    c.apply_step()
+    assert torch.equal(a.flat_params(), c.flat_params())
+    with pytest.raises(ValueError):
+        c.load_flat_grads(g[:-1])
+
+
+def test_gather_scatter_snapshot_address_fragments_in_place(corpus):
+    learner = make(corpus)
+    learner.train_step()
+    flat = learner.flat_params()
+    sizes = [p.numel() for p in learner.params]
+    idx = [1, 3, 4]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    expected = torch.cat([flat[offsets[i]: offsets[i] + sizes[i]] for i in idx])
+    assert torch.equal(learner.gather(idx), expected)
+    snap = learner.snapshot(idx)
+    before = [p for p in learner.params]
+    learner.scatter(idx, torch.zeros(expected.numel()))
+    assert all(a is b for a, b in zip(before, learner.params))  # the optimizer's tensors, changed in place
+    assert torch.equal(snap.result(), expected)  # a snapshot is of the time it was taken
+    assert learner.gather(idx).abs().sum() == 0
+    other = [i for i in range(len(sizes)) if i not in idx]
+    assert torch.equal(learner.gather(other), torch.cat([flat[offsets[i]: offsets[i] + sizes[i]] for i in other]))
+
+
+def test_prefetched_batch_follows_position_changes(corpus):
+    """The daemon sets ``position`` on restore: a batch prefetched for the old position must not be used."""
+    learner, ref = make(corpus), make(corpus)
+    learner.train_step()  # prefetches position 4
+    learner.position = 100
+    ref.load_flat(learner.flat_params())
+    batch = corpus.batch_at(1, 100, 4)
+    with torch.no_grad():
+        expected = float(ref.model(batch[:, :-1], batch[:, 1:]))
+    assert learner.backward() == pytest.approx(expected, abs=1e-6)
+
+
+def test_state_round_trip_continues_bit_identically(corpus):
+    a = make(corpus)
+    for _ in range(3):
+        a.train_step()
+    b = make(corpus)
+    b.load_state_tensors(a.state_tensors())
+    b.step, b.tokens, b.position = a.step, a.tokens, a.position
+    for _ in range(3):
+        assert a.train_step() == b.train_step()
+    assert torch.equal(a.flat_params(), b.flat_params())
+    assert all(v.device.type == "cpu" for v in a.state_tensors().values())
+
+
+def test_bf16_autocast_trains_close_to_fp32(corpus):
+    fp32, bf16 = make(corpus), make(corpus, precision="bf16")
+    assert Device("cpu", torch.device("cpu")).precision == "fp32" and bf16.precision == "bf16"
+    for _ in range(3):
+        l32, l16 = fp32.train_step(), bf16.train_step()
+        assert abs(l32 - l16) < 0.05
+    assert all(p.dtype == torch.float32 for p in bf16.params)  # master weights stay fp32
+    assert not torch.equal(fp32.flat_params(), bf16.flat_params())  # bf16 really ran
+    with pytest.raises(ValueError):
+        make(corpus, precision="fp8")
+
+
+def test_evaluate_is_the_mean_held_out_loss(corpus):
+    learner = make(corpus)
+    batches = corpus.held_out(3, 4)
+    with torch.no_grad():
+        direct = [float(learner.model(b[:, :-1], b[:, 1:])) for b in batches]
+    assert learner.evaluate(batches) == pytest.approx(sum(direct) / 3, rel=1e-6)
+    assert learner.model.training

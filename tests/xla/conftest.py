@@ -1,0 +1,13 @@
+"""The xla tests: torch_xla's real compiler and runtime on the CPU (``PJRT_DEVICE=CPU``).
+
+They run in the xla environment (``make test-xla``); in an environment without torch_xla they are skipped with
+that reason, unless ``ATOLL_REQUIRE_XLA=1`` (set by ``make test-xla``), which turns a missing torch_xla into
+failures instead of skips.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")  # before torch_xla starts its runtime, here and in daemons we start
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # xla_helpers
