@@ -20,9 +20,9 @@ from multiaddr import Multiaddr
 from atoll.models.configs import MODELS
 from atoll.protocols.codecs import CODECS
 
-ALGORITHMS = ("diloco", "streaming", "decoupled")
+ALGORITHMS = ("decoupled", "streaming", "diloco", "ddp")
 DEVICES = ("auto", "cpu", "cuda", "xla")
-FAULTS = {"kill_in_round": int, "step_delay": float, "corrupt_round": int}
+FAULTS = {"kill_in_round": int, "step_delay": float, "corrupt_round": int, "split_side": int, "split_until": int}
 
 
 class ConfigError(ValueError):
@@ -50,8 +50,10 @@ class RunConfig:
     fragments: int = 4  # P
     overlap: int = 2  # τ: inner steps between a fragment's snapshot and its merge
     alpha: float = 0.0  # merge θ ← α·θ + (1−α)·Θ
-    quorum: int = 1  # K (decoupled): minimum members before a round may close
+    quorum: int = 1  # K: minimum members before a round may close (decoupled); ddp: daemons that start together
+    max_group: int = 16  # round-size cap: more ready daemons form several groups (forks that consistency heals)
     grace_gamma: float = 0.5  # γ < 1: share of the overlap's slack a round may wait for more members
+    stale_contributions: bool = False  # decoupled: keep work a round missed and contribute it to the next one
     rda: bool = True  # radial-directional averaging for non-embedding fragments (decoupled)
     compression: str = "none"  # codec of outer deltas on the wire (see atoll.protocols.codecs)
     error_feedback: bool = True  # keep what quantization dropped and add it to the next delta
@@ -65,7 +67,7 @@ class RunConfig:
         if self.data != "builtin" and not Path(self.data).exists():
             raise ConfigError(f"data: {self.data!r} is neither 'builtin' nor an existing path")
         _positive(self, "sync_every", "num_shards", "outer_lr", "inner_lr", "gather_timeout", "round_timeout",
-                  "fragments", "quorum")
+                  "fragments", "quorum", "max_group")
         _non_negative(self, "warmup_steps", "weight_decay", "seed", "overlap")
         if not 0 <= self.alpha < 1:
             raise ConfigError(f"alpha: must be in [0, 1), got {self.alpha}")
@@ -82,11 +84,11 @@ class RunConfig:
 
     @property
     def num_fragments(self) -> int:
-        return 1 if self.algorithm == "diloco" else self.fragments
+        return 1 if self.algorithm in ("diloco", "ddp") else self.fragments
 
     @property
     def overlap_steps(self) -> int:
-        return 0 if self.algorithm == "diloco" else self.overlap
+        return 0 if self.algorithm in ("diloco", "ddp") else self.overlap
 
     def published(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -114,7 +116,8 @@ class NodeConfig:
     # Deterministic fault injection for tests: "kill_in_round=N" SIGKILLs this daemon's process group after the
     # group of its N-th round formed; "step_delay=S" sleeps S seconds per inner step (a slow daemon);
     # "corrupt_round=N" sends malformed parts (truncated, bad header, unknown codec, NaN; each twice) in the
-    # multi-member rounds N..N+7.
+    # multi-member rounds N..N+7; "split_side=S" with "split_until=V" forms rounds of fragment versions below V only
+    # with daemons of the same side S (a split swarm whose halves meet again at V).
     faults: tuple[str, ...] = ()
 
     def validate(self) -> None:

@@ -72,6 +72,18 @@ class _Pending:
     future: concurrent.futures.Future
     merge_at: int  # schedule step at which the result is merged in (due step + τ)
     version: int
+    delta: torch.Tensor | None = None  # decoupled: what we contributed (Θ_base − θ at the snapshot), fp32
+    counters: tuple[int, int] = (0, 0)  # decoupled: the tokens and steps behind it
+
+
+@dataclass
+class _Contribution:
+    """Our part of the last round that merged fragment p: kept until the next one, in case that round's replica
+    loses to a heavier fork at the same version, so that we can contribute it again instead of losing it."""
+
+    version: int  # the version the round produced
+    delta: torch.Tensor
+    counters: tuple[int, int]
 
 
 class Daemon:
@@ -88,6 +100,8 @@ class Daemon:
         self.blocked_seconds = 0.0
         self.started = time.monotonic()
         self.pending: dict[int, _Pending] = {}
+        self.merged_tokens: dict[int, int] = {}  # per fragment: the tokens behind our last merged contribution
+        self.contributions: dict[int, _Contribution] = {}
         self.restored_error_feedback: dict[str, torch.Tensor] = {}
 
     # ---- set-up --------------------------------------------------------------------------------------------
@@ -125,6 +139,15 @@ class Daemon:
             "held_out_loss": _finite_or_none(self.held_out_loss), "tokens_lost": int(self.tokens_lost),
             "goodput": float(min(1.0, self.train_seconds / wall)), "blocked_s": float(self.blocked_seconds),
         }
+
+    def _summary(self) -> dict[str, Any]:
+        """What this daemon did over its lifetime: written as the last metrics event (benchmarks read it)."""
+        syncer, stats = self.syncer, self.syncer.stats
+        return {**self._progress(), "status": "stopped", "version": self.replica.total_version,
+                "versions": [v for v, _, _ in self.replica.identities()], "train_seconds": self.train_seconds,
+                "wall_seconds": time.monotonic() - self.started, "rounds": syncer.rounds_done,
+                "rounds_skipped": syncer.rounds_skipped, "forks_healed": syncer.forks_healed,
+                "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received}
 
     def _metric(self, **fields: Any) -> None:
         if self.metrics_file is not None:
@@ -190,17 +213,49 @@ class Daemon:
                 self._metric(event="joined", version=self.replica.total_version, donor=states[0].donor)
             else:
                 logger.info("no peer holds state yet: starting from the seed's initial model (shard %d)", shard)
+        if run.algorithm == "ddp" and self.replica.total_version > 0 and not resumed:
+            raise ConfigError(f"algorithm: ddp runs have a fixed membership and this one is at step "
+                              f"{self.replica.total_version}; start every ddp daemon together (see --quorum)")
         self.status = "training"
         try:
+            if run.algorithm == "ddp":
+                self._wait_for_peers(run.quorum)
             self._train()
         finally:
             self.status = "leaving"
             syncer.shutdown()
             self._checkpoint()
             logger.info("stopped at step %d, version %d", learner.step, self.replica.total_version)
+            self._metric(event="summary", **self._summary())
             if self.metrics_file is not None:
                 self.metrics_file.close()
         return 0
+
+    def _ddp_report(self) -> None:
+        """ddp has no outer rounds; every H steps it logs and records its state like one, and checkpoints."""
+        learner = self.learner
+        version, weight, digest = self.replica.identity(0)
+        group = self.syncer.last_group or [str(self.dht.peer_id)]
+        self.held_out_loss = learner.evaluate(self.held_out)
+        logger.info("ddp step %d: version %d, %d members, held-out loss %.4f, hash %s", learner.step, version,
+                    len(group), self.held_out_loss, digest)
+        self._metric(event="round", fragment=0, version=version, hash=digest, weight=weight, members=group,
+                     contributors=group, step=learner.step, tokens=learner.tokens, held_out_loss=self.held_out_loss,
+                     seconds=0.0, bytes_sent=self.syncer.stats.bytes_sent,
+                     bytes_received=self.syncer.stats.bytes_received)
+        self._checkpoint()
+
+    def _wait_for_peers(self, count: int) -> None:
+        """ddp: hold the first step until ``count`` daemons (this one included) are training."""
+        logged = False
+        while not self.stop.is_set():
+            training = sum(peer.status == "training" for peer in self.syncer.peers().values()) + 1
+            if training >= count:
+                return
+            if not logged:
+                logger.info("ddp: waiting for %d daemons to start together (%d training)", count, training)
+                logged = True
+            self.stop.wait(0.2)
 
     def _replica_id(self, p: int) -> tuple[int, str]:
         version, _, digest = self.replica.identity(p)
@@ -227,7 +282,7 @@ class Daemon:
             t0 = time.monotonic()
             if step_delay:
                 time.sleep(step_delay)
-            self.loss = learner.train_step()
+            self.loss = self._ddp_step() if run.algorithm == "ddp" else learner.train_step()
             elapsed_step = time.monotonic() - t0
             self.train_seconds += elapsed_step
             self.syncer.step_time = elapsed_step if not self.syncer.step_time else (
@@ -242,28 +297,86 @@ class Daemon:
                 self.tokens_per_s, window_start, window_tokens = window_tokens / elapsed, time.monotonic(), 0
             if learner.step % 10 == 0:
                 self._metric(step=learner.step, tokens=learner.tokens, loss=self.loss)
+            if run.algorithm == "ddp":
+                if learner.step % run.sync_every == 0:
+                    self._ddp_report()
+                continue
             for fragment in self.fragments:
                 if fragment.due(self.replica.schedule_step, run.sync_every):
-                    self._start_round(fragment.index)
+                    self._start_round(fragment.index, own_schedule=True)
+            if run.algorithm == "decoupled":
+                for p in sorted(self.syncer.take_open_rounds()):
+                    self._start_round(p)
             self._merge_due()
+
+    def _ddp_step(self) -> float:
+        """One data-parallel step: gradients averaged with every peer before the optimizer step (blocking)."""
+        learner = self.learner
+        loss = learner.backward()
+        version = self.replica.identity(0)[0]
+        t0 = time.monotonic()
+        future = self.syncer.submit_gradient_allreduce(version, learner.flat_grads(), float(learner.tokens_per_step))
+        while not future.done() and not self.stop.wait(0.001):
+            pass
+        self.blocked_seconds += time.monotonic() - t0
+        self.train_seconds -= time.monotonic() - t0  # the caller times the whole step; waiting is not training
+        averaged = future.result() if future.done() and future.exception() is None else None
+        if averaged is not None:
+            learner.load_flat_grads(averaged)
+        learner.apply_step()
+        self.replica.replace_params(0, version, learner.flat_params(), learner.tokens_per_step)
+        self.local[0].restart(*self.replica.params_and_id(0))
+        return loss
 
     def _apply_adopted(self) -> None:
         for state in self.syncer.take_adopted():
             p = state.fragment
             new, base_id = self.replica.params_and_id(p)
-            lost = self.local[p].restart(new, base_id) // len(self.fragments)  # the share that trained fragment p
+            local, fragment = self.local[p], self.fragments[p]
+            # A replica at or below our base's version replaced the one our base came from: our side of a fork
+            # lost, and the tokens merged into it with it (the share of them that trained fragment p).
+            forked = state.version <= local.base_id[0]
+            lost = self.merged_tokens.get(p, 0) // len(self.fragments) if forked else 0
+            if self.cfg.run.algorithm == "decoupled" and self.cfg.run.stale_contributions:
+                # Keep the work no round has merged yet: θ_p moves with the new Θ_p, and the unmerged progress
+                # rides along into our next contribution (a stale one, weighted by the tokens behind it).
+                progress = fragment.gather(self.learner.params) - local.base
+                contribution = self.contributions.pop(p, None)
+                refork = forked and contribution is not None and contribution.version == state.version
+                if refork:
+                    # Our group's replica lost to a heavier one of the same version, which lacks our part of
+                    # that round: contribute it again (Θ_base − θ_snapshot = delta, so θ_snapshot − Θ_base = −delta).
+                    progress -= contribution.delta
+                    local.tokens += contribution.counters[0]
+                    local.steps += contribution.counters[1]
+                    lost = 0
+                local.rebase(new, base_id)
+                fragment.scatter(new + progress, self.learner.params)
+                what = "kept" + (" with our part of the lost fork" if refork else "")
+            else:
+                lost += local.restart(new, base_id) // len(self.fragments)
+                fragment.scatter(new, self.learner.params)
+                what = "discarded"
             self.tokens_lost += lost
-            self.fragments[p].scatter(new, self.learner.params)
-            logger.info("adopted fragment %d v%d from %s; %d local tokens' work on it discarded", p, state.version,
-                        state.donor[-8:], lost)
-            self._metric(event="adopted", fragment=p, version=state.version, lost_tokens=lost, step=self.learner.step)
+            logger.info("adopted fragment %d v%d from %s; unmerged local work %s, %d tokens' work lost", p,
+                        state.version, state.donor[-8:], what, lost)
+            self._metric(event="adopted", fragment=p, version=state.version, lost_tokens=lost, step=self.learner.step,
+                         forked=forked)
 
-    def _start_round(self, p: int) -> None:
+    def _start_round(self, p: int, own_schedule: bool = False) -> None:
+        """Contribute fragment ``p`` to its next round: at its due step (``own_schedule``), or earlier when a peer
+        opened that round (decoupled)."""
         if p in self.pending:  # the previous round of this fragment has not landed: do not queue another
-            self.syncer.rounds_skipped += 1
+            if own_schedule:
+                self.syncer.rounds_skipped += 1
+            return
+        run = self.cfg.run
+        if own_schedule and run.algorithm == "decoupled" and self.local[p].steps < run.sync_every // 2:
+            # We joined a round of p that a peer opened not long ago: opening another now would only split the
+            # swarm's work on p into smaller rounds.
             return
         self._apply_adopted()  # the pseudo-gradient must be taken against the replica the round will update
-        run, local = self.cfg.run, self.local[p]
+        local = self.local[p]
         version, _, digest = self.replica.identity(p)
         if (version, digest) != local.base_id or local.steps == 0:
             # An adoption is landing right now, or one just restarted this fragment: nothing of ours to merge yet.
@@ -272,7 +385,9 @@ class Daemon:
         delta = local.delta(self.fragments[p].gather(self.learner.params))
         weight = token_weight(local.tokens, local.steps) if run.algorithm == "decoupled" else float(local.tokens)
         future = self.syncer.submit_round(p, delta, weight, local.base_id)
-        self.pending[p] = _Pending(future, self.replica.schedule_step + run.overlap_steps, version)
+        keep = run.algorithm == "decoupled" and run.stale_contributions
+        self.pending[p] = _Pending(future, self.replica.schedule_step + run.overlap_steps, version,
+                                   delta.float() if keep else None, (local.tokens, local.steps))
 
     def _merge_due(self) -> None:
         synchronous = self.cfg.run.algorithm in ("diloco", "streaming")
@@ -303,7 +418,9 @@ class Daemon:
             merged, base_id = self.replica.params_and_id(p)
             # Overwriting θ_p drops the τ steps trained on it since the snapshot (the paper's α = 0 choice).
             self.tokens_lost += run.overlap_steps * learner.tokens_per_step // len(self.fragments)
-            self.local[p].restart(merged, base_id)
+            self.merged_tokens[p] = self.local[p].restart(merged, base_id)
+            if pending.delta is not None:
+                self.contributions[p] = _Contribution(base_id[0], pending.delta, pending.counters)
             if run.alpha:
                 merged = run.alpha * fragment.gather(learner.params) + (1 - run.alpha) * merged
             fragment.scatter(merged, learner.params)

@@ -40,6 +40,12 @@ class LocalFragmentState:
         self.tokens = self.steps = 0
         return unmerged
 
+    def rebase(self, new_base: torch.Tensor, base_id: tuple[int, str]) -> None:
+        """A newer Θ_p arrived that does not contain our unmerged work: move the base, keep the counters (the work
+        stays ours to contribute, and its weight keeps growing)."""
+        self.base = new_base.detach().to("cpu", torch.float32).clone()
+        self.base_id = base_id
+
     def state_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         return {f"{prefix}.base": self.base}
 

@@ -97,3 +97,16 @@ class Replica:
             f.params, f.momentum = state.params.clone(), state.momentum.clone()
             f.version, f.weight, f.digest = state.version, state.weight, state.digest
             return True
+
+    def replace_params(self, p: int, version: int, params: torch.Tensor, weight: float) -> bool:
+        """ddp: after a step every member applied the same averaged gradients, Θ_p is simply the new θ; applied
+        only if fragment ``p`` is still at ``version`` (False when a heavier replica was adopted meanwhile)."""
+        with self._lock:
+            f = self._frags[p]
+            if f.version != version:
+                return False
+            f.params = params.detach().to("cpu", torch.float32).clone()
+            f.version += 1
+            f.weight += float(weight)
+            f.digest = tensor_hash(f.params, f.momentum)
+            return True

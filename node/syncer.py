@@ -28,10 +28,11 @@ from hivemind.utils import get_dht_time
 
 from atoll.models.fragments import Fragment
 from atoll.models.outer import NesterovOuter, grace_window
-from atoll.protocols.averaging import AveragingServicer, GroupSpec, TrafficStats, allreduce
+from atoll.protocols.averaging import AllreduceResult, AveragingServicer, GroupSpec, TrafficStats, allreduce
 from atoll.protocols.codecs import ErrorFeedback
 from atoll.protocols.matchmaking import form_group
-from atoll.protocols.records import ProgressRecord, config_key, heavier, parse_progress, progress_key, unwrap_subkeys
+from atoll.protocols.records import (ProgressRecord, config_key, heavier, open_rounds_key, parse_open_round, parse_progress,
+                                     progress_key, unwrap_subkeys)
 from atoll.protocols.state_sync import ReplicaState, StateServicer, download_state
 
 from .config import NodeConfig
@@ -40,6 +41,7 @@ from .replica import Replica
 logger = logging.getLogger("atoll")
 MAX_ATTEMPTS = 3
 CORRUPTIONS = ("truncated", "header", "codec", "nan")
+OPEN_ROUND_POLL = 0.25  # seconds between reads of the rounds others opened (decoupled)
 
 
 @dataclass
@@ -76,12 +78,17 @@ class Syncer:
         self._adopted_lock = threading.Lock()
         self._downloading: set[int] = set()
         self._in_round: set[int] = set()
+        self._open: set[int] = set()  # decoupled: fragments whose round at our version a peer opened
+        self._open_lock = threading.Lock()
+        self._last_round: dict[int, int] = {}  # fragment -> the version of the last round we registered for
         self._leaving = False
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run_loop, name="atoll-syncer", daemon=True)
         self._heartbeat_task: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._ddp_group: list[str] | None = None  # ddp: the group of the last step, reused while it holds
+        self.last_group: list[str] | None = None  # ddp: the members of the last completed all-reduce
         self.config_record: dict[str, Any] | None = None  # re-published so the run outlives its first daemon
         self._config_published = 0.0
 
@@ -105,6 +112,8 @@ class Syncer:
         await StateServicer(self.replica.snapshot, self.replica.num_fragments, self.stats).add_p2p_handlers(
             self.p2p, namespace=self.cfg.run_id)
         self._heartbeat_task = self._spawn(self._heartbeat())
+        if self.cfg.run.algorithm == "decoupled":
+            self._spawn(self._watch_open_rounds())
 
     def _spawn(self, coro) -> asyncio.Task:
         """Start a background task and hold a reference until it ends (asyncio keeps only weak ones)."""
@@ -280,6 +289,13 @@ class Syncer:
         return grace_window(run.grace_gamma, run.overlap, self.step_time, self._quorum_time.value,
                             self._sync_time.value)
 
+    def _matchmaking_scope(self, version: int) -> str:
+        """The namespace rounds are formed in. The ``split_side``/``split_until`` faults put daemons of different
+        sides in different namespaces below that version, so that both sides form groups at the same versions
+        (a split swarm) until they meet again."""
+        side, until = self.faults.get("split_side"), self.faults.get("split_until", 0)
+        return f"{self.cfg.run_id}-side{side}" if side is not None and version < until else self.cfg.run_id
+
     # ---- rounds --------------------------------------------------------------------------------------------
     def submit_round(self, p: int, delta: torch.Tensor, weight: float,
                      base: tuple[int, str]) -> concurrent.futures.Future:
@@ -301,11 +317,14 @@ class Syncer:
                         if peer.status == "training"}
 
             decoupled = run.algorithm == "decoupled"
+            self._last_round[p] = version
+            if decoupled:
+                self._spawn(self._announce_round(p, version))
             members = await form_group(
-                self.dht, run_id=self.cfg.run_id, fragment=p, version=version, peer_id=self.peer_id,
+                self.dht, run_id=self._matchmaking_scope(version), fragment=p, version=version, peer_id=self.peer_id,
                 subkey=self._subkey, weight=weight, live_peers=live_peers, gather_timeout=run.gather_timeout,
                 abort=lambda: self.behind(p), quorum=run.quorum if decoupled else None,
-                grace=self.grace, on_reject=self.stats.reject,
+                grace=self.grace, on_reject=self.stats.reject, max_group=run.max_group,
             )
             formed = time.monotonic()
             if members is None:
@@ -331,26 +350,8 @@ class Syncer:
             if len(members) > 1 and 0 <= index < 2 * len(CORRUPTIONS):
                 corrupt = CORRUPTIONS[index % len(CORRUPTIONS)]
                 logger.warning("fault injection: sending %s parts in round f%d v%d", corrupt, p, version)
-            alive = list(members)
-            for attempt in range(MAX_ATTEMPTS):
-                spec = GroupSpec(self.cfg.run_id, p, version, attempt, tuple(alive), delta.numel(), mode,
-                                 run.compression, run.codec_block)
-                result = await allreduce(self.p2p, self.averager, spec, self.peer_id, target, weight,
-                                         run.round_timeout, corrupt)
-                if result.merged is not None:
-                    break
-                if result.refused:
-                    # Live members disagree about the group. Merging without them would fork the replica;
-                    # instead keep the local progress and let consistency catch us up to the heavier side.
-                    logger.info("round f%d v%d: members %s disagree about the group; skipping this round", p,
-                                version, [r[-8:] for r in result.refused])
-                    return RoundOutcome("failed", version, members, seconds=time.monotonic() - started)
-                if self.peer_id in result.failed:  # our own shard failed: nothing to retry without
-                    return RoundOutcome("failed", version, members, seconds=time.monotonic() - started)
-                alive = [m for m in alive if m not in result.failed]
-                logger.info("round f%d v%d attempt %d failed (reducers %s); retrying with %d members", p, version,
-                            attempt, [f[-8:] for f in result.failed], len(alive))
-            else:
+            result, alive = await self._allreduce(p, version, members, target, weight, mode, run.compression, corrupt)
+            if result is None:
                 return RoundOutcome("failed", version, members, seconds=time.monotonic() - started)
             self._sync_time.update(time.monotonic() - formed)
             if use_ef and result.sent is not None and len(alive) > 1:
@@ -369,6 +370,108 @@ class Syncer:
             if behind:
                 self._maybe_catch_up()
 
+    # ---- decoupled: join rounds that others opened ------------------------------------------------------------
+    async def _announce_round(self, p: int, version: int) -> None:
+        record = {"peer_id": self.peer_id, "fragment": p, "version": version}
+        await self.dht.store(open_rounds_key(self.cfg.run_id), record, subkey=self._subkey,
+                             expiration_time=get_dht_time() + self.cfg.run.gather_timeout, return_future=True)
+
+    async def _watch_open_rounds(self) -> None:
+        """Daemons drift apart in their schedules (different speeds, joins, restarts). Whenever a live peer opens a
+        round of a fragment at the version we hold, tell the learner, which contributes to it at its next step
+        boundary instead of at its own due step: rounds stay full without anyone waiting."""
+        while True:
+            await asyncio.sleep(OPEN_ROUND_POLL)
+            try:
+                entry = await self.dht.get(open_rounds_key(self.cfg.run_id), latest=True, return_future=True)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the next poll tries again
+                logger.debug("could not read open rounds: %r", e)
+                continue
+            peers = self.peers()
+            for value in unwrap_subkeys(entry).values():
+                parsed = parse_open_round(value)
+                if parsed is None:
+                    self.stats.reject("open_round")
+                    continue
+                peer, p, version = parsed
+                if (peer == self.peer_id or peer not in peers or p >= self.replica.num_fragments
+                        or p in self._in_round or self._last_round.get(p) == version
+                        or version != self.replica.identity(p)[0]):
+                    continue
+                with self._open_lock:
+                    self._open.add(p)
+
+    def take_open_rounds(self) -> set[int]:
+        """Fragments whose round at our version a peer has opened since the last call."""
+        with self._open_lock:
+            opened, self._open = self._open, set()
+            return opened
+
+    async def _allreduce(self, p: int, version: int, members: list[str], tensor: torch.Tensor, weight: float,
+                         mode: str, codec: str, corrupt: str | None = None) -> tuple[AllreduceResult | None, list[str]]:
+        """The group's all-reduce, retried without reducers that failed; (None, _) when it cannot complete."""
+        alive = list(members)
+        for attempt in range(MAX_ATTEMPTS):
+            spec = GroupSpec(self.cfg.run_id, p, version, attempt, tuple(alive), tensor.numel(), mode, codec,
+                             self.cfg.run.codec_block)
+            result = await allreduce(self.p2p, self.averager, spec, self.peer_id, tensor, weight,
+                                     self.cfg.run.round_timeout, corrupt)
+            if result.merged is not None:
+                return result, alive
+            if result.refused:
+                # Live members disagree about the group. Merging without them would fork the replica;
+                # instead keep the local progress and let consistency catch us up to the heavier side.
+                logger.info("round f%d v%d: members %s disagree about the group; skipping this round", p,
+                            version, [r[-8:] for r in result.refused])
+                return None, alive
+            if self.peer_id in result.failed:  # our own shard failed: nothing to retry without
+                return None, alive
+            alive = [m for m in alive if m not in result.failed]
+            logger.info("round f%d v%d attempt %d failed (reducers %s); retrying with %d members", p, version,
+                        attempt, [f[-8:] for f in result.failed], len(alive))
+        return None, alive
+
+    # ---- ddp: a gradient all-reduce every inner step (the synchronous baseline) ---------------------------------
+    def submit_gradient_allreduce(self, version: int, grads: torch.Tensor, weight: float) -> concurrent.futures.Future:
+        """Average this step's gradients with every live ddp peer at the same ``version`` (steps taken together);
+        resolves to the token-weighted mean (the same values on every member), or None if no group formed."""
+        return self._submit(self._gradient_allreduce(version, grads, weight))
+
+    async def _gradient_allreduce(self, version: int, grads: torch.Tensor, weight: float) -> torch.Tensor | None:
+        run = self.cfg.run
+
+        async def live_peers() -> dict[str, int]:
+            # Every training peer is expected: versions advance every step, faster than records are refreshed.
+            peers = await self.refresh_peers()
+            return {peer.peer_id: version for peer in peers.values() if peer.status == "training"}
+
+        for attempt in range(MAX_ATTEMPTS):
+            members = self._ddp_group if attempt == 0 else None
+            if members is None:
+                # Forming a group through the DHT costs several round trips, so a formed group is reused step after
+                # step until an all-reduce fails; then its members form a new one (in a fresh namespace per attempt,
+                # so that the failed attempt's decision is not reused).
+                members = await form_group(
+                    self.dht, run_id=f"{self.cfg.run_id}-ddp{attempt}", fragment=0, version=version,
+                    peer_id=self.peer_id, subkey=self._subkey, weight=weight, live_peers=live_peers,
+                    gather_timeout=run.gather_timeout, abort=lambda: False, on_reject=self.stats.reject)
+                if not members:
+                    continue
+            self._in_round.add(0)
+            try:
+                result, alive = await self._allreduce(0, version, members, grads, weight, "mean", run.compression)
+            finally:
+                self._in_round.discard(0)
+            if result is not None:
+                self._ddp_group = members if alive == members else None
+                self.last_group = alive
+                self.rounds_done += 1
+                return result.merged
+            self._ddp_group = None
+            logger.info("ddp step v%d: all-reduce attempt %d failed; forming a new group", version, attempt)
+        return None
 
 class EMA:
     """Exponential moving average of a duration; 0 until the first sample."""

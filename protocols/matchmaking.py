@@ -7,8 +7,10 @@ past this version, so a stale registration left by a daemon that has since died 
 The earliest counted registrant (by time, then peer id) is the round's coordinator. It closes the group when
 every peer it expects has registered (the live peers at this version or one behind, i.e. about to arrive), or
 — with a minimum quorum K — once K members are in and the grace window since then has passed, or at its
-gather deadline; then it publishes the sorted member list under ``<round key>_group``. Everyone else waits
-for a group record and uses it verbatim, so all members run the all-reduce with the same list. A daemon left
+gather deadline; then it publishes the sorted member list under ``<round key>_group`` — several lists when more
+than the round-size cap registered (those groups fork the fragment at this version on purpose, and consistency
+reconciles them: gossip rather than one all-reduce over the whole swarm). Everyone else waits for a group
+record and uses it verbatim, so all members run the all-reduce with the same list. A daemon left
 out of the group (it registered too late) gets an empty list and catches up by download; if no coordinator
 publishes in time (it died), the round is skipped and retried at the next sync point without it. Decisions
 older than a few gather timeouts are ignored, so a round that was abandoned cannot shut anyone out for good.
@@ -35,18 +37,36 @@ def group_key(run_id: str, fragment: int, version: int) -> str:
     return round_key(run_id, fragment, version) + "_group"
 
 
-def parse_group_record(value: Any) -> list[str] | None:
-    """A group decision ``{members: [peer ids], time}``, or None if malformed."""
-    if not isinstance(value, dict) or set(value) != {"members", "time"}:
+def parse_group_record(value: Any) -> list[list[str]] | None:
+    """A group decision ``{groups: [[peer ids], ...], time}``: disjoint sorted groups; None if malformed."""
+    if not isinstance(value, dict) or set(value) != {"groups", "time"} or not isinstance(value["groups"], list):
         return None
-    members = value["members"]
-    if not isinstance(members, list) or not 0 < len(members) <= MAX_GROUP or not all(
-        isinstance(m, str) and 0 < len(m) < 128 for m in members
-    ):
+    groups = value["groups"]
+    if not 0 < len(groups) <= MAX_GROUP:
         return None
-    if len(set(members)) != len(members) or members != sorted(members):
+    seen: set[str] = set()
+    for members in groups:
+        if not isinstance(members, list) or not 0 < len(members) <= MAX_GROUP or not all(
+            isinstance(m, str) and 0 < len(m) < 128 for m in members
+        ):
+            return None
+        if len(set(members)) != len(members) or members != sorted(members) or seen & set(members):
+            return None
+        seen |= set(members)
+    if len(seen) > MAX_GROUP:
         return None
-    return members
+    return groups
+
+
+def split_groups(registered: dict[str, float], max_group: int) -> list[list[str]]:
+    """Split the registrants of a round into the fewest groups of at most ``max_group`` members, of sizes that
+    differ by at most one. Registrants are dealt in order of registration (time, then peer id), so every group
+    gets some of the earliest; each group is sorted (the order the all-reduce uses)."""
+    if max_group < 1:
+        raise ValueError(f"max_group must be positive, got {max_group}")
+    ordered = sorted(registered, key=lambda p: (registered[p], p))
+    count = -(-len(ordered) // max_group)
+    return [sorted(ordered[i::count]) for i in range(count)]
 
 
 async def form_group(
@@ -65,14 +85,16 @@ async def form_group(
     grace: Callable[[], float] = lambda: 0.0,
     poll_interval: float = 0.2,
     on_reject: Callable[[str], None] = lambda kind: None,
+    max_group: int = MAX_GROUP,
 ) -> list[str] | None:
     """Register for the round and return its sorted member list.
 
     ``live_peers()`` refreshes and returns ``{peer_id: version}`` of the live training peers (excluding this one).
     ``quorum=None`` waits for every expected peer (synchronous algorithms); an integer K closes the group once K
     members registered and ``grace()`` seconds passed since (or everyone expected is in).
-    Returns None when ``abort()`` becomes true (a heavier replica appeared: catch up instead), and an empty list
-    when this daemon is not in the round's group or no group was decided in time.
+    More than ``max_group`` registrants are split into several groups (see ``split_groups``); each daemon gets
+    its own. Returns None when ``abort()`` becomes true (a heavier replica appeared: catch up instead), and an
+    empty list when this daemon is in none of the round's groups or no group was decided in time.
     """
     key, gkey = round_key(run_id, fragment, version), group_key(run_id, fragment, version)
     now = get_dht_time()
@@ -98,16 +120,16 @@ async def form_group(
         decisions = []
         stale_before = get_dht_time() - DECISION_LIFETIME_FACTOR * gather_timeout
         for value in unwrap_subkeys(group_entry).values():
-            members = parse_group_record(value)
-            if members is None:
+            groups = parse_group_record(value)
+            if groups is None:
                 on_reject("group_record")
             elif isinstance(value["time"], float) and value["time"] >= stale_before:
                 # An older decision belongs to a round that ended (or never ran) long ago: ignore it, or a
                 # daemon left out of it would be shut out of this version forever.
-                decisions.append((value["time"], members))
+                decisions.append((value["time"], groups))
         if decisions:
-            _, members = min(decisions, key=lambda d: (d[0], d[1]))
-            return members if peer_id in members else []
+            _, groups = min(decisions, key=lambda d: (d[0], d[1]))
+            return next((members for members in groups if peer_id in members), [])
         coordinator = min(registered, key=lambda p: (registered[p], p))
         deadline = registered[coordinator] + gather_timeout
         if coordinator == peer_id:
@@ -118,10 +140,10 @@ async def form_group(
                 quorum_since = t if quorum_since is None else quorum_since
                 close = close or t >= quorum_since + grace()
             if close:
-                members = sorted(registered)
-                await dht.store(gkey, {"members": members, "time": float(get_dht_time())},
+                groups = split_groups(registered, max_group)
+                await dht.store(gkey, {"groups": groups, "time": float(get_dht_time())},
                                 expiration_time=expiration, subkey=subkey, return_future=True)
-                return members
+                return next(members for members in groups if peer_id in members)
         elif get_dht_time() > deadline + gather_timeout / 2 + 2:
             logger.warning("round v%d: no group was decided by coordinator %s in time", version, coordinator[-8:])
             return []

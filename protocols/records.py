@@ -32,6 +32,22 @@ def round_key(run_id: str, fragment: int, version: int) -> str:
     return f"{run_id}_round_{fragment}_{version}"
 
 
+def open_rounds_key(run_id: str) -> str:
+    """Where daemons announce the rounds they just registered for, so that others can join them early."""
+    return f"{run_id}_open"
+
+
+def parse_open_round(value: Any) -> Optional[tuple[str, int, int]]:
+    """An announcement ``{peer_id, fragment, version}`` as a tuple, or None if malformed."""
+    if not isinstance(value, dict) or set(value) != {"peer_id", "fragment", "version"}:
+        return None
+    peer, fragment, version = value["peer_id"], value["fragment"], value["version"]
+    if not (isinstance(peer, str) and 0 < len(peer) < 128 and type(fragment) is int and type(version) is int
+            and 0 <= fragment < 4096 and version >= 0):
+        return None
+    return peer, fragment, version
+
+
 class ProgressRecord(pydantic.BaseModel):
     """What a daemon publishes about itself every heartbeat. Strict types: no silent conversions."""
 

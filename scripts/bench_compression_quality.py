@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -41,7 +42,9 @@ def run_once(label: str, codec: str, ef: bool, args: argparse.Namespace, run: Ru
               "--error-feedback", "true" if ef else "false", "--gather-timeout", "20", "--round-timeout", "20",
               "--threads", "1"]
     start = time.monotonic()
-    with LocalSwarm(Path("runs/bench_compression") / f"{args.algorithm}-{label}", common) as swarm:
+    root = Path("runs/bench_compression") / f"{args.algorithm}-{label}"
+    shutil.rmtree(root, ignore_errors=True)  # a fresh run: leftover checkpoints would be resumed
+    with LocalSwarm(root, common) as swarm:
         for i in range(DAEMONS):
             swarm.start(f"d{i}", join=i > 0)
         for d in swarm.daemons.values():

@@ -1,5 +1,5 @@
-"""``streaming`` and ``decoupled`` (fragments, overlap) train three real daemons; every round ends with identical
-replicas on all of its contributors, and decoupled learners are never blocked by the network."""
+"""``streaming``, ``decoupled`` (fragments, overlap) and ``ddp`` (a gradient all-reduce every step) train three real
+daemons; every round ends with identical replicas on all of its contributors."""
 
 import pytest
 from swarm import LocalSwarm
@@ -34,3 +34,23 @@ def test_three_daemons_train_with_fragments(algorithm, tmp_path):
         for name in "abc":
             log = swarm.daemons[name].log()
             assert "Traceback" not in log, log[log.index("Traceback") - 500:][:3000]
+
+
+def test_ddp_averages_gradients_every_step(tmp_path):
+    common = ["--model", "nano", "--batch-size", "4", "--algorithm", "ddp", "--sync-every", "10", "--quorum", "3",
+              "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1", "--max-steps", "40"]
+    with LocalSwarm(tmp_path, common) as swarm:
+        for name in "abc":
+            swarm.start(name, join=name != "a")
+        ids = {peer_id(swarm.daemons[n]) for n in "abc"}
+        codes = {n: swarm.daemons[n].proc.wait(240) for n in "abc"}
+        assert all(code == 0 for code in codes.values()), codes
+        for name in "abc":
+            rounds = swarm.daemons[name].rounds()
+            # Every step was taken together: after 40 steps the replica is at version 40, with all three in it.
+            assert [r["version"] for r in rounds] == [10, 20, 30, 40], rounds
+            assert all(set(r["contributors"]) == ids for r in rounds), rounds
+            assert rounds[-1]["held_out_loss"] < rounds[0]["held_out_loss"]
+        assert_replicas_agree(swarm, "abc")
+        hashes = {swarm.daemons[n].rounds()[-1]["hash"] for n in "abc"}
+        assert len(hashes) == 1, hashes

@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""ddp vs diloco vs streaming vs decoupled: 4 daemons, the same token budget, side by side in one run.
+
+    python scripts/bench_algorithms.py [--steps 300] [--model tiny] [--sync-every 40] [--algorithms ...]
+
+For each algorithm a fresh local swarm of four daemons (same model, data, batch size, transport) trains
+``--steps`` inner steps each. Reported per algorithm: the held-out loss of every daemon's final global replica
+Θ (all fragments, from its last checkpoint, evaluated on the same held-out batches) and its ratio to ddp's,
+bytes every daemon sent per token trained and the ratio to ddp's, goodput (share of wall time in inner steps),
+time blocked on the network, rounds, forks healed and tokens lost. Writes docs/results/bench_algorithms.json
+and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_parity import BATCH, make_learner  # noqa: E402
+from swarm import LocalSwarm  # noqa: E402
+
+from atoll.models.fragments import make_fragments  # noqa: E402
+from atoll.node.checkpoint import load_checkpoint  # noqa: E402
+from atoll.node.config import RunConfig  # noqa: E402
+
+DAEMONS = 4
+ALGORITHMS = ("ddp", "diloco", "streaming", "decoupled")
+
+
+def evaluate_swarm(swarm: LocalSwarm, run: RunConfig) -> list[float]:
+    """Held-out loss of each daemon's final global replica (its last checkpoint), on the same batches."""
+    learner, held_out = make_learner(run, shard=0)
+    fragments = make_fragments(learner.params, run.num_fragments, run.sync_every, learner.model.embed.weight)
+    losses = []
+    for d in swarm.daemons.values():
+        tensors, _ = load_checkpoint(d.workdir)
+        for f in fragments:
+            f.scatter(tensors[f"replica.{f.index}.params"], learner.params)
+        losses.append(learner.evaluate(held_out))
+    return losses
+
+
+def summaries(swarm: LocalSwarm) -> list[dict]:
+    out = []
+    for name, d in swarm.daemons.items():
+        found = [m for m in d.metrics() if m.get("event") == "summary"]
+        if not found:
+            raise RuntimeError(f"daemon {name} wrote no summary (crashed?); see {d.log_path}")
+        out.append(found[-1])
+    return out
+
+
+def run_swarm(root: Path, algorithm: str, args: argparse.Namespace, extra: list[str] = ()) -> dict:
+    common = ["--model", args.model, "--algorithm", algorithm, "--sync-every", str(args.sync_every),
+              "--batch-size", str(BATCH), "--max-steps", str(args.steps), "--gather-timeout", "20",
+              "--round-timeout", "20", "--threads", "1", "--quorum", str(DAEMONS if algorithm == "ddp" else 1),
+              *extra]
+    start = time.monotonic()
+    shutil.rmtree(root, ignore_errors=True)  # a fresh run: leftover checkpoints would be resumed
+    with LocalSwarm(root, common) as swarm:
+        for i in range(DAEMONS):
+            swarm.start(f"d{i}", join=i > 0)
+        for d in swarm.daemons.values():
+            d.proc.wait(7200)
+    run = RunConfig(model=args.model, algorithm=algorithm, sync_every=args.sync_every)
+    losses = evaluate_swarm(swarm, run)
+    s = summaries(swarm)
+    tokens = sum(x["tokens"] for x in s)
+    sent = sum(x["bytes_sent"] for x in s)
+    return {"algorithm": algorithm, "held_out_loss_mean": statistics.mean(losses), "held_out_loss_per_daemon": losses,
+            "tokens_total": tokens, "bytes_sent_total": sent, "bytes_per_token": sent / tokens,
+            "goodput_mean": statistics.mean(x["goodput"] for x in s),
+            "blocked_s_mean": statistics.mean(x["blocked_s"] for x in s),
+            "rounds_per_daemon": [x["rounds"] for x in s], "rounds_skipped": sum(x["rounds_skipped"] for x in s),
+            "forks_healed": sum(x["forks_healed"] for x in s), "tokens_lost": sum(x["tokens_lost"] for x in s),
+            "seconds": time.monotonic() - start}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--sync-every", type=int, default=40)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
+    parser.add_argument("--daemon-args", default="", help="extra flags for every daemon, e.g. '--overlap 8'")
+    parser.add_argument("--out", default="docs/results")
+    args = parser.parse_args()
+    results = []
+    for algorithm in args.algorithms:
+        print(f"{algorithm}: {DAEMONS} daemons x {args.steps} steps ...", flush=True)
+        r = run_swarm(Path("runs/bench_algorithms") / algorithm, algorithm, args, args.daemon_args.split())
+        results.append(r)
+        print(f"    held-out {r['held_out_loss_mean']:.4f}  bytes/token {r['bytes_per_token']:.1f}  goodput "
+              f"{r['goodput_mean']:.2f}  blocked {r['blocked_s_mean']:.1f}s  ({r['seconds']:.0f} s)", flush=True)
+    ref = next((r for r in results if r["algorithm"] == "ddp"), None)
+    for r in results:
+        if ref is not None:
+            r["loss_ratio_to_ddp"] = r["held_out_loss_mean"] / ref["held_out_loss_mean"]
+            r["ddp_bytes_per_token_over_this"] = ref["bytes_per_token"] / r["bytes_per_token"]
+    doc = {"command": "python scripts/bench_algorithms.py " + " ".join(sys.argv[1:]), "model": args.model,
+           "daemons": DAEMONS, "steps_per_daemon": args.steps, "batch_size": BATCH, "sync_every": args.sync_every,
+           "fragments": RunConfig().fragments, "overlap": RunConfig().overlap, "runs": results}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_algorithms.json").write_text(json.dumps(doc, indent=1))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    labels = [r["algorithm"] for r in results]
+    axes[0].bar(labels, [r["held_out_loss_mean"] for r in results], color="tab:blue")
+    axes[0].set_ylabel("held-out loss (final Θ, mean of daemons)")
+    lo = min(r["held_out_loss_mean"] for r in results)
+    axes[0].set_ylim(lo * 0.95, max(r["held_out_loss_mean"] for r in results) * 1.02)
+    axes[1].bar(labels, [r["bytes_per_token"] for r in results], color="tab:green")
+    axes[1].set_yscale("log")
+    axes[1].set_ylabel("bytes sent per token trained")
+    axes[2].bar(labels, [r["goodput_mean"] for r in results], color="tab:orange")
+    axes[2].set_ylim(0, 1)
+    axes[2].set_ylabel("goodput (share of wall time in inner steps)")
+    fig.suptitle(f"{DAEMONS} daemons, {args.model}, {args.steps} steps each, H={args.sync_every}")
+    fig.tight_layout()
+    fig.savefig(out / "bench_algorithms.png", dpi=110)
+    for r in results:
+        extra = (f"  loss/ddp {r['loss_ratio_to_ddp']:.4f}  ddp bytes/this {r['ddp_bytes_per_token_over_this']:.0f}x"
+                 if ref is not None else "")
+        print(f"{r['algorithm']:10s} loss {r['held_out_loss_mean']:.4f}{extra}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
