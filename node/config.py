@@ -34,7 +34,7 @@ class RunConfig:
     """Shared by every daemon of a run (published in the DHT by the daemon that starts the run)."""
 
     model: str = "tiny"
-    algorithm: str = "diloco"
+    algorithm: str = "decoupled"
     data: str = "builtin"
     sync_every: int = 50  # H: inner steps between outer rounds
     outer_lr: float = 0.7
@@ -116,8 +116,8 @@ class NodeConfig:
     # Deterministic fault injection for tests: "kill_in_round=N" SIGKILLs this daemon's process group after the
     # group of its N-th round formed; "step_delay=S" sleeps S seconds per inner step (a slow daemon);
     # "corrupt_round=N" sends malformed parts (truncated, bad header, unknown codec, NaN; each twice) in the
-    # multi-member rounds N..N+7; "split_side=S" with "split_until=V" forms rounds of fragment versions below V only
-    # with daemons of the same side S (a split swarm whose halves meet again at V).
+    # multi-member rounds N..N+7; "split_side=S" with "split_until=N" partitions the swarm: until step N a daemon
+    # sees and meets only daemons of the same side S (a split swarm whose halves meet again later).
     faults: tuple[str, ...] = ()
 
     def validate(self) -> None:

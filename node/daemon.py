@@ -30,6 +30,7 @@ from atoll.models.data import Corpus, load_corpus, shard_for_peer
 from atoll.models.fragments import make_fragments
 from atoll.models.outer import token_weight
 from atoll.protocols.records import RunConfigRecord, config_key, make_validators, parse_run_config, unwrap_subkeys
+from atoll.protocols.state_sync import MAX_ANCESTORS
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import ConfigError, NodeConfig, reconcile_run_config
@@ -72,18 +73,17 @@ class _Pending:
     future: concurrent.futures.Future
     merge_at: int  # schedule step at which the result is merged in (due step + τ)
     version: int
-    delta: torch.Tensor | None = None  # decoupled: what we contributed (Θ_base − θ at the snapshot), fp32
-    counters: tuple[int, int] = (0, 0)  # decoupled: the tokens and steps behind it
+    delta: torch.Tensor | None = None  # what we contributed (Θ_base − θ at the snapshot), kept for stale contributions
 
 
-@dataclass
-class _Contribution:
-    """Our part of the last round that merged fragment p: kept until the next one, in case that round's replica
-    loses to a heavier fork at the same version, so that we can contribute it again instead of losing it."""
+@dataclass(eq=False)
+class _MergedRound:
+    """One of our recent merged rounds of a fragment, kept so that a fork that loses it can be detected (its
+    ``digest`` is not an ancestor of the replica that won) and its work counted or contributed again."""
 
-    version: int  # the version the round produced
-    delta: torch.Tensor
-    counters: tuple[int, int]
+    digest: str  # the replica the round produced
+    counters: tuple[int, int]  # the tokens and steps behind our part
+    delta: torch.Tensor | None = None  # our part (Θ_base − θ at the snapshot), kept only for stale contributions
 
 
 class Daemon:
@@ -100,8 +100,7 @@ class Daemon:
         self.blocked_seconds = 0.0
         self.started = time.monotonic()
         self.pending: dict[int, _Pending] = {}
-        self.merged_tokens: dict[int, int] = {}  # per fragment: the tokens behind our last merged contribution
-        self.contributions: dict[int, _Contribution] = {}
+        self.merged_rounds: dict[int, list[_MergedRound]] = {}  # per fragment, newest last
         self.restored_error_feedback: dict[str, torch.Tensor] = {}
 
     # ---- set-up --------------------------------------------------------------------------------------------
@@ -333,35 +332,34 @@ class Daemon:
             p = state.fragment
             new, base_id = self.replica.params_and_id(p)
             local, fragment = self.local[p], self.fragments[p]
-            # A replica at or below our base's version replaced the one our base came from: our side of a fork
-            # lost, and the tokens merged into it with it (the share of them that trained fragment p).
-            forked = state.version <= local.base_id[0]
-            lost = self.merged_tokens.get(p, 0) // len(self.fragments) if forked else 0
+            # Our merged rounds that the new replica does not descend from were lost with our side of a fork.
+            ours = self.merged_rounds.get(p, [])
+            lost_rounds = [r for r in ours if r.digest not in state.ancestors] if state.forked else []
+            self.merged_rounds[p] = [r for r in ours if r not in lost_rounds]
+            lost = sum(r.counters[0] for r in lost_rounds) // len(self.fragments)
             if self.cfg.run.algorithm == "decoupled" and self.cfg.run.stale_contributions:
                 # Keep the work no round has merged yet: θ_p moves with the new Θ_p, and the unmerged progress
-                # rides along into our next contribution (a stale one, weighted by the tokens behind it).
+                # rides along into our next contribution (a stale one, weighted by the tokens behind it). Our part
+                # of the lost rounds rides along too (Θ_base − θ_snapshot = delta, so its progress is −delta).
                 progress = fragment.gather(self.learner.params) - local.base
-                contribution = self.contributions.pop(p, None)
-                refork = forked and contribution is not None and contribution.version == state.version
-                if refork:
-                    # Our group's replica lost to a heavier one of the same version, which lacks our part of
-                    # that round: contribute it again (Θ_base − θ_snapshot = delta, so θ_snapshot − Θ_base = −delta).
-                    progress -= contribution.delta
-                    local.tokens += contribution.counters[0]
-                    local.steps += contribution.counters[1]
-                    lost = 0
+                again = [r for r in lost_rounds if r.delta is not None]
+                for r in again:
+                    progress -= r.delta
+                    local.tokens += r.counters[0]
+                    local.steps += r.counters[1]
+                lost = sum(r.counters[0] for r in lost_rounds if r.delta is None) // len(self.fragments)
                 local.rebase(new, base_id)
                 fragment.scatter(new + progress, self.learner.params)
-                what = "kept" + (" with our part of the lost fork" if refork else "")
+                what = "kept" + (" with our part of the lost round" if again else "")
             else:
                 lost += local.restart(new, base_id) // len(self.fragments)
                 fragment.scatter(new, self.learner.params)
                 what = "discarded"
             self.tokens_lost += lost
-            logger.info("adopted fragment %d v%d from %s; unmerged local work %s, %d tokens' work lost", p,
-                        state.version, state.donor[-8:], what, lost)
+            logger.info("adopted fragment %d v%d from %s%s; unmerged local work %s, %d tokens' work lost", p,
+                        state.version, state.donor[-8:], " (a fork: ours lost)" if state.forked else "", what, lost)
             self._metric(event="adopted", fragment=p, version=state.version, lost_tokens=lost, step=self.learner.step,
-                         forked=forked)
+                         forked=state.forked)
 
     def _start_round(self, p: int, own_schedule: bool = False) -> None:
         """Contribute fragment ``p`` to its next round: at its due step (``own_schedule``), or earlier when a peer
@@ -387,7 +385,7 @@ class Daemon:
         future = self.syncer.submit_round(p, delta, weight, local.base_id)
         keep = run.algorithm == "decoupled" and run.stale_contributions
         self.pending[p] = _Pending(future, self.replica.schedule_step + run.overlap_steps, version,
-                                   delta.float() if keep else None, (local.tokens, local.steps))
+                                   delta.float() if keep else None)
 
     def _merge_due(self) -> None:
         synchronous = self.cfg.run.algorithm in ("diloco", "streaming")
@@ -418,9 +416,13 @@ class Daemon:
             merged, base_id = self.replica.params_and_id(p)
             # Overwriting θ_p drops the τ steps trained on it since the snapshot (the paper's α = 0 choice).
             self.tokens_lost += run.overlap_steps * learner.tokens_per_step // len(self.fragments)
-            self.merged_tokens[p] = self.local[p].restart(merged, base_id)
-            if pending.delta is not None:
-                self.contributions[p] = _Contribution(base_id[0], pending.delta, pending.counters)
+            tokens, steps = self.local[p].tokens, self.local[p].steps
+            self.local[p].restart(merged, base_id)
+            rounds = self.merged_rounds.setdefault(p, [])
+            for older in rounds:
+                older.delta = None  # memory: only the newest round can be contributed again
+            rounds.append(_MergedRound(base_id[1], (tokens, steps), pending.delta))
+            del rounds[:-MAX_ANCESTORS]
             if run.alpha:
                 merged = run.alpha * fragment.gather(learner.params) + (1 - run.alpha) * merged
             fragment.scatter(merged, learner.params)
@@ -456,16 +458,18 @@ class Daemon:
         tensors.update({f"ef.{k}": v for k, v in self.syncer.error_feedback_state().items()})
         for p, local in enumerate(self.local):
             tensors.update(local.state_tensors(f"local.{p}"))
-        versions, weights, digests = [], [], []
+        versions, weights, digests, ancestors = [], [], [], []
         for p in range(len(self.fragments)):
             snap = self.replica.snapshot(p)
             tensors[f"replica.{p}.params"], tensors[f"replica.{p}.momentum"] = snap.params, snap.momentum
             versions.append(snap.version)
             weights.append(snap.weight)
             digests.append(snap.digest)
+            ancestors.append(list(snap.ancestors))
         meta = {
             "run_id": self.cfg.run_id, "peer_id": str(self.dht.peer_id), "run": self.cfg.run.published(),
             "version": sum(versions), "versions": versions, "weights": weights, "digests": digests,
+            "ancestors": ancestors,
             "step": self.learner.step, "tokens": self.learner.tokens, "position": self.learner.position,
             "schedule_step": self.replica.schedule_step, "counters": [lo.counters() for lo in self.local],
             "tokens_lost": self.tokens_lost,
@@ -483,7 +487,8 @@ class Daemon:
             raise ConfigError(f"checkpoint_dir: {self.cfg.checkpoint_dir!r} holds a checkpoint of a different run config")
         n = len(self.fragments)
         self.replica = Replica([tensors[f"replica.{p}.params"] for p in range(n)],
-                               [tensors[f"replica.{p}.momentum"] for p in range(n)], meta["versions"], meta["weights"])
+                               [tensors[f"replica.{p}.momentum"] for p in range(n)], meta["versions"], meta["weights"],
+                               meta.get("ancestors"))
         if [d for _, _, d in self.replica.identities()] != meta["digests"]:
             raise ConfigError("checkpoint_dir: the checkpoint's replica does not match its recorded hashes")
         self.learner.load_state_tensors(tensors)

@@ -13,25 +13,33 @@ from collections.abc import Sequence
 import torch
 
 from atoll.models.outer import NesterovOuter, tensor_hash
-from atoll.protocols.state_sync import ReplicaState
+from atoll.protocols.state_sync import MAX_ANCESTORS, ReplicaState
 
 
 class _Fragment:
-    def __init__(self, params: torch.Tensor, momentum: torch.Tensor | None, version: int, weight: float) -> None:
+    def __init__(self, params: torch.Tensor, momentum: torch.Tensor | None, version: int, weight: float,
+                 ancestors: Sequence[str] = ()) -> None:
         self.params = params.detach().to("cpu", torch.float32).clone()
         self.momentum = torch.zeros_like(self.params) if momentum is None else momentum.detach().float().clone()
         self.version, self.weight = version, float(weight)
         self.digest = tensor_hash(self.params, self.momentum)
+        self.ancestors = [a for a in ancestors if a != self.digest][-(MAX_ANCESTORS - 1):] + [self.digest]
+
+    def advanced(self) -> None:
+        """Θ_p changed into a descendant of itself: new digest, and the old one joins the ancestors."""
+        self.digest = tensor_hash(self.params, self.momentum)
+        self.ancestors = (self.ancestors + [self.digest])[-MAX_ANCESTORS:]
 
 
 class Replica:
     def __init__(self, params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor] | None = None,
-                 versions: Sequence[int] | None = None, weights: Sequence[float] | None = None) -> None:
+                 versions: Sequence[int] | None = None, weights: Sequence[float] | None = None,
+                 ancestors: Sequence[Sequence[str]] | None = None) -> None:
         n = len(params)
         self._lock = threading.Lock()
         self._frags = [
             _Fragment(params[p], None if momentum is None else momentum[p], 0 if versions is None else versions[p],
-                      0.0 if weights is None else weights[p])
+                      0.0 if weights is None else weights[p], () if ancestors is None else ancestors[p])
             for p in range(n)
         ]
         self.schedule_step = 0  # the learner's position in the sync schedule, shared with joiners
@@ -71,7 +79,11 @@ class Replica:
         with self._lock:
             f = self._frags[p]
             return ReplicaState(f.version, f.weight, f.digest, f.params.clone(), f.momentum.clone(),
-                                self.schedule_step, fragment=p)
+                                self.schedule_step, fragment=p, ancestors=tuple(f.ancestors))
+
+    def ancestors(self, p: int) -> list[str]:
+        with self._lock:
+            return list(self._frags[p].ancestors)
 
     def apply_outer_step(self, p: int, version: int, delta: torch.Tensor, weight: float,
                          outer: NesterovOuter, digest: str | None = None) -> bool:
@@ -85,7 +97,7 @@ class Replica:
             outer.step(f.params, f.momentum, delta)
             f.version += 1
             f.weight += float(weight)
-            f.digest = tensor_hash(f.params, f.momentum)
+            f.advanced()
             return True
 
     def adopt(self, state: ReplicaState) -> bool:
@@ -94,8 +106,12 @@ class Replica:
             f = self._frags[state.fragment]
             if (state.version, state.weight, state.digest) <= (f.version, f.weight, f.digest):
                 return False
+            # A fork: our replica is not in the new one's history (as far as that history reaches back).
+            oldest_known = state.version - len(state.ancestors) + 1
+            state.forked = f.version >= oldest_known and f.digest not in state.ancestors
             f.params, f.momentum = state.params.clone(), state.momentum.clone()
             f.version, f.weight, f.digest = state.version, state.weight, state.digest
+            f.ancestors = list(state.ancestors)[-MAX_ANCESTORS:] or [state.digest]
             return True
 
     def replace_params(self, p: int, version: int, params: torch.Tensor, weight: float) -> bool:
@@ -108,5 +124,5 @@ class Replica:
             f.params = params.detach().to("cpu", torch.float32).clone()
             f.version += 1
             f.weight += float(weight)
-            f.digest = tensor_hash(f.params, f.momentum)
+            f.advanced()
             return True

@@ -163,14 +163,14 @@ class Syncer:
     async def _publish(self, status: str | None = None, ttl: float | None = None) -> None:
         rec = self.progress_record(status or self._status())
         ttl = ttl if ttl is not None else 3 * self.cfg.heartbeat
-        await self.dht.store(progress_key(self.cfg.run_id), rec, expiration_time=get_dht_time() + ttl,
+        await self.dht.store(progress_key(self._namespace()), rec, expiration_time=get_dht_time() + ttl,
                              subkey=self._subkey, return_future=True)
 
     def _status(self) -> str:
         return self._progress().get("status", "training")
 
     async def refresh_peers(self) -> dict[str, ProgressRecord]:
-        entry = await self.dht.get(progress_key(self.cfg.run_id), latest=True, return_future=True)
+        entry = await self.dht.get(progress_key(self._namespace()), latest=True, return_future=True)
         peers = {}
         for value in unwrap_subkeys(entry).values():
             rec = parse_progress(value)
@@ -235,8 +235,8 @@ class Syncer:
             state = await download_state(self.p2p, self.cfg.run_id, [d.peer_id for d in donors], p,
                                          self.replica.numel(p), self.cfg.run.round_timeout, self.stats)
             if state is not None and await asyncio.get_running_loop().run_in_executor(None, self.replica.adopt, state):
-                if state.version == mine[0]:
-                    self.forks_healed += 1  # two groups merged at the same version: ours lost
+                if state.forked:
+                    self.forks_healed += 1  # two groups merged from the same version: ours lost
                 with self._adopted_lock:
                     self._adopted.append(state)
         finally:
@@ -289,12 +289,14 @@ class Syncer:
         return grace_window(run.grace_gamma, run.overlap, self.step_time, self._quorum_time.value,
                             self._sync_time.value)
 
-    def _matchmaking_scope(self, version: int) -> str:
-        """The namespace rounds are formed in. The ``split_side``/``split_until`` faults put daemons of different
-        sides in different namespaces below that version, so that both sides form groups at the same versions
-        (a split swarm) until they meet again."""
-        side, until = self.faults.get("split_side"), self.faults.get("split_until", 0)
-        return f"{self.cfg.run_id}-side{side}" if side is not None and version < until else self.cfg.run_id
+    def _namespace(self) -> str:
+        """Where progress records, round registrations and open rounds live. The ``split_side``/``split_until``
+        faults partition the swarm: until its learner reaches step ``split_until``, a daemon sees and meets only
+        daemons of its own side, so both sides train and merge apart (a split swarm) until they meet again."""
+        side = self.faults.get("split_side")
+        if side is not None and self._progress().get("step", 0) < self.faults.get("split_until", 0):
+            return f"{self.cfg.run_id}-side{side}"
+        return self.cfg.run_id
 
     # ---- rounds --------------------------------------------------------------------------------------------
     def submit_round(self, p: int, delta: torch.Tensor, weight: float,
@@ -321,7 +323,7 @@ class Syncer:
             if decoupled:
                 self._spawn(self._announce_round(p, version))
             members = await form_group(
-                self.dht, run_id=self._matchmaking_scope(version), fragment=p, version=version, peer_id=self.peer_id,
+                self.dht, run_id=self._namespace(), fragment=p, version=version, peer_id=self.peer_id,
                 subkey=self._subkey, weight=weight, live_peers=live_peers, gather_timeout=run.gather_timeout,
                 abort=lambda: self.behind(p), quorum=run.quorum if decoupled else None,
                 grace=self.grace, on_reject=self.stats.reject, max_group=run.max_group,
@@ -373,7 +375,7 @@ class Syncer:
     # ---- decoupled: join rounds that others opened ------------------------------------------------------------
     async def _announce_round(self, p: int, version: int) -> None:
         record = {"peer_id": self.peer_id, "fragment": p, "version": version}
-        await self.dht.store(open_rounds_key(self.cfg.run_id), record, subkey=self._subkey,
+        await self.dht.store(open_rounds_key(self._namespace()), record, subkey=self._subkey,
                              expiration_time=get_dht_time() + self.cfg.run.gather_timeout, return_future=True)
 
     async def _watch_open_rounds(self) -> None:
@@ -383,7 +385,7 @@ class Syncer:
         while True:
             await asyncio.sleep(OPEN_ROUND_POLL)
             try:
-                entry = await self.dht.get(open_rounds_key(self.cfg.run_id), latest=True, return_future=True)
+                entry = await self.dht.get(open_rounds_key(self._namespace()), latest=True, return_future=True)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the next poll tries again
@@ -451,10 +453,9 @@ class Syncer:
             members = self._ddp_group if attempt == 0 else None
             if members is None:
                 # Forming a group through the DHT costs several round trips, so a formed group is reused step after
-                # step until an all-reduce fails; then its members form a new one (in a fresh namespace per attempt,
-                # so that the failed attempt's decision is not reused).
+                # step until an all-reduce fails; then its members form a new one.
                 members = await form_group(
-                    self.dht, run_id=f"{self.cfg.run_id}-ddp{attempt}", fragment=0, version=version,
+                    self.dht, run_id=f"{self.cfg.run_id}-ddp", fragment=0, version=version,
                     peer_id=self.peer_id, subkey=self._subkey, weight=weight, live_peers=live_peers,
                     gather_timeout=run.gather_timeout, abort=lambda: False, on_reject=self.stats.reject)
                 if not members:

@@ -28,7 +28,7 @@ import hashlib
 import logging
 import math
 import struct
-from typing import AsyncIterator  # hivemind detects streaming RPCs by typing.AsyncIterator hints
+from typing import Any, AsyncIterator  # hivemind detects streaming RPCs by typing.AsyncIterator hints
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +43,7 @@ from .wire import PART_BYTES, WireError, check_fields, pack_request, pack_respon
 logger = logging.getLogger("atoll")
 
 MAX_PENDING_GROUPS = 64
+EXCHANGE_ATTEMPTS = 3  # a broken stream to a reducer is asked again this many times in all
 
 
 def shard_bounds(numel: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
@@ -310,6 +311,22 @@ async def _exchange_with(
     return await asyncio.wait_for(call(), timeout=2 * timeout + 10)
 
 
+async def _exchange_retrying(p2p: P2P, servicer: AveragingServicer, spec: GroupSpec, reducer: str, *args: Any) -> ShardResult:
+    """``_exchange_with``, asked again when the stream broke (the reducer ignores a part it already holds and
+    answers with its result): a dropped connection must not make members disagree about a round's outcome."""
+    for attempt in range(EXCHANGE_ATTEMPTS):
+        try:
+            return await _exchange_with(p2p, servicer, spec, reducer, *args)
+        except (WireError, asyncio.TimeoutError):  # a refusal or a bad answer: asking again would not help
+            raise
+        except Exception as e:
+            if attempt + 1 == EXCHANGE_ATTEMPTS:
+                raise
+            logger.info("round v%d: stream to reducer %s broke (%r); asking again", spec.version, reducer[-8:], e)
+            await asyncio.sleep(0.1 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
 class GroupRefused(WireError):
     """A live reducer does not know our group: the members disagree about who is in the round."""
 
@@ -369,7 +386,8 @@ async def allreduce(
         if j != me:
             payload = payloads[j] if corrupt is None else corrupt_payload(payloads[j], corrupt)
             tasks[peer] = asyncio.ensure_future(
-                _exchange_with(p2p, servicer, spec, peer, payload, bounds[j][1] - bounds[j][0], weight, norm, timeout)
+                _exchange_retrying(p2p, servicer, spec, peer, payload, bounds[j][1] - bounds[j][0], weight, norm,
+                                   timeout)
             )
     tasks[local_peer] = asyncio.ensure_future(asyncio.shield(reduction.result))
     await asyncio.wait(tasks.values())

@@ -37,9 +37,13 @@ class ReplicaState:
     schedule_step: int
     donor: str = ""
     fragment: int = 0
+    ancestors: tuple[str, ...] = ()  # digests of this replica's recent versions, oldest first, ``digest`` last
+    forked: bool = False  # set on adoption: the replica it replaced was not one of its ancestors
 
 
-_HEADER = {"version": int, "weight": float, "digest": str, "numel": int, "schedule_step": int, "fragment": int}
+_HEADER = {"version": int, "weight": float, "digest": str, "numel": int, "schedule_step": int, "fragment": int,
+           "ancestors": list}
+MAX_ANCESTORS = 32
 
 
 class StateServicer(ServicerBase):
@@ -67,7 +71,8 @@ class StateServicer(ServicerBase):
             return
         yield pack_response(
             {"ok": True, "version": state.version, "weight": state.weight, "digest": state.digest,
-             "numel": state.params.numel(), "schedule_step": state.schedule_step, "fragment": fragment}
+             "numel": state.params.numel(), "schedule_step": state.schedule_step, "fragment": fragment,
+             "ancestors": list(state.ancestors)}
         )
         for tensor in (state.params, state.momentum):
             for part in tensor_to_parts(tensor):
@@ -85,6 +90,9 @@ async def _download_from(p2p: P2P, namespace: str, donor: str, fragment: int, nu
     check_fields(header, _HEADER)
     if header["numel"] != numel or header["fragment"] != fragment:
         raise WireError(f"donor's fragment {header['fragment']} has {header['numel']} values, ours {numel}")
+    ancestors = header["ancestors"]
+    if len(ancestors) > MAX_ANCESTORS or not all(isinstance(a, str) and 0 < len(a) <= 64 for a in ancestors):
+        raise WireError(f"malformed ancestors list ({len(ancestors)} entries)")
     chunks: list[bytes] = []
     received = 0
     while received < 8 * numel:
@@ -97,8 +105,10 @@ async def _download_from(p2p: P2P, namespace: str, donor: str, fragment: int, nu
     digest = tensor_hash(params, momentum)
     if digest != header["digest"]:
         raise WireError(f"hash mismatch: donor announced {header['digest']}, received {digest}")
+    if ancestors and ancestors[-1] != digest:
+        raise WireError("the ancestors list does not end with the replica's own digest")
     return ReplicaState(header["version"], float(header["weight"]), digest, params, momentum,
-                        header["schedule_step"], donor, fragment)
+                        header["schedule_step"], donor, fragment, tuple(ancestors) or (digest,))
 
 
 async def download_state(

@@ -209,15 +209,20 @@ def plot_loss(swarm: LocalSwarm, path: Path) -> None:
 
 
 def summary(swarm: LocalSwarm) -> list[dict[str, Any]]:
+    """One row per daemon, from its final ``summary`` event (written as it stops) and its metrics."""
     rows = []
     for name, d in swarm.daemons.items():
         metrics, rounds = d.metrics(), d.rounds()
         steps = [m for m in metrics if "loss" in m and "event" not in m]
-        last = rounds[-1] if rounds else {}
+        end = next((m for m in reversed(metrics) if m.get("event") == "summary"), {})
         rows.append({
-            "daemon": name, "steps": steps[-1]["step"] if steps else 0, "tokens": steps[-1]["tokens"] if steps else 0,
-            "train_loss": steps[-1]["loss"] if steps else None, "held_out_loss": last.get("held_out_loss"),
-            "rounds": len(rounds), "version": last.get("version"), "hash": last.get("hash"),
+            "daemon": name, "steps": end.get("step", steps[-1]["step"] if steps else 0),
+            "tokens": end.get("tokens", steps[-1]["tokens"] if steps else 0),
+            "train_loss": steps[-1]["loss"] if steps else None,
+            "held_out_loss": end.get("held_out_loss", rounds[-1].get("held_out_loss") if rounds else None),
+            "rounds": len(rounds), "version": end.get("version"), "goodput": end.get("goodput"),
+            "blocked_s": end.get("blocked_s"), "forks_healed": end.get("forks_healed"),
+            "tokens_lost": end.get("tokens_lost"), "bytes_sent": end.get("bytes_sent"),
         })
     return rows
 
@@ -228,6 +233,7 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=180.0, help="seconds of training")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--sync-every", type=int, default=50)
+    parser.add_argument("--algorithm", default="decoupled", help="decoupled, streaming, diloco or ddp")
     parser.add_argument("--workdir", default="runs/demo")
     parser.add_argument("--plot", default=None, help="PNG path (default: WORKDIR/loss.png)")
     args = parser.parse_args()
@@ -243,12 +249,15 @@ def main() -> int:
         import shutil
 
         shutil.rmtree(workdir)
-    common = ["--model", args.model, "--sync-every", str(args.sync_every), "--gather-timeout", "20",
-              "--round-timeout", "20", "--threads", "1"]
+    common = ["--model", args.model, "--algorithm", args.algorithm, "--sync-every", str(args.sync_every),
+              "--gather-timeout", "20", "--round-timeout", "20", "--threads", "1"]
+    if args.algorithm == "ddp":
+        common += ["--quorum", str(args.daemons)]
     swarm = LocalSwarm(workdir, common)
     reader = None
     try:
-        console.print(f"starting {args.daemons} daemons (model {args.model}, H={args.sync_every}) in {workdir}/ ...")
+        console.print(f"starting {args.daemons} daemons ({args.algorithm}, model {args.model}, H={args.sync_every}) "
+                      f"in {workdir}/ ...")
         first = swarm.start("daemon-0")
         console.print(f"first daemon listens on {first.maddrs[0]}", soft_wrap=True)
         for i in range(1, args.daemons):
@@ -273,13 +282,15 @@ def main() -> int:
 
     table = Table(title="summary")
     rows = summary(swarm)
-    for col in ("daemon", "exit", "steps", "tokens", "train loss", "held-out loss", "rounds", "version", "Θ hash"):
+    for col in ("daemon", "exit", "steps", "tokens", "train loss", "held-out loss", "rounds", "version", "goodput",
+                "blocked s", "forks healed", "tokens lost", "sent MB"):
         table.add_column(col)
     for r in rows:
-        fmt = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
+        fmt = lambda x, spec=".4f": "-" if x is None else format(x, spec)  # noqa: E731
         table.add_row(r["daemon"], str(codes.get(r["daemon"])), str(r["steps"]), f"{r['tokens']:,}",
                       fmt(r["train_loss"]), fmt(r["held_out_loss"]), str(r["rounds"]), str(r["version"]),
-                      str(r["hash"]))
+                      fmt(r["goodput"], ".2f"), fmt(r["blocked_s"], ".1f"), str(r["forks_healed"]),
+                      fmt(r["tokens_lost"], ","), fmt(None if r["bytes_sent"] is None else r["bytes_sent"] / 1e6, ".1f"))
     console.print(table)
     plot = Path(args.plot) if args.plot else workdir / "loss.png"
     plot_loss(swarm, plot)

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_malformed_parts_are_rejected_and_replicas_still_agree(tmp_path):
-    common = ["--model", "nano", "--batch-size", "4", "--sync-every", "20", "--compression", "int4",
+    common = ["--model", "nano", "--batch-size", "4", "--algorithm", "diloco", "--sync-every", "20", "--compression", "int4",
               "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1", "--fault", "step_delay=0.02"]
     with LocalSwarm(tmp_path, common) as swarm:
         swarm.start("a", join=False)

@@ -11,7 +11,7 @@ PEER = "/ip4/127.0.0.1/tcp/31337/p2p/QmTt18CRK6oG1T7ZZcNcypAuQXGM92vRXWthaDYPaUF
 
 def test_defaults_are_valid():
     cfg, explicit = load_config({})
-    assert cfg.run.algorithm == "diloco" and cfg.run.sync_every > 0 and explicit == set()
+    assert cfg.run.algorithm == "decoupled" and cfg.run.sync_every > 0 and explicit == set()
 
 
 @pytest.mark.parametrize(
