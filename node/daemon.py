@@ -101,6 +101,7 @@ class Daemon:
         self.started = time.monotonic()
         self.pending: dict[int, _Pending] = {}
         self.merged_rounds: dict[int, list[_MergedRound]] = {}  # per fragment, newest last
+        self.ddp_failed_steps = 0
         self.restored_error_feedback: dict[str, torch.Tensor] = {}
 
     # ---- set-up --------------------------------------------------------------------------------------------
@@ -281,9 +282,12 @@ class Daemon:
             t0 = time.monotonic()
             if step_delay:
                 time.sleep(step_delay)
+            before = learner.step
             self.loss = self._ddp_step() if run.algorithm == "ddp" else learner.train_step()
             elapsed_step = time.monotonic() - t0
             self.train_seconds += elapsed_step
+            if learner.step == before:  # ddp: the step could not be averaged and was dropped
+                continue
             self.syncer.step_time = elapsed_step if not self.syncer.step_time else (
                 0.9 * self.syncer.step_time + 0.1 * elapsed_step)
             log_context.step = learner.step
@@ -320,8 +324,12 @@ class Daemon:
         self.blocked_seconds += time.monotonic() - t0
         self.train_seconds -= time.monotonic() - t0  # the caller times the whole step; waiting is not training
         averaged = future.result() if future.done() and future.exception() is None else None
-        if averaged is not None:
-            learner.load_flat_grads(averaged)
+        if averaged is None:
+            # No group could average this step: stepping alone would fork the replica. Try the batch again.
+            learner.discard_step()
+            self.ddp_failed_steps += 1
+            return loss
+        learner.load_flat_grads(averaged)
         learner.apply_step()
         self.replica.replace_params(0, version, learner.flat_params(), learner.tokens_per_step)
         self.local[0].restart(*self.replica.params_and_id(0))

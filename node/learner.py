@@ -131,6 +131,10 @@ class Learner:
         self._advance()
         self._prefetch()
 
+    def discard_step(self) -> None:
+        """Drop the gradients left by ``backward()`` without stepping or advancing: the same batch comes next."""
+        self.optimizer.zero_grad(set_to_none=True)
+
     def flat_grads(self) -> torch.Tensor:
         """The gradients as one flat fp32 host tensor (zeros for a parameter without a gradient)."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]

@@ -451,6 +451,9 @@ class Syncer:
 
         for attempt in range(MAX_ATTEMPTS):
             members = self._ddp_group if attempt == 0 else None
+            training = sum(peer.status == "training" for peer in self.peers().values())
+            if members is not None and len(members) != training + 1:
+                members = None  # someone joined or left the swarm: the group must be formed again
             if members is None:
                 # Forming a group through the DHT costs several round trips, so a formed group is reused step after
                 # step until an all-reduce fails; then its members form a new one.

@@ -154,6 +154,8 @@ class _Reduction:
             if not self.result.done():
                 self.result.set_exception(e)
             return
+        finally:
+            self.parts.clear()  # the result is all that late askers need; parts would pile up at one round per step
         if not self.result.done():
             self.result.set_result(result)
 
@@ -199,7 +201,8 @@ class AveragingServicer(ServicerBase):
 
     async def _await_group(self, gid: str, timeout: float) -> _Reduction | None:
         if gid not in self._groups:
-            if gid not in self._opened and len(self._opened) >= MAX_PENDING_GROUPS:
+            waiting = len(self._opened) - len(self._groups)  # early requests for groups not opened here yet
+            if gid not in self._opened and waiting >= MAX_PENDING_GROUPS:
                 return None
             event = self._opened.setdefault(gid, asyncio.Event())
             try:

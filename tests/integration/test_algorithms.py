@@ -37,8 +37,9 @@ def test_three_daemons_train_with_fragments(algorithm, tmp_path):
 
 
 def test_ddp_averages_gradients_every_step(tmp_path):
-    common = ["--model", "nano", "--batch-size", "4", "--algorithm", "ddp", "--sync-every", "10", "--quorum", "3",
-              "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1", "--max-steps", "40"]
+    # 80 steps: more groups than a reducer keeps waiting requests for (64), within their lifetime.
+    common = ["--model", "nano", "--batch-size", "4", "--algorithm", "ddp", "--sync-every", "20", "--quorum", "3",
+              "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1", "--max-steps", "80"]
     with LocalSwarm(tmp_path, common) as swarm:
         for name in "abc":
             swarm.start(name, join=name != "a")
@@ -47,8 +48,8 @@ def test_ddp_averages_gradients_every_step(tmp_path):
         assert all(code == 0 for code in codes.values()), codes
         for name in "abc":
             rounds = swarm.daemons[name].rounds()
-            # Every step was taken together: after 40 steps the replica is at version 40, with all three in it.
-            assert [r["version"] for r in rounds] == [10, 20, 30, 40], rounds
+            # Every step was taken together: after 80 steps the replica is at version 80, with all three in it.
+            assert [r["version"] for r in rounds] == [20, 40, 60, 80], rounds
             assert all(set(r["contributors"]) == ids for r in rounds), rounds
             assert rounds[-1]["held_out_loss"] < rounds[0]["held_out_loss"]
         assert_replicas_agree(swarm, "abc")
