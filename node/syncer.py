@@ -87,7 +87,6 @@ class Syncer:
         self._thread = threading.Thread(target=self._run_loop, name="atoll-syncer", daemon=True)
         self._heartbeat_task: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
-        self._ddp_group: list[str] | None = None  # ddp: the group of the last step, reused while it holds
         self.last_group: list[str] | None = None  # ddp: the members of the last completed all-reduce
         self.config_record: dict[str, Any] | None = None  # re-published so the run outlives its first daemon
         self._config_published = 0.0
@@ -412,10 +411,12 @@ class Syncer:
             return opened
 
     async def _allreduce(self, p: int, version: int, members: list[str], tensor: torch.Tensor, weight: float,
-                         mode: str, codec: str, corrupt: str | None = None) -> tuple[AllreduceResult | None, list[str]]:
-        """The group's all-reduce, retried without reducers that failed; (None, _) when it cannot complete."""
+                         mode: str, codec: str, corrupt: str | None = None,
+                         first_attempt: int = 0) -> tuple[AllreduceResult | None, list[str]]:
+        """The group's all-reduce, retried without reducers that failed; (None, _) when it cannot complete.
+        Attempt numbers are part of the group id, so a caller that starts over passes a fresh ``first_attempt``."""
         alive = list(members)
-        for attempt in range(MAX_ATTEMPTS):
+        for attempt in range(first_attempt, first_attempt + MAX_ATTEMPTS):
             spec = GroupSpec(self.cfg.run_id, p, version, attempt, tuple(alive), tensor.numel(), mode, codec,
                              self.cfg.run.codec_block)
             result = await allreduce(self.p2p, self.averager, spec, self.peer_id, tensor, weight,
@@ -442,39 +443,25 @@ class Syncer:
         return self._submit(self._gradient_allreduce(version, grads, weight))
 
     async def _gradient_allreduce(self, version: int, grads: torch.Tensor, weight: float) -> torch.Tensor | None:
+        """ddp's membership is fixed (its daemons start together), so its group needs no matchmaking: it is every
+        live training peer, as this daemon's table of peers shows it. Views that disagree, or a member that fails,
+        make the all-reduce fail for everyone; then each asks again with a freshly read table."""
         run = self.cfg.run
-
-        async def live_peers() -> dict[str, int]:
-            # Every training peer is expected: versions advance every step, faster than records are refreshed.
-            peers = await self.refresh_peers()
-            return {peer.peer_id: version for peer in peers.values() if peer.status == "training"}
-
         for attempt in range(MAX_ATTEMPTS):
-            members = self._ddp_group if attempt == 0 else None
-            training = sum(peer.status == "training" for peer in self.peers().values())
-            if members is not None and len(members) != training + 1:
-                members = None  # someone joined or left the swarm: the group must be formed again
-            if members is None:
-                # Forming a group through the DHT costs several round trips, so a formed group is reused step after
-                # step until an all-reduce fails; then its members form a new one.
-                members = await form_group(
-                    self.dht, run_id=f"{self.cfg.run_id}-ddp", fragment=0, version=version,
-                    peer_id=self.peer_id, subkey=self._subkey, weight=weight, live_peers=live_peers,
-                    gather_timeout=run.gather_timeout, abort=lambda: False, on_reject=self.stats.reject)
-                if not members:
-                    continue
+            peers = self.peers() if attempt == 0 else await self.refresh_peers()
+            members = sorted([self.peer_id, *(p for p, rec in peers.items() if rec.status == "training")])
             self._in_round.add(0)
             try:
-                result, alive = await self._allreduce(0, version, members, grads, weight, "mean", run.compression)
+                result, alive = await self._allreduce(0, version, members, grads, weight, "mean", run.compression,
+                                                      first_attempt=attempt * MAX_ATTEMPTS)
             finally:
                 self._in_round.discard(0)
             if result is not None:
-                self._ddp_group = members if alive == members else None
                 self.last_group = alive
                 self.rounds_done += 1
                 return result.merged
-            self._ddp_group = None
-            logger.info("ddp step v%d: all-reduce attempt %d failed; forming a new group", version, attempt)
+            logger.info("ddp step v%d: all-reduce failed (attempt %d); asking again", version, attempt)
+            await asyncio.sleep(0.2 * (attempt + 1))
         return None
 
 class EMA:
