@@ -73,7 +73,7 @@ class _Pending:
     future: concurrent.futures.Future
     merge_at: int  # schedule step at which the result is merged in (due step + τ)
     version: int
-    delta: torch.Tensor | None = None  # what we contributed (Θ_base − θ at the snapshot), kept for stale contributions
+    delta: torch.Tensor | None = None  # our contribution (Θ_base − θ at the snapshot), kept for stale contributions
 
 
 @dataclass(eq=False)

@@ -31,8 +31,9 @@ from atoll.models.outer import NesterovOuter, grace_window
 from atoll.protocols.averaging import AllreduceResult, AveragingServicer, GroupSpec, TrafficStats, allreduce
 from atoll.protocols.codecs import ErrorFeedback
 from atoll.protocols.matchmaking import form_group
-from atoll.protocols.records import (ProgressRecord, config_key, heavier, open_rounds_key, parse_open_round, parse_progress,
-                                     progress_key, unwrap_subkeys)
+from atoll.protocols.records import (
+    ProgressRecord, config_key, heavier, open_rounds_key, parse_open_round, parse_progress, progress_key, unwrap_subkeys,
+)
 from atoll.protocols.state_sync import ReplicaState, StateServicer, download_state
 
 from .config import NodeConfig

@@ -314,7 +314,9 @@ async def _exchange_with(
     return await asyncio.wait_for(call(), timeout=2 * timeout + 10)
 
 
-async def _exchange_retrying(p2p: P2P, servicer: AveragingServicer, spec: GroupSpec, reducer: str, *args: Any) -> ShardResult:
+async def _exchange_retrying(
+    p2p: P2P, servicer: AveragingServicer, spec: GroupSpec, reducer: str, *args: Any
+) -> ShardResult:
     """``_exchange_with``, asked again when the stream broke (the reducer ignores a part it already holds and
     answers with its result): a dropped connection must not make members disagree about a round's outcome."""
     for attempt in range(EXCHANGE_ATTEMPTS):

@@ -89,24 +89,32 @@ def main() -> int:
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
     parser.add_argument("--daemon-args", default="", help="extra flags for every daemon, e.g. '--overlap 8'")
+    parser.add_argument("--label", default=None, help="name the runs (default: the algorithm)")
+    parser.add_argument("--append", action="store_true",
+                        help="add these runs to the existing JSON (same label: replaced) instead of starting over")
     parser.add_argument("--out", default="docs/results")
     args = parser.parse_args()
+    out = Path(args.out)
+    command = "python scripts/bench_algorithms.py " + " ".join(sys.argv[1:])
+    previous = json.loads((out / "bench_algorithms.json").read_text())["runs"] if args.append else []
     results = []
     for algorithm in args.algorithms:
-        print(f"{algorithm}: {DAEMONS} daemons x {args.steps} steps ...", flush=True)
+        label = args.label or algorithm
+        print(f"{label}: {DAEMONS} daemons x {args.steps} steps ...", flush=True)
         r = run_swarm(Path("runs/bench_algorithms") / algorithm, algorithm, args, args.daemon_args.split())
+        r.update(label=label, daemon_args=args.daemon_args, command=command)
         results.append(r)
         print(f"    held-out {r['held_out_loss_mean']:.4f}  bytes/token {r['bytes_per_token']:.1f}  goodput "
               f"{r['goodput_mean']:.2f}  blocked {r['blocked_s_mean']:.1f}s  ({r['seconds']:.0f} s)", flush=True)
+    results = [r for r in previous if r.get("label", r["algorithm"]) not in {x["label"] for x in results}] + results
     ref = next((r for r in results if r["algorithm"] == "ddp"), None)
     for r in results:
         if ref is not None:
             r["loss_ratio_to_ddp"] = r["held_out_loss_mean"] / ref["held_out_loss_mean"]
             r["ddp_bytes_per_token_over_this"] = ref["bytes_per_token"] / r["bytes_per_token"]
-    doc = {"command": "python scripts/bench_algorithms.py " + " ".join(sys.argv[1:]), "model": args.model,
+    doc = {"command": command, "model": args.model,
            "daemons": DAEMONS, "steps_per_daemon": args.steps, "batch_size": BATCH, "sync_every": args.sync_every,
            "fragments": RunConfig().fragments, "overlap": RunConfig().overlap, "runs": results}
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_algorithms.json").write_text(json.dumps(doc, indent=1))
     import matplotlib
@@ -115,7 +123,7 @@ def main() -> int:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    labels = [r["algorithm"] for r in results]
+    labels = [r.get("label", r["algorithm"]) for r in results]
     axes[0].bar(labels, [r["held_out_loss_mean"] for r in results], color="tab:blue")
     axes[0].set_ylabel("held-out loss (final Θ, mean of daemons)")
     lo = min(r["held_out_loss_mean"] for r in results)
@@ -132,7 +140,7 @@ def main() -> int:
     for r in results:
         extra = (f"  loss/ddp {r['loss_ratio_to_ddp']:.4f}  ddp bytes/this {r['ddp_bytes_per_token_over_this']:.0f}x"
                  if ref is not None else "")
-        print(f"{r['algorithm']:10s} loss {r['held_out_loss_mean']:.4f}{extra}")
+        print(f"{r.get('label', r['algorithm']):14s} loss {r['held_out_loss_mean']:.4f}{extra}")
     return 0
 
 

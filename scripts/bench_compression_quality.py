@@ -40,7 +40,7 @@ def run_once(label: str, codec: str, ef: bool, args: argparse.Namespace, run: Ru
     common = ["--model", args.model, "--algorithm", args.algorithm, "--sync-every", str(args.sync_every),
               "--batch-size", str(BATCH), "--max-steps", str(args.steps), "--compression", codec,
               "--error-feedback", "true" if ef else "false", "--gather-timeout", "20", "--round-timeout", "20",
-              "--threads", "1"]
+              "--threads", "1", *args.daemon_args.split()]
     start = time.monotonic()
     root = Path("runs/bench_compression") / f"{args.algorithm}-{label}"
     shutil.rmtree(root, ignore_errors=True)  # a fresh run: leftover checkpoints would be resumed
@@ -72,6 +72,7 @@ def main() -> int:
     parser.add_argument("--sync-every", type=int, default=40)
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--algorithm", default="decoupled", choices=("diloco", "streaming", "decoupled"))
+    parser.add_argument("--daemon-args", default="", help="extra flags for every daemon, e.g. '--overlap 8'")
     parser.add_argument("--out", default="docs/results")
     args = parser.parse_args()
     run = RunConfig(model=args.model, sync_every=args.sync_every, algorithm=args.algorithm)
@@ -90,7 +91,8 @@ def main() -> int:
         r["bytes_per_token_ddp_over_this"] = ddp_bytes_per_token / r["bytes_per_token"]
     doc = {"command": "python scripts/bench_compression_quality.py " + " ".join(sys.argv[1:]),
            "algorithm": args.algorithm, "model": args.model,
-           "params": n, "daemons": DAEMONS, "steps_per_daemon": args.steps, "sync_every": args.sync_every,
+           "params": n, "daemons": DAEMONS, "daemon_args": args.daemon_args, "steps_per_daemon": args.steps,
+           "sync_every": args.sync_every,
            "fragments": run.num_fragments, "ddp_bytes_per_token": ddp_bytes_per_token, "runs": results}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
