@@ -256,10 +256,12 @@ class AveragingServicer(ServicerBase):
             kind = "protocol" if isinstance(e, WireError) else "truncated"
             self.stats.reject(kind)
             logger.warning("rejected aggregate part from %s: %s", sender[-8:], e)
-            if reduction is not None:
-                reduction.exclude(sender)  # treated as missing: the shard is reduced without it, at once
-            yield pack_response({"ok": False, "error": str(e)})
-            return
+            if reduction is None:
+                yield pack_response({"ok": False, "error": str(e)})
+                return
+            # A member of the group: its part is treated as missing (the shard is reduced without it, at once), but
+            # it still gets the shard's result, so that it ends the round with the same values as everyone else.
+            reduction.exclude(sender)
         result = await reduction.result
         yield pack_response({"ok": True, "weight": result.weight, "contributors": result.contributors,
                              "numel": reduction.numel, "norm": result.norm})
@@ -302,6 +304,8 @@ async def _exchange_with(
             if size > limit:
                 raise WireError(f"reduced shard longer than {limit} bytes")
             chunks.append(chunk)
+        if size < limit:  # every codec's size is fixed by numel: a short answer is a stream that broke
+            raise BrokenStream(f"the reduced shard ended after {size} of {limit} bytes")
         try:
             values = await asyncio.get_running_loop().run_in_executor(
                 None, functools.partial(codecs.decode, b"".join(chunks), expected_numel=numel))
@@ -330,6 +334,10 @@ async def _exchange_retrying(
             logger.info("round v%d: stream to reducer %s broke (%r); asking again", spec.version, reducer[-8:], e)
             await asyncio.sleep(0.1 * (attempt + 1))
     raise AssertionError("unreachable")
+
+
+class BrokenStream(ConnectionError):
+    """A reducer's answer ended early: the transport broke, not the protocol (asked again)."""
 
 
 class GroupRefused(WireError):
