@@ -56,6 +56,7 @@ class Learner:
         self.tokens = 0
         self._prefetched: tuple[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
         self._snapshots: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lagged_loss: torch.Tensor | None = None
 
     @property
     def tokens_per_step(self) -> int:
@@ -115,7 +116,23 @@ class Learner:
         self.device.sync()
         self._advance()
         self._prefetch()
+        self._lagged_loss = loss
         return float(loss)
+
+    def train_step_lagged(self) -> float | None:
+        """``train_step`` that returns the previous step's loss instead of this one's (None before any step).
+
+        Reading this step's loss waits for the device to finish it, so the host cannot trace the next step
+        meanwhile; the previous step's loss is already computed. On xla this lets the device run step k while the
+        host traces step k+1. The parameters after the call are the same as after ``train_step``.
+        """
+        loss = self._forward_backward()
+        self._update()
+        self.device.sync()
+        self._advance()
+        self._prefetch()
+        previous, self._lagged_loss = self._lagged_loss, loss
+        return None if previous is None else float(previous)
 
     def backward(self) -> float:
         """Forward and backward on the next batch; leaves the gradients in place and returns the loss.

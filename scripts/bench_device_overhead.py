@@ -2,12 +2,14 @@
 """What the daemon costs on a device: tokens/s of a bare torch training loop, the daemon's learner, and a whole
 daemon, side by side on the same model and device, for cpu and for xla (torch_xla's CPU runtime).
 
-    python scripts/bench_device_overhead.py                       # cpu and xla, 3 repetitions
+    python scripts/bench_device_overhead.py                       # cpu and xla, 4 repetitions
     python scripts/bench_device_overhead.py --devices cpu --steps 60
 
 - bare: the textbook loop: batch to the device, forward (autocast on bf16), backward, clip, AdamW step, zero
   grads, ``torch_xla.sync()`` on xla; the loss is read every 10 steps, as a logging loop would.
 - learner: ``Learner.train_step()`` in a loop (what the daemon's training loop calls; it reads the loss every step).
+- lagged: ``Learner.train_step_lagged()``: the same steps, the loss read one step late, so the host traces the
+  next step while the device runs this one.
 - daemon: ``atoll start`` alone, ``--max-steps``, every daemon default except those listed in the JSON: outer
   rounds every H steps, a held-out evaluation and a checkpoint after each, progress records, the DHT; tokens/s
   from its metrics.jsonl timestamps, over the same number of steps, after its first round (warm-up).
@@ -16,7 +18,8 @@ The bare loop and the learner run in one process (one torch thread), alternating
 order, so that whatever else runs on the machine slows both alike; the daemon runs right after, in its own
 processes. All three use the same model, batch size and precision (the daemon's default: fp32 on cpu, bf16
 autocast on xla); the first ``--warmup`` steps (graph compilation on xla) are excluded. Ratios are taken within
-each repetition and the median over repetitions is reported. xla runs with the xla venv's interpreter
+each repetition (which of the pair and the daemon goes first alternates) and the median over repetitions is
+reported. torch_xla's CPU runtime is held to one thread too (``XLA_FLAGS``, unless set). xla runs with the xla venv's interpreter
 (``make test-xla`` builds it and points it at this clone). Writes docs/results/bench_device_overhead.{json,png}.
 """
 
@@ -35,6 +38,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LOG_EVERY = 10
+KINDS = ("bare", "learner", "lagged", "daemon")
+# torch_xla's CPU runtime would use every core; one thread, like torch's, makes the xla runs comparable with the
+# cpu ones and far less sensitive to other load on a small machine (a multi-threaded step waits for its slowest
+# thread).
+XLA_CPU_ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 
 def default_xla_python() -> str:
@@ -97,30 +105,39 @@ class BareLoop:
 
 
 def worker_pair(args: argparse.Namespace) -> dict:
-    """The bare loop and the daemon's learner in one process on one device, alternating blocks of ``LOG_EVERY``
-    steps (ABBA order), so that whatever else runs on the machine slows both alike."""
+    """The bare loop, the daemon's learner (``train_step``: this step's loss) and the learner with the loss read
+    one step late (``train_step_lagged``) in one process on one device, alternating blocks of ``LOG_EVERY`` steps
+    (ABC CBA order), so that whatever else runs on the machine slows all of them alike."""
     from atoll.node.learner import Learner
 
     run, device, corpus = _setup(args.device, args.model)
     bare = BareLoop(run, device, corpus, args.batch_size)
     learner = Learner(run, device, corpus, 0, args.batch_size)
+    lagged = Learner(run, device, corpus, 0, args.batch_size)
     for _ in range(args.warmup):
         bare.step()
         learner.train_step()
+        lagged.train_step_lagged()
     bare.drain()
-    seconds = {"bare": 0.0, "learner": 0.0}
+    lagged.train_step()
+    kinds = ("bare", "learner", "lagged")
+    seconds = dict.fromkeys(kinds, 0.0)
     blocks = -(-args.steps // LOG_EVERY)
     for b in range(blocks):
         n = min(LOG_EVERY, args.steps - b * LOG_EVERY)
-        for kind in (("bare", "learner") if b % 2 == 0 else ("learner", "bare")):
+        for kind in (kinds if b % 2 == 0 else kinds[::-1]):
             t0 = time.perf_counter()
             if kind == "bare":
                 for _ in range(n):
                     bare.step()
                 bare.drain()
-            else:
+            elif kind == "learner":
                 for _ in range(n):
                     learner.train_step()
+            else:
+                for _ in range(n - 1):
+                    lagged.train_step_lagged()
+                lagged.train_step()  # the block ends with the device drained, like the others
             seconds[kind] += time.perf_counter() - t0
     tokens = args.steps * args.batch_size * corpus.seq_len
     return {kind: {"tokens_per_s": tokens / s, "seconds": s} for kind, s in seconds.items()} | {
@@ -157,19 +174,38 @@ def run_daemon(python: str, device: str, args: argparse.Namespace) -> dict:
                 except ProcessLookupError:
                     pass
         if code != 0:
-            raise RuntimeError(f"daemon on {device} failed:\n{log.read_text()[-3000:]}")
+            raise RuntimeError(f"daemon on {device} exited with {code}:\n{log.read_text()[-3000:]}")
         metrics = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if "loss" in m and "event" not in m and m["step"] >= warmup]
-    rounds = [m for m in metrics if m.get("event") == "round" and m["step"] > warmup]
+    round_steps = {m["step"] for m in metrics if m.get("event") == "round" and m["step"] >= warmup}
     first, last = steps[0], steps[-1]
     seconds = last["time"] - first["time"]
+    # Its metrics come every 10 steps and a round runs right after a step's metric: split the intervals into
+    # those with a round and those without, to tell the cost of training from the cost of rounds.
+    plain, with_round = [], []
+    for a, b in zip(steps, steps[1:]):
+        (with_round if a["step"] in round_steps else plain).append((b["time"] - a["time"]) / (b["step"] - a["step"]))
+    if not plain:
+        raise SystemExit("bench_device_overhead: the daemon had a round in every 10 steps; use a longer --sync-every")
+    step_s = statistics.median(plain)
+    round_s = [10 * (t - step_s) for t in with_round]
     return {"tokens_per_s": (last["tokens"] - first["tokens"]) / seconds, "seconds": seconds,
-            "steps": last["step"] - first["step"], "rounds": len(rounds)}
+            "steps": last["step"] - first["step"], "rounds": len(with_round),
+            "between_rounds_tokens_per_s": args.batch_size * corpus_seq_len(args) / step_s,
+            "round_seconds": statistics.median(round_s) if round_s else None,
+            "round_cost_in_steps": statistics.median(round_s) / step_s if round_s else None}
+
+
+def corpus_seq_len(args: argparse.Namespace) -> int:
+    from atoll.models.configs import get_model_config
+
+    return get_model_config(args.model).seq_len
 
 
 def child_env() -> dict:
     env = dict(os.environ)
     env.setdefault("PJRT_DEVICE", "CPU")
+    env.setdefault("XLA_FLAGS", XLA_CPU_ONE_THREAD)
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -192,14 +228,14 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     devices = list(result["devices"])
-    kinds = ["bare", "learner", "daemon"]
+    kinds = list(KINDS)
     fig, axes = plt.subplots(1, len(devices), figsize=(5 * len(devices), 4.5), squeeze=False)
     for ax, device in zip(axes[0], devices):
         d = result["devices"][device]
         med = [d[k]["median_tokens_per_s"] for k in kinds]
         lo = [m - min(d[k]["tokens_per_s"]) for m, k in zip(med, kinds)]
         hi = [max(d[k]["tokens_per_s"]) - m for m, k in zip(med, kinds)]
-        bars = ax.bar(kinds, med, yerr=[lo, hi], capsize=6, color=["#888888", "#4c72b0", "#dd8452"])
+        bars = ax.bar(kinds, med, yerr=[lo, hi], capsize=6, color=["#888888", "#4c72b0", "#55a868", "#dd8452"])
         for bar, k in zip(bars, kinds):
             label = "1" if k == "bare" else f"{d['ratio_' + k]['median']:.3f}×"
             ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
@@ -218,7 +254,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--steps", type=int, default=100, help="measured inner steps per run")
     p.add_argument("--warmup", type=int, default=10, help="steps excluded from the measurement (compilation)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--daemon-args", nargs=argparse.REMAINDER, default=["--algorithm", "diloco", "--sync-every", "50"],
                    help="extra flags of the daemon variant (last on the command line)")
     p.add_argument("--xla-python", default=default_xla_python())
@@ -241,33 +277,45 @@ def main() -> None:
     started = time.time()
     for rep in range(args.repeats):
         for device in devices:
-            pair = run_pair(pythons[device], device, args)
-            daemon = run_daemon(pythons[device], device, args)
-            r = {"bare": pair["bare"], "learner": pair["learner"], "daemon": daemon,
+            if rep % 2 == 0:  # alternate which goes first
+                pair, daemon = run_pair(pythons[device], device, args), run_daemon(pythons[device], device, args)
+            else:
+                daemon, pair = run_daemon(pythons[device], device, args), run_pair(pythons[device], device, args)
+            r = {"bare": pair["bare"], "learner": pair["learner"], "lagged": pair["lagged"], "daemon": daemon,
                  "compilations": pair["compilations"], "loadavg": os.getloadavg()}
             runs[device].append(r)
             print(f"rep {rep + 1}/{args.repeats} {device:4s} " + "  ".join(
-                f"{k} {r[k]['tokens_per_s']:7.0f}" for k in ("bare", "learner", "daemon")) + " tokens/s", flush=True)
+                f"{k} {r[k]['tokens_per_s']:7.0f}" for k in KINDS) + " tokens/s", flush=True)
 
     result = {
         "command": "python scripts/bench_device_overhead.py " + " ".join(sys.argv[1:]),
         "model": args.model, "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup,
         "repeats": args.repeats, "daemon_args": args.daemon_args, "threads": 1,
+        "xla_flags": child_env()["XLA_FLAGS"],
         "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "minutes": (time.time() - started) / 60,
         "devices": {},
     }
     for device in devices:
         d: dict = {"python": pythons[device], "precision": "bf16" if device == "xla" else "fp32", "runs": runs[device]}
-        for kind in ("bare", "learner", "daemon"):
+        for kind in KINDS:
             values = [r[kind]["tokens_per_s"] for r in runs[device]]
             d[kind] = {"tokens_per_s": values, "median_tokens_per_s": statistics.median(values)}
-        for kind in ("learner", "daemon"):
+        for kind in KINDS[1:]:
             ratios = [r[kind]["tokens_per_s"] / r["bare"]["tokens_per_s"] for r in runs[device]]
             d[f"ratio_{kind}"] = {"per_run": ratios, "median": statistics.median(ratios)}
             d[f"overhead_{kind}_pct"] = 100 * (1 - statistics.median(ratios))
+        between = [r["daemon"]["between_rounds_tokens_per_s"] / r["bare"]["tokens_per_s"] for r in runs[device]]
+        cost = [r["daemon"]["round_cost_in_steps"] for r in runs[device] if r["daemon"]["round_cost_in_steps"]]
+        d["ratio_daemon_between_rounds"] = {"per_run": between, "median": statistics.median(between)}
+        d["round_cost_in_steps"] = {"per_run": cost, "median": statistics.median(cost) if cost else None}
+        if cost:  # what the same daemon would cost at a longer sync period (derived, not measured)
+            b, c = statistics.median(between), statistics.median(cost)
+            d["ratio_daemon_derived"] = {str(h): b * h / (h + c) for h in (50, 100, 500)}
         result["devices"][device] = d
         print(f"{device}: bare {d['bare']['median_tokens_per_s']:.0f} tokens/s; learner "
-              f"{d['ratio_learner']['median']:.3f}x, daemon {d['ratio_daemon']['median']:.3f}x of bare (median per run)")
+              f"{d['ratio_learner']['median']:.3f}x, lagged {d['ratio_lagged']['median']:.3f}x, daemon {d['ratio_daemon']['median']:.3f}x of bare (median per run); "
+              f"daemon between rounds {d['ratio_daemon_between_rounds']['median']:.3f}x, a round costs "
+              f"{d['round_cost_in_steps']['median'] or float('nan'):.1f} steps")
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

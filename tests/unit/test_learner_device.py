@@ -117,3 +117,14 @@ def test_evaluate_is_the_mean_held_out_loss(corpus):
         direct = [float(learner.model(b[:, :-1], b[:, 1:])) for b in batches]
     assert learner.evaluate(batches) == pytest.approx(sum(direct) / 3, rel=1e-6)
     assert learner.model.training
+
+
+def test_lagged_step_returns_the_previous_loss_and_takes_the_same_step(corpus):
+    plain, lagged = make(corpus), make(corpus)
+    losses = [plain.train_step() for _ in range(4)]
+    got = [lagged.train_step_lagged() for _ in range(4)]
+    assert got == [None, *losses[:3]]
+    assert torch.equal(plain.flat_params(), lagged.flat_params())
+    fifth = lagged.train_step()  # mixing both is fine: the next lagged call returns this step's loss
+    assert fifth == plain.train_step()
+    assert lagged.train_step_lagged() == fifth
