@@ -5,12 +5,16 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 # The xla environment: torch_xla 2.9.0 pins torch 2.9.0 (~7 GB installed), so it is a second venv, kept outside
-# the clone (a fresh clone, as CI makes, reuses it). Its stamp is keyed on pyproject.toml's content, not its
-# mtime: a changed pyproject.toml re-runs pip in the same venv (cheap: torch is already there).
+# the clone (a fresh clone, as CI makes, reuses it). It holds the dependencies only, never a clone's code: each
+# run puts its own clone on PYTHONPATH (build/xla-path/atoll/* are links to node/, protocols/, models/), so two
+# clones can use it at once and it always tests the code of the clone that runs it. Its stamp is keyed on
+# pyproject.toml's content (and this recipe's version), not its mtime: a change re-runs pip in the same venv
+# (cheap: torch is already there).
 XLA_VENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/atoll/venv-xla
 XLA_PY := $(XLA_VENV)/bin/python
-XLA_KEY := $(shell sha256sum pyproject.toml | cut -c1-16)
+XLA_KEY := $(shell (echo xla-venv-2; cat pyproject.toml) | sha256sum | cut -c1-16)
 XLA_STAMP := $(XLA_VENV)/.installed-$(XLA_KEY)
+XLA_PATH := build/xla-path
 
 .PHONY: test test-unit test-integration test-xla xla-venv demo bench clean
 
@@ -24,8 +28,10 @@ $(STAMP): pyproject.toml
 # No prerequisite on pyproject.toml: a fresh clone's file is always newer than the stamp. The key is the content.
 $(XLA_STAMP):
 	test -x $(XLA_PY) || $(PYTHON) -m venv $(XLA_VENV)
-	$(XLA_PY) -m pip install --quiet 'setuptools>=68' wheel 'torch==2.9.0' 'torch_xla==2.9.0'
+	$(XLA_PY) -m pip install --quiet 'torch==2.9.0' 'torch_xla==2.9.0'
+	# pip resolves the dependencies from pyproject.toml; atoll itself is then removed again (see above).
 	$(XLA_PY) -m pip install --quiet -e '.[xla,test]'
+	$(XLA_PY) -m pip uninstall --quiet --yes atoll
 	rm -f $(XLA_VENV)/.installed-*
 	touch $(XLA_STAMP)
 
@@ -35,12 +41,12 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 	$(MAKE) test-xla
 
-# The xla tests run on torch_xla's real compiler and runtime on the CPU (PJRT_DEVICE=CPU). The shared venv is
-# pointed at this clone every time (an editable install, no dependencies: a few seconds), so it tests this
-# clone's code, never the clone that built the venv. ATOLL_REQUIRE_XLA turns a missing torch_xla into a failure.
+# The xla tests run on torch_xla's real compiler and runtime on the CPU (PJRT_DEVICE=CPU). ATOLL_REQUIRE_XLA turns
+# a missing torch_xla into failures instead of skips.
 test-xla: $(XLA_STAMP)
-	$(XLA_PY) -m pip install --quiet --no-deps --no-build-isolation -e .
-	PJRT_DEVICE=CPU ATOLL_REQUIRE_XLA=1 $(XLA_PY) -m pytest -q tests/xla tests/unit/test_xla.py
+	mkdir -p $(XLA_PATH)/atoll
+	for p in node protocols models; do ln -sfn ../../../$$p $(XLA_PATH)/atoll/$$p; done
+	PYTHONPATH=$(CURDIR)/$(XLA_PATH) PJRT_DEVICE=CPU ATOLL_REQUIRE_XLA=1 $(XLA_PY) -m pytest -q tests/xla tests/unit/test_xla.py
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit

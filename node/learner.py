@@ -7,9 +7,11 @@ replace θ with a merged replica (``load_flat``, or ``scatter`` for one fragment
 The same code runs on cpu, cuda and xla. What the xla path needs, and every device gets:
 
 - one ``device.sync()`` per inner step, and graphs whose shape never depends on the step: the AdamW step count
-  and bias corrections live on the device (``capturable``), Python scalars such as the warm-up learning rate
+  and bias corrections live on the device (``capturable``, off the CPU), Python scalars such as the warm-up lr
   become graph inputs, so after the first steps nothing compiles again (``device.compilations()`` is flat);
 - the next batch is sliced and uploaded right after a step is dispatched, while the device still runs it;
+  ``train_step`` then waits for the step's loss, ``train_step_lagged`` returns the previous one instead so that
+  the host traces the next step while the device runs this one;
 - parameters leave the device in one batched transfer (``device.to_host``), and ``snapshot`` copies a
   fragment on the device and moves it to host memory in a background thread while training goes on;
 - merged values are copied back into the existing parameter tensors (uploaded buffers become graph inputs).

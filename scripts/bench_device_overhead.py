@@ -14,13 +14,14 @@ daemon, side by side on the same model and device, for cpu and for xla (torch_xl
   rounds every H steps, a held-out evaluation and a checkpoint after each, progress records, the DHT; tokens/s
   from its metrics.jsonl timestamps, over the same number of steps, after its first round (warm-up).
 
-The bare loop and the learner run in one process (one torch thread), alternating blocks of 10 steps in ABBA
-order, so that whatever else runs on the machine slows both alike; the daemon runs right after, in its own
-processes. All three use the same model, batch size and precision (the daemon's default: fp32 on cpu, bf16
-autocast on xla); the first ``--warmup`` steps (graph compilation on xla) are excluded. Ratios are taken within
-each repetition (which of the pair and the daemon goes first alternates) and the median over repetitions is
-reported. torch_xla's CPU runtime is held to one thread too (``XLA_FLAGS``, unless set). xla runs with the xla venv's interpreter
-(``make test-xla`` builds it and points it at this clone). Writes docs/results/bench_device_overhead.{json,png}.
+The bare loop and both learners run in one process (one torch thread), alternating blocks of 10 steps in
+ABC CBA order, so that whatever else runs on the machine slows them alike; the daemon runs in its own processes
+before or after them (alternating). All use the same model, batch size and precision (the daemon's default:
+fp32 on cpu, bf16 autocast on xla); the first ``--warmup`` steps (graph compilation on xla) are excluded.
+Ratios to the bare loop are taken within each repetition; the median over repetitions is reported. torch_xla's
+CPU runtime is held to one thread too (``XLA_FLAGS``, unless set). xla runs with the xla venv's interpreter
+(``make test-xla`` builds it) and this clone's code on PYTHONPATH.
+Writes docs/results/bench_device_overhead.{json,png}.
 """
 
 from __future__ import annotations
@@ -207,6 +208,8 @@ def child_env() -> dict:
     env.setdefault("PJRT_DEVICE", "CPU")
     env.setdefault("XLA_FLAGS", XLA_CPU_ONE_THREAD)
     env["PYTHONUNBUFFERED"] = "1"
+    # The xla venv holds dependencies only; this clone's code comes from build/xla-path, as in `make test-xla`.
+    env["PYTHONPATH"] = str(ROOT / "build" / "xla-path")
     return env
 
 
@@ -214,11 +217,16 @@ def check_xla_python(python: str) -> None:
     if not Path(python).exists():
         raise SystemExit(f"bench_device_overhead: no xla interpreter at {python}: run `make test-xla` first "
                          "(or pass --xla-python)")
+    shim = ROOT / "build" / "xla-path" / "atoll"
+    shim.mkdir(parents=True, exist_ok=True)
+    for package in ("node", "protocols", "models"):
+        if not (shim / package).is_symlink():
+            (shim / package).symlink_to(Path("..", "..", "..", package))
     out = subprocess.run([python, "-c", "import atoll.node, torch_xla; print(atoll.node.__file__)"],
                          capture_output=True, text=True, env=child_env())
     if out.returncode != 0 or Path(out.stdout.strip()).resolve().parent != (ROOT / "node").resolve():
         raise SystemExit(f"bench_device_overhead: {python} does not import this clone's atoll "
-                         f"({out.stdout.strip() or out.stderr.strip()[-300:]}); run `make test-xla` here first")
+                         f"({out.stdout.strip() or out.stderr.strip()[-300:]})")
 
 
 def plot(result: dict, path: Path) -> None:

@@ -14,3 +14,12 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")  # before torch_xla starts its runti
 # multi-threaded step waits for its slowest thread.
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # xla_helpers
+
+if os.environ.get("ATOLL_REQUIRE_XLA") == "1":  # make test-xla: the shared venv must run this clone's code
+    import atoll.node
+    import pytest
+
+    _here = Path(__file__).resolve().parents[2] / "node"
+    if Path(atoll.node.__file__).resolve().parent != _here:
+        raise pytest.UsageError(f"atoll.node is imported from {atoll.node.__file__}, not from {_here}: "
+                                "put build/xla-path on PYTHONPATH (make test-xla does)")

@@ -63,16 +63,15 @@ def test_xla_and_cpu_daemons_train_together(swarm):
     wait_for(lambda: all(len(full_rounds(swarm.daemons[n])) >= 3 for n in NAMES), 300,
              "three 3-member rounds on every daemon")
     assert_identical_replicas(swarm, NAMES, 3)
-    rounds = full_rounds(x)
-    assert rounds[-1]["held_out_loss"] < rounds[0]["held_out_loss"]
-    steps = [m for m in x.metrics() if "loss" in m and "event" not in m]
-    assert sum(m["loss"] for m in steps[-3:]) < sum(m["loss"] for m in steps[:3])
     # Once warm, rounds (fragment to host, merged values back in place, held-out evaluation) compile nothing.
-    compiled, seen = x.log().count(COMPILED), len(rounds)
+    compiled, seen = x.log().count(COMPILED), len(full_rounds(x))
     assert compiled > 0  # the report is really there
     wait_for(lambda: len(full_rounds(x)) >= seen + 2, 180, "two more rounds on the xla daemon")
     assert x.log().count(COMPILED) == compiled
-    assert_identical_replicas(swarm, NAMES, 5)
+    common = assert_identical_replicas(swarm, NAMES, 5)
+    for name in NAMES:  # the held-out loss of the common replica goes down, as each daemon measures it
+        by_version = {r["version"]: r["held_out_loss"] for r in full_rounds(swarm.daemons[name])}
+        assert by_version[common[-1]] < by_version[common[0]] < 5.0
 
 
 def test_status_shows_the_xla_daemon(swarm):
