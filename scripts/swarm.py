@@ -243,7 +243,7 @@ def main() -> int:
 
     console = Console()
     if not console.is_terminal:  # piped or logged: rich would fold the tables to 80 columns
-        console = Console(width=120)
+        console = Console(width=160)
     workdir = Path(args.workdir)
     if workdir.exists():
         import shutil
@@ -282,9 +282,9 @@ def main() -> int:
 
     table = Table(title="summary")
     rows = summary(swarm)
-    for col in ("daemon", "exit", "steps", "tokens", "train loss", "held-out loss", "rounds", "version", "goodput",
-                "blocked s", "forks healed", "tokens lost", "sent MB"):
-        table.add_column(col)
+    for col in ("daemon", "exit", "steps", "tokens", "train loss", "held-out", "rounds", "version", "goodput",
+                "blocked s", "forks", "tokens lost", "sent MB"):
+        table.add_column(col, no_wrap=True)
     for r in rows:
         fmt = lambda x, spec=".4f": "-" if x is None else format(x, spec)  # noqa: E731
         table.add_row(r["daemon"], str(codes.get(r["daemon"])), str(r["steps"]), f"{r['tokens']:,}",
