@@ -16,19 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_parity import BATCH, make_learner  # noqa: E402
-from swarm import LocalSwarm  # noqa: E402
+from bench_algorithms import run_swarm  # noqa: E402
+from bench_parity import BATCH  # noqa: E402
 
 from atoll.models.configs import get_model_config  # noqa: E402
-from atoll.models.fragments import make_fragments  # noqa: E402
-from atoll.node.checkpoint import load_checkpoint  # noqa: E402
 from atoll.node.config import RunConfig  # noqa: E402
 
 DAEMONS = 4
@@ -36,34 +31,10 @@ RUNS = [("none", "none", True), ("bf16", "bf16", True), ("int8", "int8", True), 
         ("int4+ef", "int4", True), ("int2+ef", "int2", True)]
 
 
-def run_once(label: str, codec: str, ef: bool, args: argparse.Namespace, run: RunConfig) -> dict:
-    common = ["--model", args.model, "--algorithm", args.algorithm, "--sync-every", str(args.sync_every),
-              "--batch-size", str(BATCH), "--max-steps", str(args.steps), "--compression", codec,
-              "--error-feedback", "true" if ef else "false", "--gather-timeout", "20", "--round-timeout", "20",
-              "--threads", "1", *args.daemon_args.split()]
-    start = time.monotonic()
-    root = Path("runs/bench_compression") / f"{args.algorithm}-{label}"
-    shutil.rmtree(root, ignore_errors=True)  # a fresh run: leftover checkpoints would be resumed
-    with LocalSwarm(root, common) as swarm:
-        for i in range(DAEMONS):
-            swarm.start(f"d{i}", join=i > 0)
-        for d in swarm.daemons.values():
-            d.proc.wait(3600)
-    losses, sent, tokens, rounds = [], 0, 0, []
-    learner, held_out = make_learner(run, shard=0)
-    fragments = make_fragments(learner.params, run.num_fragments, run.sync_every, learner.model.embed.weight)
-    for d in swarm.daemons.values():
-        tensors, meta = load_checkpoint(d.workdir)
-        for f in fragments:
-            f.scatter(tensors[f"replica.{f.index}.params"], learner.params)
-        losses.append(learner.evaluate(held_out))
-        tokens += meta["tokens"]
-        r = d.rounds()
-        rounds.append(len(r))
-        sent += r[-1]["bytes_sent"] if r else 0
-    return {"label": label, "codec": codec, "error_feedback": ef, "held_out_loss_mean": statistics.mean(losses),
-            "held_out_loss_per_daemon": losses, "bytes_sent_total": sent, "tokens_total": tokens,
-            "bytes_per_token": sent / tokens, "rounds_per_daemon": rounds, "seconds": time.monotonic() - start}
+def run_once(label: str, codec: str, ef: bool, args: argparse.Namespace) -> dict:
+    extra = ["--compression", codec, "--error-feedback", "true" if ef else "false", *args.daemon_args.split()]
+    result = run_swarm(Path("runs/bench_compression") / f"{args.algorithm}-{label}", args.algorithm, args, extra)
+    return {"label": label, "codec": codec, "error_feedback": ef, **result}
 
 
 def main() -> int:
@@ -81,7 +52,7 @@ def main() -> int:
     results = []
     for label, codec, ef in RUNS:
         print(f"{label}: {DAEMONS} daemons x {args.steps} steps ...", flush=True)
-        r = run_once(label, codec, ef, args, run)
+        r = run_once(label, codec, ef, args)
         results.append(r)
         print(f"    held-out {r['held_out_loss_mean']:.4f}  bytes/token {r['bytes_per_token']:.1f}  "
               f"({r['seconds']:.0f} s)", flush=True)
