@@ -246,8 +246,8 @@ def plot(result: dict, path: Path) -> None:
         bars = ax.bar(kinds, med, yerr=[lo, hi], capsize=6, color=["#888888", "#4c72b0", "#55a868", "#dd8452"])
         for bar, k in zip(bars, kinds):
             label = "1" if k == "bare" else f"{d['ratio_' + k]['median']:.3f}×"
-            ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
-                        xytext=(0, 3), textcoords="offset points")
+            ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height() / 2, label, ha="center", va="center",
+                    color="white", fontweight="bold")
         ax.set_title(f"{device} ({d['precision']}), model {result['model']}, batch {result['batch_size']}")
         ax.set_ylabel("tokens/s (median, min–max)")
     fig.suptitle("the daemon's learner and a whole daemon vs a bare torch loop (labels: median per-run ratio)")
@@ -269,8 +269,13 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "docs" / "results" / "bench_device_overhead"))
     p.add_argument("--worker", choices=("pair",), help=argparse.SUPPRESS)
     p.add_argument("--device", help=argparse.SUPPRESS)
+    p.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON of --out, run nothing")
     args = p.parse_args()
 
+    if args.replot:
+        out = Path(args.out)
+        plot(json.loads(out.with_suffix(".json").read_text()), out.with_suffix(".png"))
+        return
     if args.worker:
         print(json.dumps(worker_pair(args)))
         return
