@@ -1,0 +1,63 @@
+"""Robust merging: contributions far above a round's typical size are scaled down before they are averaged.
+
+A reducer sees one shard of every member's contribution. Before the weighted merge, every contribution whose
+L2 norm exceeds ``factor`` times the round's *lower median* norm is scaled down to exactly that bound (its
+direction is kept). The same rule bounds scalars that members declare (token weights, RDA norms).
+
+The lower median is the ⌈M/2⌉-th smallest of the M positive values (the median for odd M, the lower of the two
+middle values for even M). A plain median would be no bound at all with two members: it is their mean, and
+``factor · (h + 1000h) / 2`` lets a 1000× contribution through untouched for any factor ≥ 2. With the lower
+median, a 1000× contribution in a two-member round is cut to ``factor`` times the other member's; in a round of
+M members, fewer than ⌈M/2⌉ attackers cannot raise the bound above ``factor`` times an honest norm. The price:
+with two members no statistic can tell which one is honest, so a member sending a tiny (non-zero) contribution
+shrinks the other's to ``factor`` times its own; that slows a round down but cannot blow it up. Zero
+contributions (nothing to say, e.g. rows no member touched) are left out of the median, so they never clip the
+others to zero.
+
+Pure float64 torch, deterministic for given inputs (the reducer computes once and sends the result to everyone).
+``factor == 0`` disables clipping; otherwise it must be ≥ 1 (a single contribution is never changed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def lower_median(values: Sequence[float]) -> float:
+    """The ⌈M/2⌉-th smallest of the positive ``values``; 0.0 when none is positive."""
+    positive = sorted(v for v in values if v > 0)
+    return positive[(len(positive) - 1) // 2] if positive else 0.0
+
+
+def clip_bound(values: Sequence[float], factor: float) -> float:
+    """The largest value allowed in a round: ``factor`` × the lower median (inf when disabled or nothing > 0)."""
+    if factor != 0 and not factor >= 1:
+        raise ValueError(f"clip factor must be 0 (off) or >= 1, got {factor}")
+    median = lower_median(values)
+    return float("inf") if factor == 0 or median == 0 else factor * median
+
+
+def clip_scalars(values: Sequence[float], factor: float) -> tuple[list[float], int]:
+    """Each value above ``clip_bound(values, factor)`` replaced by the bound; also returns how many were."""
+    bound = clip_bound(values, factor)
+    return [min(float(v), bound) for v in values], sum(1 for v in values if v > bound)
+
+
+def clip_contributions(vectors: Sequence[torch.Tensor], factor: float) -> tuple[list[torch.Tensor], int]:
+    """Each vector whose L2 norm exceeds ``factor`` × the lower median norm, scaled down to that norm (float64).
+
+    Vectors within the bound come back unchanged (as float64); also returns how many were clipped.
+    """
+    vectors = [v.double() for v in vectors]
+    norms = [float(torch.linalg.vector_norm(v)) for v in vectors]
+    bound = clip_bound(norms, factor)
+    out, clipped = [], 0
+    for v, n in zip(vectors, norms):
+        if n > bound:
+            out.append(v * (bound / n))
+            clipped += 1
+        else:
+            out.append(v)
+    return out, clipped

@@ -1,0 +1,91 @@
+"""Robust clipping against a naive reference (plain Python lists and math), including 1- and 2-member rounds."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from atoll.models.outer import weighted_mean
+from atoll.models.robust import clip_bound, clip_contributions, clip_scalars, lower_median
+
+
+def naive_clip(vectors, factor):
+    rows = [[float(x) for x in v] for v in vectors]
+    norms = [math.sqrt(math.fsum(x * x for x in r)) for r in rows]
+    positive = sorted(n for n in norms if n > 0)
+    if factor == 0 or not positive:
+        return rows
+    bound = factor * positive[(len(positive) - 1) // 2]
+    return [[x * bound / n for x in r] if n > bound else r for r, n in zip(rows, norms)]
+
+
+@pytest.mark.parametrize("members", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("factor", [0.0, 1.0, 3.0, 10.0])
+def test_clip_matches_naive_reference(members, factor):
+    rng = random.Random(members * 100 + int(factor))
+    torch.manual_seed(members)
+    vectors = [torch.randn(37) * rng.choice([1e-3, 1.0, 50.0, 1e4]) for _ in range(members)]
+    got, clipped = clip_contributions(vectors, factor)
+    want = naive_clip(vectors, factor)
+    assert len(got) == members
+    for g, w in zip(got, want):
+        assert g.dtype == torch.float64
+        assert torch.allclose(g, torch.tensor(w, dtype=torch.float64), rtol=1e-12, atol=0)
+    assert clipped == sum(1 for g, v in zip(want, vectors) if g != [float(x) for x in v])
+
+
+def test_single_member_is_never_changed():
+    v = torch.randn(100) * 1e6
+    for factor in (0.0, 1.0, 10.0):
+        (out,), clipped = clip_contributions([v], factor)
+        assert clipped == 0 and torch.equal(out, v.double())
+
+
+def test_a_1000x_member_in_a_two_member_round_is_bounded():
+    honest = torch.randn(64, dtype=torch.float64)
+    attacker = 1000 * torch.randn(64, dtype=torch.float64)
+    (h, a), clipped = clip_contributions([honest, attacker], 10.0)
+    assert clipped == 1 and torch.equal(h, honest)
+    assert math.isclose(float(a.norm()), 10 * float(honest.norm()), rel_tol=1e-12)
+    # Its share of the merged delta is at most factor/2 times an honest contribution's norm.
+    merged = weighted_mean([h, a], [1.0, 1.0])
+    assert float(merged.norm()) <= (1 + 10) / 2 * float(honest.norm()) * (1 + 1e-12)
+
+
+def test_a_1000x_member_among_four_is_cut_to_factor_times_the_median():
+    torch.manual_seed(0)
+    honest = [torch.randn(64, dtype=torch.float64) * s for s in (1.0, 1.2, 0.9)]
+    attacker = 1000 * torch.randn(64, dtype=torch.float64)
+    out, clipped = clip_contributions([*honest, attacker], 3.0)
+    assert clipped == 1
+    assert all(torch.equal(o, h) for o, h in zip(out, honest))
+    median = sorted(float(v.norm()) for v in [*honest, attacker])[1]
+    assert math.isclose(float(out[3].norm()), 3.0 * median, rel_tol=1e-12)
+    # The direction is kept.
+    assert torch.allclose(out[3] / out[3].norm(), attacker / attacker.norm(), rtol=0, atol=1e-12)
+
+
+def test_zero_contributions_do_not_clip_the_others_to_zero():
+    v = torch.randn(16, dtype=torch.float64)
+    out, clipped = clip_contributions([torch.zeros(16), v], 2.0)
+    assert clipped == 0 and torch.equal(out[1], v)
+    out, clipped = clip_contributions([torch.zeros(16), torch.zeros(16)], 2.0)
+    assert clipped == 0 and all(float(o.abs().sum()) == 0 for o in out)
+
+
+def test_lower_median_and_scalars():
+    assert lower_median([]) == 0.0 and lower_median([0.0, -1.0]) == 0.0
+    assert lower_median([5.0]) == 5.0
+    assert lower_median([1.0, 1000.0]) == 1.0
+    assert lower_median([3.0, 1.0, 2.0]) == 2.0
+    assert lower_median([4.0, 1.0, 3.0, 2.0]) == 2.0
+    assert clip_scalars([1.0, 1e9, 2.0], 4.0) == ([1.0, 8.0, 2.0], 1)
+    assert clip_scalars([1.0, 1e9], 0.0) == ([1.0, 1e9], 0)
+    assert clip_bound([1.0, 2.0], 0.0) == math.inf
+
+
+@pytest.mark.parametrize("factor", [0.5, -1.0, math.nan])
+def test_factors_below_one_are_refused(factor):
+    with pytest.raises(ValueError):
+        clip_bound([1.0], factor)
