@@ -39,25 +39,25 @@ def clip_bound(values: Sequence[float], factor: float) -> float:
     return float("inf") if factor == 0 or median == 0 else factor * median
 
 
-def clip_scalars(values: Sequence[float], factor: float) -> tuple[list[float], int]:
-    """Each value above ``clip_bound(values, factor)`` replaced by the bound; also returns how many were."""
+def clip_scalars(values: Sequence[float], factor: float) -> tuple[list[float], list[int]]:
+    """Each value above ``clip_bound(values, factor)`` replaced by the bound; also returns their indices."""
     bound = clip_bound(values, factor)
-    return [min(float(v), bound) for v in values], sum(1 for v in values if v > bound)
+    return [min(float(v), bound) for v in values], [i for i, v in enumerate(values) if v > bound]
 
 
-def clip_contributions(vectors: Sequence[torch.Tensor], factor: float) -> tuple[list[torch.Tensor], int]:
+def clip_contributions(vectors: Sequence[torch.Tensor], factor: float) -> tuple[list[torch.Tensor], list[int]]:
     """Each vector whose L2 norm exceeds ``factor`` × the lower median norm, scaled down to that norm (float64).
 
-    Vectors within the bound come back unchanged (as float64); also returns how many were clipped.
+    Vectors within the bound come back unchanged (as float64); also returns the indices of the clipped ones.
     """
     vectors = [v.double() for v in vectors]
     norms = [float(torch.linalg.vector_norm(v)) for v in vectors]
     bound = clip_bound(norms, factor)
-    out, clipped = [], 0
-    for v, n in zip(vectors, norms):
+    out, clipped = [], []
+    for i, (v, n) in enumerate(zip(vectors, norms)):
         if n > bound:
             out.append(v * (bound / n))
-            clipped += 1
+            clipped.append(i)
         else:
             out.append(v)
     return out, clipped

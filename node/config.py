@@ -22,7 +22,9 @@ from atoll.protocols.codecs import CODECS
 
 ALGORITHMS = ("decoupled", "streaming", "diloco", "ddp")
 DEVICES = ("auto", "cpu", "cuda", "xla")
-FAULTS = {"kill_in_round": int, "step_delay": float, "corrupt_round": int, "split_side": int, "split_until": int}
+FAULTS = {"kill_in_round": int, "step_delay": float, "corrupt_round": int, "split_side": int, "split_until": int,
+          "byzantine": str, "byzantine_from": int}
+BYZANTINE = ("scale", "nan", "shape")
 
 
 class ConfigError(ValueError):
@@ -58,6 +60,11 @@ class RunConfig:
     compression: str = "none"  # codec of outer deltas on the wire (see atoll.protocols.codecs)
     error_feedback: bool = True  # keep what quantization dropped and add it to the next delta
     codec_block: int = 256  # values per scale in the blockwise codecs
+    # Robust merging: a reducer scales every contribution (and declared weight or RDA norm) above clip_factor × the
+    # round's lower median down to that bound (atoll.models.robust); 0 disables. Honest contributions of one round
+    # differ in norm by a small factor (steps and tokens since their last merge, data); 4 leaves room for that
+    # while a 1000× contribution moves the merge by at most 4/M × a typical one.
+    clip_factor: float = 4.0
 
     def validate(self) -> None:
         if self.model not in MODELS:
@@ -79,6 +86,9 @@ class RunConfig:
             raise ConfigError(f"compression: unknown codec {self.compression!r}; known: {', '.join(CODECS)}")
         if self.codec_block <= 0 or self.codec_block % 4:
             raise ConfigError(f"codec_block: must be a positive multiple of 4, got {self.codec_block}")
+        factor = self.clip_factor
+        if not (isinstance(factor, (int, float)) and (factor == 0 or 1 <= factor < math.inf)):
+            raise ConfigError(f"clip_factor: must be 0 (off) or a finite number >= 1, got {self.clip_factor!r}")
         if self.overlap >= self.sync_every:
             raise ConfigError(f"overlap: must be smaller than sync_every ({self.sync_every}), got {self.overlap}")
 
@@ -113,11 +123,19 @@ class NodeConfig:
     eval_batches: int = 8
     bootstrap_retries: int = 3
     log_level: str = "INFO"
+    # Seconds a peer whose part, record or state this daemon rejected is left out: its progress record is ignored,
+    # so it is not counted live, expected, registered or a donor in rounds this daemon forms, and its parts are
+    # treated as missing in the shards this daemon reduces. Long enough to outlast a few rounds of a misbehaving
+    # peer, short enough that a peer that was wrongly suspected (or fixed) is back within minutes.
+    peer_cooldown: float = 120.0
     # Deterministic fault injection for tests: "kill_in_round=N" SIGKILLs this daemon's process group after the
     # group of its N-th round formed; "step_delay=S" sleeps S seconds per inner step (a slow daemon);
     # "corrupt_round=N" sends malformed parts (truncated, bad header, unknown codec, NaN; each twice) in the
     # multi-member rounds N..N+7; "split_side=S" with "split_until=N" partitions the swarm: until step N a daemon
-    # sees and meets only daemons of the same side S (a split swarm whose halves meet again later).
+    # sees and meets only daemons of the same side S (a split swarm whose halves meet again later);
+    # "byzantine=K" (scale, nan, shape) makes this daemon a hostile member from its multi-member round
+    # "byzantine_from=N" on (default 1): "scale" sends its delta ×1000, "nan" parts holding NaN, "shape" parts
+    # of the wrong size (it still reduces its own shard honestly).
     faults: tuple[str, ...] = ()
 
     def validate(self) -> None:
@@ -130,7 +148,7 @@ class NodeConfig:
             for addr in getattr(self, name):
                 _check_maddr(name, addr, need_peer_id=name == "initial_peers")
         _positive(self, "batch_size", "threads", "heartbeat", "bootstrap_retries", "eval_batches")
-        _non_negative(self, "max_steps")
+        _non_negative(self, "max_steps", "peer_cooldown")
         if self.identity is not None and not Path(self.identity).parent.is_dir():
             raise ConfigError(f"identity: directory of {self.identity!r} does not exist")
         if self.checkpoint_dir is not None:
@@ -152,6 +170,8 @@ class NodeConfig:
                 out[name] = FAULTS[name](value)
             except ValueError:
                 raise ConfigError(f"faults: bad value in {item!r}") from None
+            if name == "byzantine" and value not in BYZANTINE:
+                raise ConfigError(f"faults: unknown byzantine kind {value!r}; known: {', '.join(BYZANTINE)}")
         return out
 
     @property

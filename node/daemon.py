@@ -147,7 +147,8 @@ class Daemon:
                 "versions": [v for v, _, _ in self.replica.identities()], "train_seconds": self.train_seconds,
                 "wall_seconds": time.monotonic() - self.started, "rounds": syncer.rounds_done,
                 "rounds_skipped": syncer.rounds_skipped, "forks_healed": syncer.forks_healed,
-                "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received}
+                "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received, "rejected": stats.rejected,
+                "rejected_by_kind": dict(stats.rejected_by_kind), "clipped": stats.clipped}
 
     def _metric(self, **fields: Any) -> None:
         if self.metrics_file is not None:

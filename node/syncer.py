@@ -30,6 +30,7 @@ from atoll.models.fragments import Fragment
 from atoll.models.outer import NesterovOuter, grace_window
 from atoll.protocols.averaging import AllreduceResult, AveragingServicer, GroupSpec, TrafficStats, allreduce
 from atoll.protocols.codecs import ErrorFeedback
+from atoll.protocols.cooldown import Cooldown
 from atoll.protocols.matchmaking import form_group
 from atoll.protocols.records import (
     ProgressRecord, config_key, heavier, open_rounds_key, parse_open_round, parse_progress, progress_key, unwrap_subkeys,
@@ -61,7 +62,8 @@ class Syncer:
                  progress: Callable[[], dict[str, Any]], fragments: list[Fragment]) -> None:
         self.cfg, self.dht, self.replica, self._progress, self.fragments = cfg, dht, replica, progress, fragments
         self.peer_id = str(dht.peer_id)
-        self.stats = TrafficStats()
+        self.cooldown = Cooldown(cfg.peer_cooldown)
+        self.stats = TrafficStats(on_offence=self._offence)
         self.outer = NesterovOuter(cfg.run.outer_lr, cfg.run.outer_momentum)
         self.error_feedback = ErrorFeedback()  # per fragment; only touched on the event loop
         self.faults = cfg.parsed_faults()
@@ -74,6 +76,7 @@ class Syncer:
         self._quorum_time = EMA()
         self._subkey = subkey  # our RSA public key: the DHT lets only us write records under it
         self._peers: dict[str, ProgressRecord] = {}
+        self._everyone: dict[str, ProgressRecord] = {}  # peers cooling down included (ddp's fixed membership)
         self._peers_lock = threading.Lock()
         self._adopted: list[ReplicaState] = []
         self._adopted_lock = threading.Lock()
@@ -107,7 +110,8 @@ class Syncer:
 
     async def _setup(self) -> None:
         self.p2p = await self.dht.replicate_p2p()
-        self.averager = AveragingServicer(self.cfg.run_id, self.peer_id, self.stats)
+        self.averager = AveragingServicer(self.cfg.run_id, self.peer_id, self.stats, self.cooldown,
+                                          self.cfg.run.clip_factor, self.cfg.run.round_timeout)
         await self.averager.add_p2p_handlers(self.p2p, namespace=self.cfg.run_id)
         await StateServicer(self.replica.snapshot, self.replica.num_fragments, self.stats).add_p2p_handlers(
             self.p2p, namespace=self.cfg.run_id)
@@ -156,7 +160,8 @@ class Syncer:
             fragment_hashes=[d for _, _, d in ids], schedule_step=self.replica.schedule_step,
             rounds=self.rounds_done, rounds_skipped=self.rounds_skipped, forks_healed=self.forks_healed,
             bytes_sent=self.stats.bytes_sent, bytes_received=self.stats.bytes_received,
-            rejected=self.stats.rejected, time=float(get_dht_time()),
+            rejected=self.stats.rejected, rejected_by_kind=dict(self.stats.rejected_by_kind),
+            clipped=self.stats.clipped, time=float(get_dht_time()),
         )
         return rec
 
@@ -169,21 +174,32 @@ class Syncer:
     def _status(self) -> str:
         return self._progress().get("status", "training")
 
+    def _offence(self, source: str | bytes, kind: str) -> None:
+        """A rejected message whose sender is known (a peer id or a record's signing key): cool it down."""
+        if source != self.peer_id and source != self._subkey:
+            self.cooldown.offend(source, kind)
+
+    def _reject(self, kind: str, source: str | bytes | None = None) -> None:
+        self.stats.reject(kind, source)
+
     async def refresh_peers(self) -> dict[str, ProgressRecord]:
+        """Read the live peers' progress records; malformed ones are counted and cool their signing key down,
+        and the records of peers (or keys) cooling down are ignored."""
         entry = await self.dht.get(progress_key(self._namespace()), latest=True, return_future=True)
-        peers = {}
-        for value in unwrap_subkeys(entry).values():
-            rec = parse_progress(value)
-            if rec is None:
-                self.stats.reject("progress_record")
+        peers, everyone = {}, {}
+        for subkey, value in unwrap_subkeys(entry).items():
+            if self.cooldown.active(subkey):
                 continue
-            if len(rec.fragment_versions) != self.replica.num_fragments:
-                self.stats.reject("progress_record")
+            rec = parse_progress(value)
+            if rec is None or len(rec.fragment_versions) != self.replica.num_fragments:
+                self._reject("progress_record", subkey)
                 continue
             if rec.peer_id != self.peer_id and rec.status != "leaving":
-                peers[rec.peer_id] = rec
+                everyone[rec.peer_id] = rec
+                if not self.cooldown.active(rec.peer_id):
+                    peers[rec.peer_id] = rec
         with self._peers_lock:
-            self._peers = peers
+            self._peers, self._everyone = peers, everyone
         return peers
 
     def peers(self) -> dict[str, ProgressRecord]:
@@ -326,7 +342,7 @@ class Syncer:
                 self.dht, run_id=self._namespace(), fragment=p, version=version, peer_id=self.peer_id,
                 subkey=self._subkey, weight=weight, live_peers=live_peers, gather_timeout=run.gather_timeout,
                 abort=lambda: self.behind(p), quorum=run.quorum if decoupled else None,
-                grace=self.grace, on_reject=self.stats.reject, max_group=run.max_group,
+                grace=self.grace, on_reject=self._reject, max_group=run.max_group,
             )
             formed = time.monotonic()
             if members is None:
@@ -352,7 +368,9 @@ class Syncer:
             if len(members) > 1 and 0 <= index < 2 * len(CORRUPTIONS):
                 corrupt = CORRUPTIONS[index % len(CORRUPTIONS)]
                 logger.warning("fault injection: sending %s parts in round f%d v%d", corrupt, p, version)
-            result, alive = await self._allreduce(p, version, members, target, weight, mode, run.compression, corrupt)
+            byzantine = self._byzantine(len(members))
+            result, alive = await self._allreduce(p, version, members, target, weight, mode, run.compression, corrupt,
+                                                  byzantine=byzantine)
             if result is None:
                 return RoundOutcome("failed", version, members, seconds=time.monotonic() - started)
             self._sync_time.update(time.monotonic() - formed)
@@ -392,10 +410,11 @@ class Syncer:
                 logger.debug("could not read open rounds: %r", e)
                 continue
             peers = self.peers()
-            for value in unwrap_subkeys(entry).values():
-                parsed = parse_open_round(value)
+            for subkey, value in unwrap_subkeys(entry).items():
+                parsed = parse_open_round(value) if not self.cooldown.active(subkey) else None
                 if parsed is None:
-                    self.stats.reject("open_round")
+                    if not self.cooldown.active(subkey):
+                        self._reject("open_round", subkey)
                     continue
                 peer, p, version = parsed
                 if (peer == self.peer_id or peer not in peers or p >= self.replica.num_fragments
@@ -411,9 +430,18 @@ class Syncer:
             opened, self._open = self._open, set()
             return opened
 
+    def _byzantine(self, group_size: int) -> str | None:
+        """The ``byzantine`` fault: how this daemon misbehaves in this round (from its ``byzantine_from``-th
+        multi-member round on), or None."""
+        kind = self.faults.get("byzantine")
+        if kind is None or group_size < 2 or self.rounds_attempted < self.faults.get("byzantine_from", 1):
+            return None
+        logger.warning("fault injection: byzantine (%s) contribution in round %d", kind, self.rounds_attempted)
+        return kind
+
     async def _allreduce(self, p: int, version: int, members: list[str], tensor: torch.Tensor, weight: float,
                          mode: str, codec: str, corrupt: str | None = None,
-                         first_attempt: int = 0) -> tuple[AllreduceResult | None, list[str]]:
+                         first_attempt: int = 0, byzantine: str | None = None) -> tuple[AllreduceResult | None, list[str]]:
         """The group's all-reduce, retried without reducers that failed; (None, _) when it cannot complete.
         Attempt numbers are part of the group id, so a caller that starts over passes a fresh ``first_attempt``."""
         alive = list(members)
@@ -421,7 +449,7 @@ class Syncer:
             spec = GroupSpec(self.cfg.run_id, p, version, attempt, tuple(alive), tensor.numel(), mode, codec,
                              self.cfg.run.codec_block)
             result = await allreduce(self.p2p, self.averager, spec, self.peer_id, tensor, weight,
-                                     self.cfg.run.round_timeout, corrupt)
+                                     self.cfg.run.round_timeout, corrupt, byzantine)
             if result.merged is not None:
                 return result, alive
             if result.refused:
@@ -449,7 +477,10 @@ class Syncer:
         make the all-reduce fail for everyone; then each asks again with a freshly read table."""
         run = self.cfg.run
         for attempt in range(MAX_ATTEMPTS):
-            peers = self.peers() if attempt == 0 else await self.refresh_peers()
+            if attempt:
+                await self.refresh_peers()
+            with self._peers_lock:  # every member must list the same group: an offender stays in it (its parts
+                peers = dict(self._everyone)  # are still treated as missing in the shards we reduce)
             members = sorted([self.peer_id, *(p for p, rec in peers.items() if rec.status == "training")])
             self._in_round.add(0)
             try:

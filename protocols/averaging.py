@@ -16,6 +16,14 @@ are compressed too, and the reducer applies the decoded values it sends, so repl
 that does not decode (unknown codec, wrong size, NaN/Inf) is rejected with a log line and its sender is treated
 as missing; a reduced shard that does not decode counts as a failed reducer.
 
+Hostile members: every header field, size and value is checked before use (sizes against the shard and the
+codec's exact encoded size, before anything is buffered); a rejected part is a missing member and its sender
+an offender (``protocols/cooldown.py``): its parts are treated as missing in the shards this daemon reduces
+while it cools down. Valid but outsized parts are clipped before the merge (``models/robust.py``: each
+contribution of a shard, each declared weight and RDA norm, to ``clip_factor`` × the lower median of the
+shard's contributions); clipping is per shard, because a reducer sees only its shard. A hostile *reducer* can
+still spoil the shard it reduces for everyone (its members cannot check it without the other parts).
+
 A member that never sends its part costs its reducer at most ``timeout``; the shard is reduced without it.
 A reducer that fails is reported in ``AllreduceResult.failed`` so the caller can retry the round without it.
 """
@@ -28,6 +36,7 @@ import hashlib
 import logging
 import math
 import struct
+from collections.abc import Callable
 from typing import Any, AsyncIterator  # hivemind detects streaming RPCs by typing.AsyncIterator hints
 from dataclasses import dataclass, field
 
@@ -36,13 +45,16 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
 from atoll.models.outer import rda_finish, weighted_mean, weighted_norm
+from atoll.models.robust import clip_contributions, clip_scalars
 
 from . import codecs
+from .cooldown import Cooldown
 from .wire import PART_BYTES, WireError, check_fields, pack_request, pack_response, unpack
 
 logger = logging.getLogger("atoll")
 
 MAX_PENDING_GROUPS = 64
+MAX_PENDING_PER_PEER = 8  # early requests one peer may keep waiting (one per concurrent round; fragments)
 EXCHANGE_ATTEMPTS = 3  # a broken stream to a reducer is asked again this many times in all
 
 
@@ -87,16 +99,21 @@ class GroupSpec:
 
 @dataclass
 class TrafficStats:
-    """Counters the daemon publishes; only touched from the protocol event loop."""
+    """Counters the daemon publishes; only touched from the protocol event loop. ``on_offence`` (if set) hears
+    of every rejection whose sender is known (an authenticated peer id or record key)."""
 
     bytes_sent: int = 0
     bytes_received: int = 0
     rejected: int = 0
     rejected_by_kind: dict[str, int] = field(default_factory=dict)
+    clipped: int = 0  # contributions (or declared weights/norms) scaled down by robust merging
+    on_offence: Callable[[str | bytes, str], Any] | None = None
 
-    def reject(self, kind: str) -> None:
+    def reject(self, kind: str, offender: str | bytes | None = None) -> None:
         self.rejected += 1
         self.rejected_by_kind[kind] = self.rejected_by_kind.get(kind, 0) + 1
+        if offender is not None and self.on_offence is not None:
+            self.on_offence(offender, kind)
 
 
 @dataclass
@@ -106,15 +123,17 @@ class ShardResult:
     contributors: list[str]
     norm: float = 0.0  # rda: Σ w·‖Δ‖ / Σ w over the contributors
     payload: bytes | None = None  # the encoded values, as sent to the other members
+    clipped: list[str] = field(default_factory=list)  # members whose contribution robust merging scaled down
 
 
 class _Reduction:
     """One shard this daemon reduces for one group."""
 
-    def __init__(self, spec: GroupSpec, bounds: tuple[int, int], timeout: float) -> None:
-        self.spec, self.bounds, self.timeout = spec, bounds, timeout
+    def __init__(self, spec: GroupSpec, bounds: tuple[int, int], timeout: float, clip_factor: float = 0.0) -> None:
+        self.spec, self.bounds, self.timeout, self.clip_factor = spec, bounds, timeout, clip_factor
         self.parts: dict[str, tuple[float, torch.Tensor, float]] = {}
         self.missing: set[str] = set()
+        self.stats: TrafficStats | None = None
         self._finishing = False
         self.result: asyncio.Future[ShardResult] = asyncio.get_running_loop().create_future()
         self._timer = asyncio.get_running_loop().call_later(timeout, self._finish)
@@ -156,6 +175,11 @@ class _Reduction:
             return
         finally:
             self.parts.clear()  # the result is all that late askers need; parts would pile up at one round per step
+        if result.clipped:
+            if self.stats is not None:
+                self.stats.clipped += len(result.clipped)
+            logger.info("round f%d v%d: clipped the contributions of %s to %g x the round's median",
+                        self.spec.fragment, self.spec.version, [c[-8:] for c in result.clipped], self.clip_factor)
         if not self.result.done():
             self.result.set_result(result)
 
@@ -168,27 +192,42 @@ class _Reduction:
                       for p, n in zip(peers, norms)]
         else:
             values = [self.parts[p][1] for p in peers]
+        clipped: set[int] = set()
+        if self.clip_factor and len(peers) > 1:
+            # Robust merging (models/robust.py): what gets averaged, the weights, and RDA's norms are each bounded
+            # by clip_factor × the round's lower median, so no single member can dominate the merge.
+            values, cut = clip_contributions(values, self.clip_factor)
+            weights, cut_w = clip_scalars(weights, self.clip_factor)
+            norms, cut_n = clip_scalars(norms, self.clip_factor)
+            clipped = set(cut) | set(cut_w) | set(cut_n)
         merged = weighted_mean(values, weights)
         payload = None
         if len(self.spec.members) > 1:
             # Others receive the encoded shard; the reducer applies exactly the values they will decode.
             payload = codecs.encode(merged.float(), self.spec.codec, self.spec.block)
             merged = codecs.decode(payload, expected_numel=self.numel)
-        return ShardResult(merged, float(sum(weights)), peers, weighted_norm(norms, weights), payload)
+        return ShardResult(merged, float(sum(weights)), peers, weighted_norm(norms, weights), payload,
+                           [peers[i] for i in sorted(clipped)])
 
 
 class AveragingServicer(ServicerBase):
     """Serves ``rpc_aggregate`` for the shards this daemon reduces."""
 
-    def __init__(self, run_id: str, local_peer: str, stats: TrafficStats) -> None:
+    def __init__(self, run_id: str, local_peer: str, stats: TrafficStats, cooldown: Cooldown | None = None,
+                 clip_factor: float = 0.0, max_wait: float = 600.0) -> None:
+        """``cooldown``: peers whose parts are treated as missing; ``max_wait``: the longest a request for a group
+        not opened here yet may wait for it (the run's round timeout: an honest member never asks for longer)."""
         self.run_id, self.local_peer, self.stats = run_id, local_peer, stats
+        self.cooldown, self.clip_factor, self.max_wait = cooldown, clip_factor, max_wait
         self._groups: dict[str, _Reduction] = {}
         self._opened: dict[str, asyncio.Event] = {}
+        self._waiting: dict[str, int] = {}  # peer -> its requests waiting for a group not opened yet
 
     def open(self, spec: GroupSpec, timeout: float) -> _Reduction:
         """Start reducing this daemon's shard of ``spec``; requests for it that arrived early are released."""
         index = spec.members.index(self.local_peer)
-        reduction = _Reduction(spec, spec.bounds()[index], timeout)
+        reduction = _Reduction(spec, spec.bounds()[index], timeout, self.clip_factor)
+        reduction.stats = self.stats
         gid = spec.group_id
         self._groups[gid] = reduction
         self._opened.setdefault(gid, asyncio.Event()).set()
@@ -199,63 +238,95 @@ class AveragingServicer(ServicerBase):
         self._groups.pop(gid, None)
         self._opened.pop(gid, None)
 
-    async def _await_group(self, gid: str, timeout: float) -> _Reduction | None:
+    async def _await_group(self, gid: str, timeout: float, sender: str) -> _Reduction | None:
         if gid not in self._groups:
             waiting = len(self._opened) - len(self._groups)  # early requests for groups not opened here yet
             if gid not in self._opened and waiting >= MAX_PENDING_GROUPS:
                 return None
+            if self._waiting.get(sender, 0) >= MAX_PENDING_PER_PEER:  # one peer cannot take every waiting slot
+                return None
             event = self._opened.setdefault(gid, asyncio.Event())
+            self._waiting[sender] = self._waiting.get(sender, 0) + 1
             try:
                 await asyncio.wait_for(event.wait(), timeout)
             except asyncio.TimeoutError:
                 if not event.is_set():
                     self._opened.pop(gid, None)
                 return None
+            finally:
+                self._waiting[sender] -= 1
+                if not self._waiting[sender]:
+                    del self._waiting[sender]
         return self._groups.get(gid)
+
+    async def _read_part(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], reduction: _Reduction,
+                         header: dict[str, Any]) -> tuple[float, torch.Tensor, float]:
+        """Check a member's header and read its part, bounded in bytes, messages and time; (weight, values, norm)."""
+        spec = reduction.spec
+        weight, norm = float(header["weight"]), float(header["norm"])
+        if not 0 < weight < 1e15:
+            raise WireError(f"weight {weight} out of range", "weight")
+        if not (math.isfinite(norm) and 0 <= norm < 1e30):
+            raise WireError(f"norm {norm} is not a finite non-negative number", "norm")
+        if header["numel"] != reduction.numel:
+            raise WireError(f"part has {header['numel']} values, shard has {reduction.numel}", "shape")
+        if header["codec"] != spec.codec:
+            raise WireError(f"part uses codec {header['codec']!r}, the run uses {spec.codec!r}", "codec")
+        limit = codecs.encoded_size(reduction.numel, spec.codec, spec.block)
+        max_messages = -(-limit // PART_BYTES)
+
+        async def read() -> list[bytes]:
+            parts, size = [], 0
+            async for msg in requests:
+                part = unpack(msg, {"data": bytes})["data"]
+                size += len(part)
+                self.stats.bytes_received += len(part)
+                if size > limit or len(parts) >= max_messages:
+                    raise WireError(f"part longer than {limit} bytes or {max_messages} messages", "oversize")
+                if not part:
+                    raise WireError("empty data message")
+                parts.append(part)
+            return parts
+
+        try:  # a member streams its part at once; one that trickles it must not hold the handler forever
+            parts = await asyncio.wait_for(read(), reduction.timeout + 10)
+        except asyncio.TimeoutError:
+            raise WireError("part not received in time", "slow") from None
+        try:
+            values = await asyncio.get_running_loop().run_in_executor(
+                None, functools.partial(codecs.decode, b"".join(parts), expected_numel=reduction.numel))
+        except codecs.CodecError as e:
+            raise WireError(f"undecodable part: {e}", e.kind) from None
+        return weight, values, norm
 
     async def rpc_aggregate(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         sender = str(context.remote_id)
         reduction: _Reduction | None = None
+        cooling = self.cooldown is not None and self.cooldown.active(sender)
         try:
             header = unpack(await anext(requests), {"group_id": str, "weight": float, "numel": int, "wait": float,
                                                     "norm": float, "codec": str})
-            reduction = await self._await_group(header["group_id"], min(max(header["wait"], 0.0), 600.0))
+            wait = min(max(header["wait"], 0.0), self.max_wait) if math.isfinite(header["wait"]) else 0.0
+            # An offender's requests do not wait for groups we have not opened: it cannot hold waiting slots.
+            reduction = await self._await_group(header["group_id"][:64], 0.0 if cooling else wait, sender)
             if reduction is None:
-                raise WireError(f"unknown group {header['group_id']}")
+                raise WireError(f"unknown group {header['group_id'][:64]!r}", "unknown_group")
             if sender not in reduction.spec.members:
                 reduction = None
-                raise WireError("sender is not a member of the group")
-            spec = reduction.spec
-            weight, norm = float(header["weight"]), float(header["norm"])
-            if not 0 < weight < 1e15:
-                raise WireError(f"weight {weight} out of range")
-            if not (math.isfinite(norm) and norm >= 0):
-                raise WireError(f"norm {norm} is not a finite non-negative number")
-            if header["numel"] != reduction.numel:
-                raise WireError(f"part has {header['numel']} values, shard has {reduction.numel}")
-            if header["codec"] != spec.codec:
-                raise WireError(f"part uses codec {header['codec']!r}, the run uses {spec.codec!r}")
-            limit = codecs.encoded_size(reduction.numel, spec.codec, spec.block)
-            parts, size = [], 0
-            async for msg in requests:
-                part = unpack(msg, {"data": bytes})["data"]
-                size += len(part)
-                self.stats.bytes_received += len(part)
-                if size > limit:
-                    raise WireError(f"part longer than {limit} bytes")
-                parts.append(part)
-            try:
-                values = await asyncio.get_running_loop().run_in_executor(
-                    None, functools.partial(codecs.decode, b"".join(parts), expected_numel=reduction.numel))
-            except codecs.CodecError as e:
-                raise WireError(f"undecodable part: {e}") from None
-            reduction.add(sender, weight, values, norm)
+                raise WireError("sender is not a member of the group", "not_member")
+            if cooling:  # a member of a group someone else decided: its part counts as missing in our shard
+                raise WireError("sender is cooling down after a rejected message", "cooldown")
+            reduction.add(sender, *await self._read_part(requests, reduction, header))
         except (WireError, StopAsyncIteration) as e:
-            kind = "protocol" if isinstance(e, WireError) else "truncated"
-            self.stats.reject(kind)
-            logger.warning("rejected aggregate part from %s: %s", sender[-8:], e)
+            kind = e.kind if isinstance(e, WireError) else "truncated"
+            # Content a correct peer never sends makes its sender an offender; a stream that ended early, a group
+            # we do not know (yet) or a slow sender can be the network's fault or a disagreement, not hostility.
+            offence = kind not in ("truncated", "unknown_group", "slow", "cooldown")
+            self.stats.reject(kind, sender if offence else None)
+            log = logger.debug if cooling else logger.warning  # a flood from an offender costs no log lines
+            log("rejected aggregate part from %s: %s", sender[-8:], e)
             if reduction is None:
                 yield pack_response({"ok": False, "error": str(e)})
                 return
@@ -370,6 +441,20 @@ def corrupt_payload(payload: bytes, kind: str) -> bytes:
     raise ValueError(f"unknown corruption {kind!r}")
 
 
+BYZANTINE_SCALE = 1000.0
+
+
+def byzantine_payload(flat: torch.Tensor, lo: int, hi: int, codec: str, block: int, kind: str) -> bytes:
+    """Fault injection: what a hostile member sends as its part ``flat[lo:hi]`` (``nan``: NaN in the values or
+    scales; ``shape``: one block more values than the shard has). ``scale`` is applied to the whole delta
+    (see ``allreduce``), so its parts are valid."""
+    if kind == "nan":
+        return corrupt_payload(codecs.encode(flat[lo:hi].float(), codec, block), "nan")
+    if kind == "shape":
+        return codecs.encode(torch.cat([flat[lo:hi].float(), torch.ones(block)]), codec, block)
+    raise ValueError(f"unknown byzantine kind {kind!r}")
+
+
 def _encode_parts(flat: torch.Tensor, bounds: list[tuple[int, int]], codec: str, block: int,
                   solo: bool) -> tuple[list[bytes], list[torch.Tensor]]:
     """Encode each shard of our contribution, and decode it back: the values the reducers will use."""
@@ -381,10 +466,13 @@ def _encode_parts(flat: torch.Tensor, bounds: list[tuple[int, int]], codec: str,
 
 async def allreduce(
     p2p: P2P, servicer: AveragingServicer, spec: GroupSpec, local_peer: str, flat: torch.Tensor, weight: float,
-    timeout: float, corrupt: str | None = None,
+    timeout: float, corrupt: str | None = None, byzantine: str | None = None,
 ) -> AllreduceResult:
-    """Weighted merge of ``flat`` across ``spec.members``; see the module docstring for the protocol."""
+    """Weighted merge of ``flat`` across ``spec.members``; see the module docstring for the protocol.
+    ``corrupt``/``byzantine``: fault injection (malformed parts; a hostile member, ``node/config.py``)."""
     bounds = spec.bounds()
+    if byzantine == "scale":
+        flat = flat * BYZANTINE_SCALE
     norm = float(torch.linalg.vector_norm(flat.double()))
     me = spec.members.index(local_peer)
     solo = len(spec.members) == 1
@@ -398,6 +486,8 @@ async def allreduce(
     for j, peer in enumerate(spec.members):
         if j != me:
             payload = payloads[j] if corrupt is None else corrupt_payload(payloads[j], corrupt)
+            if byzantine in ("nan", "shape"):
+                payload = byzantine_payload(flat, *bounds[j], spec.codec, spec.block, byzantine)
             tasks[peer] = asyncio.ensure_future(
                 _exchange_retrying(p2p, servicer, spec, peer, payload, bounds[j][1] - bounds[j][0], weight, norm,
                                    timeout)

@@ -81,6 +81,8 @@ __all__ = [
     "MAGIC",
     "VERSION",
     "CodecError",
+    "NonFiniteError",
+    "ShapeError",
     "ErrorFeedback",
     "decode",
     "encode",
@@ -118,6 +120,20 @@ with warnings.catch_warnings():
 
 class CodecError(ValueError):
     """A payload is malformed, uses an unknown codec, or decodes to non-finite values."""
+
+    kind = "codec"
+
+
+class ShapeError(CodecError):
+    """A payload holds a different number of values than the receiver expects."""
+
+    kind = "shape"
+
+
+class NonFiniteError(CodecError):
+    """A payload's scales or values are NaN/Inf (or negative scales)."""
+
+    kind = "nonfinite"
 
 
 class _BlockSpec:
@@ -369,9 +385,9 @@ def decode(payload: bytes, *, expected_numel: int | None = None, max_numel: int 
     if flags != 0:
         raise CodecError(f"{codec}: unknown header flags {flags:#x}")
     if max_numel is not None and numel > max_numel:
-        raise CodecError(f"{codec}: header numel {numel} exceeds max_numel {max_numel}")
+        raise ShapeError(f"{codec}: header numel {numel} exceeds max_numel {max_numel}")
     if expected_numel is not None and numel != expected_numel:
-        raise CodecError(f"{codec}: header numel {numel} != expected {expected_numel}")
+        raise ShapeError(f"{codec}: header numel {numel} != expected {expected_numel}")
     if codec in ("none", "bf16"):
         if block != 0:
             raise CodecError(f"{codec}: header block size must be 0, got {block}")
@@ -402,7 +418,7 @@ def decode(payload: bytes, *, expected_numel: int | None = None, max_numel: int 
         scales = body[: 4 * nblocks].clone().view(torch.float32)  # small; clone also guarantees alignment
         s_lo, s_hi = torch.aminmax(scales)
         if not (float(s_lo) >= 0.0 and float(s_hi) < float("inf")):  # NaN fails both
-            raise CodecError(f"{codec}: scales must be finite and >= 0 (min {float(s_lo)}, max {float(s_hi)})")
+            raise NonFiniteError(f"{codec}: scales must be finite and >= 0 (min {float(s_lo)}, max {float(s_hi)})")
         codes = body[4 * nblocks :]
         if spec.bits == 8 and int(codes.view(torch.int8).min()) < -127:
             raise CodecError("int8: code -128 is outside the codec's range [-127, 127]")
@@ -419,7 +435,7 @@ def decode(payload: bytes, *, expected_numel: int | None = None, max_numel: int 
             out[nfull * B :] = tmp[0, :tail]
     lo, hi = torch.aminmax(out)  # one pass; NaN propagates, Inf shows as an extreme
     if not (abs(float(lo)) < float("inf") and abs(float(hi)) < float("inf")):
-        raise CodecError(f"{codec}: payload decodes to NaN/Inf values")
+        raise NonFiniteError(f"{codec}: payload decodes to NaN/Inf values")
     return out
 
 

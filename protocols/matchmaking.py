@@ -84,7 +84,7 @@ async def form_group(
     quorum: int | None = None,
     grace: Callable[[], float] = lambda: 0.0,
     poll_interval: float = 0.2,
-    on_reject: Callable[[str], None] = lambda kind: None,
+    on_reject: Callable[..., None] = lambda kind, source=None: None,
     max_group: int = MAX_GROUP,
 ) -> list[str] | None:
     """Register for the round and return its sorted member list.
@@ -95,6 +95,7 @@ async def form_group(
     More than ``max_group`` registrants are split into several groups (see ``split_groups``); each daemon gets
     its own. Returns None when ``abort()`` becomes true (a heavier replica appeared: catch up instead), and an
     empty list when this daemon is in none of the round's groups or no group was decided in time.
+    ``on_reject(kind, source)`` hears of every malformed record, with the key that signed it.
     """
     key, gkey = round_key(run_id, fragment, version), group_key(run_id, fragment, version)
     now = get_dht_time()
@@ -111,18 +112,18 @@ async def form_group(
         )
         peers = await live_peers()
         registered: dict[str, float] = {peer_id: now}
-        for value in unwrap_subkeys(entry).values():
+        for source, value in unwrap_subkeys(entry).items():
             rec = parse_round_record(value)
             if rec is None:
-                on_reject("round_record")
+                on_reject("round_record", source)
             elif rec["peer_id"] in peers and peers[rec["peer_id"]] <= version:
                 registered[rec["peer_id"]] = rec["time"]
         decisions = []
         stale_before = get_dht_time() - DECISION_LIFETIME_FACTOR * gather_timeout
-        for value in unwrap_subkeys(group_entry).values():
+        for source, value in unwrap_subkeys(group_entry).items():
             groups = parse_group_record(value)
             if groups is None:
-                on_reject("group_record")
+                on_reject("group_record", source)
             elif isinstance(value["time"], float) and value["time"] >= stale_before:
                 # An older decision belongs to a round that ended (or never ran) long ago: ignore it, or a
                 # daemon left out of it would be shut out of this version forever.

@@ -13,11 +13,12 @@ from typing import Any, Dict, List, Optional
 
 import pydantic.v1 as pydantic
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
-from pydantic.v1 import StrictFloat, StrictStr, conint
+from pydantic.v1 import StrictFloat, StrictStr, conint, constr
 
 STATUSES = ("joining", "training", "leaving")
 MAX_FRAGMENTS = 256
 MAX_ROUND_WEIGHT = 1e15
+MAX_REJECTION_KINDS = 32
 
 
 def config_key(run_id: str) -> str:
@@ -51,15 +52,15 @@ def parse_open_round(value: Any) -> Optional[tuple[str, int, int]]:
 class ProgressRecord(pydantic.BaseModel):
     """What a daemon publishes about itself every heartbeat. Strict types: no silent conversions."""
 
-    peer_id: StrictStr
+    peer_id: constr(strict=True, min_length=1, max_length=128)
     status: StrictStr
-    device: StrictStr
-    algorithm: StrictStr
+    device: constr(strict=True, max_length=128)
+    algorithm: constr(strict=True, max_length=32)
     step: conint(ge=0, strict=True)
     version: conint(ge=0, strict=True)  # sum of fragment versions
     fragment_versions: List[conint(ge=0, strict=True)]
     fragment_weights: List[StrictFloat]
-    fragment_hashes: List[StrictStr]
+    fragment_hashes: List[constr(strict=True, max_length=64)]
     schedule_step: conint(ge=0, strict=True)
     tokens: conint(ge=0, strict=True)
     tokens_per_s: StrictFloat
@@ -74,6 +75,8 @@ class ProgressRecord(pydantic.BaseModel):
     bytes_sent: conint(ge=0, strict=True)
     bytes_received: conint(ge=0, strict=True)
     rejected: conint(ge=0, strict=True)
+    rejected_by_kind: Dict[constr(strict=True, min_length=1, max_length=32), conint(ge=0, strict=True)]
+    clipped: conint(ge=0, strict=True)
     time: StrictFloat
 
     class Config:
@@ -89,6 +92,12 @@ class ProgressRecord(pydantic.BaseModel):
     def _finite(cls, v: float) -> float:  # noqa: N805
         if not math.isfinite(v) or v < 0:
             raise ValueError("must be finite and non-negative")
+        return v
+
+    @pydantic.validator("rejected_by_kind")
+    def _few_kinds(cls, v: dict) -> dict:  # noqa: N805
+        if len(v) > MAX_REJECTION_KINDS:
+            raise ValueError(f"at most {MAX_REJECTION_KINDS} rejection kinds")
         return v
 
     @pydantic.validator("fragment_weights", each_item=True)

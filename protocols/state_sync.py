@@ -61,7 +61,7 @@ class StateServicer(ServicerBase):
             if not 0 <= fragment < self.num_fragments:
                 raise WireError(f"no fragment {fragment}")
         except WireError as e:
-            self.stats.reject("state_request")
+            self.stats.reject("state_request", str(context.remote_id))
             yield pack_response({"ok": False, "error": str(e)})
             return
         # Copying Θ_p and its momentum is tensor work: keep it off the event loop.
@@ -123,6 +123,6 @@ async def download_state(
             return state
         except Exception as e:  # a donor can fail in many ways (dead, slow, lying); all mean: try the next
             if isinstance(e, WireError):
-                stats.reject("state")
+                stats.reject("state", donor)
             logger.warning("state download from %s failed: %r; trying the next donor", donor[-8:], e)
     return None

@@ -20,7 +20,12 @@ MAX_MESSAGE_BYTES = 2 * PART_BYTES
 
 
 class WireError(ValueError):
-    """A message from the network that atoll refuses to use."""
+    """A message from the network that atoll refuses to use; ``kind`` names the check it failed (the rejection
+    counters of the progress record are keyed by it)."""
+
+    def __init__(self, message: str, kind: str = "protocol") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 def pack_request(msg: dict[str, Any]) -> runtime_pb2.ExpertRequest:
@@ -35,7 +40,7 @@ def unpack(message: Any, required: dict[str, type]) -> dict[str, Any]:
     """Decode an envelope and check that ``required`` keys exist with the given types."""
     raw = getattr(message, "metadata", None)
     if not isinstance(raw, bytes) or len(raw) > MAX_MESSAGE_BYTES:
-        raise WireError("missing or oversized metadata")
+        raise WireError("missing or oversized metadata", "oversize" if isinstance(raw, bytes) else "protocol")
     try:
         msg = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises several unrelated exception types
@@ -73,8 +78,8 @@ def parts_to_tensor(parts: list[bytes], numel: int) -> torch.Tensor:
     """Rebuild a flat fp32 tensor; rejects a wrong size and non-finite values."""
     data = b"".join(parts)
     if len(data) != 4 * numel:
-        raise WireError(f"payload has {len(data)} bytes, expected {4 * numel}")
+        raise WireError(f"payload has {len(data)} bytes, expected {4 * numel}", "shape")
     out = torch.from_numpy(np.frombuffer(data, dtype="<f4").copy())
     if not torch.isfinite(out).all():
-        raise WireError("payload holds NaN or Inf")
+        raise WireError("payload holds NaN or Inf", "nonfinite")
     return out

@@ -105,3 +105,51 @@ def test_corrupted_parts_never_decode(kind):
         payload = codecs.encode(torch.randn(1000), codec, 256)
         with pytest.raises(codecs.CodecError):
             codecs.decode(corrupt_payload(payload, kind), expected_numel=1000)
+
+
+def test_reducer_clips_an_outsized_contribution_before_merging():
+    """Three members, one sending its delta ×1000 and claiming a huge weight: the reducer's result equals the
+    weighted mean of the naive clipped reference (factor 4 × the lower median norm/weight)."""
+
+    async def reduce():
+        servicer = AveragingServicer("run", "b", TrafficStats(), clip_factor=4.0)
+        spec = GroupSpec("run", 0, 0, 0, ("a", "b", "c"), 12, block=4)
+        reduction = servicer.open(spec, timeout=5)
+        reduction.add("a", 1.0, torch.tensor([1.0, 0.0, 0.0, 0.0]))
+        reduction.add("b", 2.0, torch.tensor([0.0, 2.0, 0.0, 0.0]))
+        reduction.add("c", 1e9, torch.tensor([0.0, 0.0, 3000.0, 4000.0]))
+        return await reduction.result, servicer.stats
+
+    result, stats = asyncio.run(reduce())
+    # Norms 1, 2, 5000: lower median 2, bound 8 -> c becomes (0, 0, 4.8, 6.4). Weights 1, 2, 1e9 -> 1, 2, 8.
+    want = (1.0 * torch.tensor([1.0, 0, 0, 0]) + 2.0 * torch.tensor([0, 2.0, 0, 0])
+            + 8.0 * torch.tensor([0, 0, 4.8, 6.4])) / 11.0
+    assert torch.allclose(result.values, want.float(), rtol=1e-6, atol=0)
+    assert result.clipped == ["c"] and stats.clipped == 1 and result.weight == 11.0
+
+
+def test_cooling_down_sender_is_treated_as_missing_and_still_gets_the_result():
+    from atoll.protocols.cooldown import Cooldown
+
+    class Ctx:
+        remote_id = "c"
+
+    async def run():
+        cooldown = Cooldown(60)
+        cooldown.offend("c", "shape")
+        servicer = AveragingServicer("run", "b", TrafficStats(), cooldown)
+        spec = GroupSpec("run", 0, 0, 0, ("b", "c"), 8, block=4)
+        reduction = servicer.open(spec, timeout=5)
+        reduction.add("b", 1.0, torch.full((4,), 2.0))
+
+        async def requests():
+            yield pack_request({"group_id": spec.group_id, "weight": 1.0, "numel": 4, "wait": 1.0, "norm": 0.0,
+                                "codec": "none"})
+            yield pack_request({"data": b"never read"})
+
+        answers = [unpack(m, {}) async for m in servicer.rpc_aggregate(requests(), Ctx())]
+        return answers, reduction, servicer.stats
+
+    answers, reduction, stats = asyncio.run(run())
+    assert answers[0]["ok"] and answers[0]["contributors"] == ["b"]
+    assert stats.rejected_by_kind == {"cooldown": 1}

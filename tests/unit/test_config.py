@@ -29,6 +29,12 @@ def test_defaults_are_valid():
         ({"data": "/nonexistent/corpus"}, "data:"),
         ({"faults": ["explode=1"]}, "faults: unknown fault"),
         ({"run_id": "bad id!"}, "run_id"),
+        ({"clip_factor": 0.5}, "clip_factor: must be 0"),
+        ({"clip_factor": -1.0}, "clip_factor: must be 0"),
+        ({"clip_factor": "inf"}, "clip_factor: must be 0"),
+        ({"peer_cooldown": -1.0}, "peer_cooldown: must be a non-negative"),
+        ({"faults": ["byzantine=evil"]}, "faults: unknown byzantine kind"),
+        ({"faults": ["byzantine_from=x"]}, "faults: bad value"),
     ],
 )
 def test_bad_values_raise_one_line_errors(overrides, message):
@@ -82,3 +88,11 @@ def test_cli_prints_one_line_and_exits_2(capsys):
     assert err == ["atoll: error: device: unknown 'tpu'; use one of auto, cpu, cuda, xla"]
     assert main(["start", "--initial-peers", "garbage"]) == 2
     assert "malformed multiaddr" in capsys.readouterr().err
+
+
+def test_hostile_peer_settings_parse():
+    cfg, explicit = load_config({"clip_factor": "0", "peer_cooldown": "5", "faults": ["byzantine=scale",
+                                                                                     "byzantine_from=3"]})
+    assert cfg.run.clip_factor == 0.0 and cfg.peer_cooldown == 5.0 and "clip_factor" in explicit
+    assert cfg.parsed_faults() == {"byzantine": "scale", "byzantine_from": 3}
+    assert load_config({})[0].run.clip_factor >= 1

@@ -23,7 +23,8 @@ def good_progress(**changes):
         peer_id="QmPeer", status="training", device="cpu", algorithm="diloco", step=10, version=2,
         fragment_versions=[2], fragment_weights=[1024.0], fragment_hashes=["abc"], schedule_step=3, tokens=4096,
         tokens_per_s=100.0, loss=2.5, held_out_loss=None, rounds=2, rounds_skipped=0, forks_healed=0, tokens_lost=0,
-        goodput=0.9, blocked_s=1.5, bytes_sent=10, bytes_received=20, rejected=0, time=get_dht_time(),
+        goodput=0.9, blocked_s=1.5, bytes_sent=10, bytes_received=20, rejected=0,
+        rejected_by_kind={"shape": 2, "nonfinite": 1}, clipped=3, time=get_dht_time(),
     )
     rec.update(changes)
     return rec
@@ -39,6 +40,10 @@ def test_good_progress_record_parses():
         {"step": -1}, {"step": 1.5}, {"version": "2"}, {"status": "dancing"}, {"tokens_per_s": math.nan},
         {"fragment_weights": [-1.0]}, {"loss": "low"}, {"fragment_versions": [1, 1]}, {"version": 3},
         {"fragment_hashes": []}, {"goodput": math.nan}, {"extra_field": 1}, {"peer_id": 42}, {"time": math.inf},
+        {"rejected_by_kind": {"shape": -1}}, {"rejected_by_kind": {"x" * 33: 1}}, {"rejected_by_kind": {"": 1}},
+        {"rejected_by_kind": {f"k{i}": 1 for i in range(33)}}, {"rejected_by_kind": {"shape": 1.0}},
+        {"rejected_by_kind": [1]}, {"clipped": -1}, {"peer_id": "Q" * 129}, {"fragment_hashes": ["a" * 65]},
+        {"device": "d" * 129},
     ],
 )
 def test_malformed_progress_records_are_rejected(changes):
