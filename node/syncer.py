@@ -440,8 +440,8 @@ class Syncer:
         return kind
 
     async def _allreduce(self, p: int, version: int, members: list[str], tensor: torch.Tensor, weight: float,
-                         mode: str, codec: str, corrupt: str | None = None,
-                         first_attempt: int = 0, byzantine: str | None = None) -> tuple[AllreduceResult | None, list[str]]:
+                         mode: str, codec: str, corrupt: str | None = None, first_attempt: int = 0,
+                         byzantine: str | None = None) -> tuple[AllreduceResult | None, list[str]]:
         """The group's all-reduce, retried without reducers that failed; (None, _) when it cannot complete.
         Attempt numbers are part of the group id, so a caller that starts over passes a fresh ``first_attempt``."""
         alive = list(members)
