@@ -446,12 +446,12 @@ BYZANTINE_SCALE = 1000.0
 
 def byzantine_payload(flat: torch.Tensor, lo: int, hi: int, codec: str, block: int, kind: str) -> bytes:
     """Fault injection: what a hostile member sends as its part ``flat[lo:hi]`` (``nan``: NaN in the values or
-    scales; ``shape``: one block more values than the shard has). ``scale`` is applied to the whole delta
-    (see ``allreduce``), so its parts are valid."""
+    scales; ``shape``: a well-formed payload one block short of the shard, under a header that claims the right
+    size). ``scale`` is applied to the whole delta (see ``allreduce``), so its parts are valid."""
     if kind == "nan":
         return corrupt_payload(codecs.encode(flat[lo:hi].float(), codec, block), "nan")
     if kind == "shape":
-        return codecs.encode(torch.cat([flat[lo:hi].float(), torch.ones(block)]), codec, block)
+        return codecs.encode(flat[lo : max(lo, hi - block)].float(), codec, block)
     raise ValueError(f"unknown byzantine kind {kind!r}")
 
 

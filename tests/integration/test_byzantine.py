@@ -1,0 +1,92 @@
+"""A Byzantine daemon in a swarm of four (``--fault byzantine=scale|nan|shape``): the three honest daemons end
+with held-out loss within 2% of the same three daemons training without it, with identical replicas, and the
+hostile parts are counted (NaN and wrong-size parts rejected; ×1000 deltas clipped).
+
+Both runs use the same identities for the honest daemons (same data shards), the same seed, steps and schedule
+(synchronous DiLoCo with a fixed number of steps, every daemon started at once through a bootstrap-only DHT
+node so that every round holds everyone), so the only difference is the fourth daemon.
+"""
+
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from hivemind import DHT
+from swarm import LocalSwarm
+
+from atoll.protocols.records import make_validators
+from test_swarm import assert_replicas_agree
+
+pytestmark = pytest.mark.integration
+
+STEPS, SYNC = 120, 30
+COMMON = ["--model", "nano", "--batch-size", "4", "--algorithm", "diloco", "--sync-every", str(SYNC),
+          "--max-steps", str(STEPS), "--gather-timeout", "20", "--round-timeout", "8", "--heartbeat", "1",
+          "--fault", "step_delay=0.1"]
+HONEST = ("a", "b", "c")
+
+
+def run_swarm(root, identities, byzantine=None):
+    """Start the honest daemons (and the Byzantine one) together, let them train STEPS steps and exit."""
+    bootstrap = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=list(make_validators("atoll")))
+    try:
+        peers = ["--initial-peers", str(bootstrap.get_visible_maddrs()[0])]
+        with LocalSwarm(root, COMMON) as swarm:
+            daemons = [(n, ["--identity", str(identities / f"{n}.key"), *peers]) for n in HONEST]
+            if byzantine is not None:
+                daemons.append(("x", ["--fault", f"byzantine={byzantine}", *peers]))
+            with ThreadPoolExecutor(len(daemons)) as pool:  # together: everyone is in the first round
+                list(pool.map(lambda d: swarm.start(*d, join=False), daemons))
+            codes = {n: d.proc.wait(300) for n, d in swarm.daemons.items()}
+            assert all(code == 0 for code in codes.values()), codes
+            return swarm
+    finally:
+        bootstrap.shutdown()
+
+
+def final_loss(swarm, name):
+    rounds = swarm.daemons[name].rounds()
+    assert rounds, f"{name} merged no round"
+    return rounds[-1]["version"], rounds[-1]["held_out_loss"]
+
+
+def summary(swarm, name):
+    return next(m for m in swarm.daemons[name].metrics() if m.get("event") == "summary")
+
+
+@pytest.fixture(scope="module")
+def identities(tmp_path_factory):
+    return tmp_path_factory.mktemp("identities")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, identities):
+    swarm = run_swarm(tmp_path_factory.mktemp("reference"), identities)
+    losses = {n: final_loss(swarm, n) for n in HONEST}
+    print("reference (three honest daemons):", losses)
+    return losses
+
+
+@pytest.mark.parametrize("kind", ["scale", "nan", "shape"])
+def test_honest_daemons_train_as_if_the_byzantine_one_were_absent(kind, reference, identities, tmp_path):
+    swarm = run_swarm(tmp_path, identities, byzantine=kind)
+    losses = {n: final_loss(swarm, n) for n in HONEST}
+    print(f"with a byzantine={kind} daemon:", losses)
+    for name in HONEST:
+        version, loss = losses[name]
+        ref_version, ref_loss = reference[name]
+        assert version == ref_version, (name, version, ref_version)
+        assert abs(loss - ref_loss) <= 0.02 * ref_loss, (name, kind, loss, ref_loss)
+    assert_replicas_agree(swarm, HONEST)
+    hashes = {swarm.daemons[n].rounds()[-1]["hash"] for n in HONEST}
+    assert len(hashes) == 1, hashes
+    # The hostile contributions were seen and counted by the honest daemons.
+    counted = {n: summary(swarm, n) for n in HONEST}
+    if kind == "scale":
+        assert sum(s["clipped"] for s in counted.values()) >= 1, counted
+    else:
+        expected = "nonfinite" if kind == "nan" else "shape"
+        assert sum(s["rejected_by_kind"].get(expected, 0) for s in counted.values()) >= 1, counted
+        assert "left out of rounds" in "".join(swarm.daemons[n].log() for n in HONEST)
+    log = "".join(swarm.daemons[n].log() for n in HONEST)
+    assert "Traceback" not in log

@@ -1,0 +1,282 @@
+"""Property-based fuzzing of every decoder and record validator with random and mutated input.
+
+The property everywhere: a decoder either returns a valid result (right size, finite values) or raises its own
+error type (``CodecError``/``WireError``, both ``ValueError`` subclasses with a ``kind``); a record parser returns
+a valid record or None. Never another exception, never a NaN let through. Examples are few per test (the suite
+must stay fast); mutations start from valid messages so that they reach the deep checks, not just the header.
+"""
+
+import asyncio
+import math
+import struct
+
+import msgpack
+import pytest
+import torch
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
+from hivemind.utils import get_dht_time
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from atoll.protocols import codecs, state_sync
+from atoll.protocols.averaging import AveragingServicer, GroupSpec, TrafficStats
+from atoll.protocols.matchmaking import parse_group_record
+from atoll.protocols.records import (
+    ProgressRecord, make_validators, parse_open_round, parse_progress, parse_round_record, parse_run_config,
+    progress_key,
+)
+from atoll.protocols.wire import MAX_MESSAGE_BYTES, WireError, pack_request, pack_response, parts_to_tensor, unpack
+
+FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+# msgpack-able values of every shape a hostile peer might send.
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70).filter(lambda i: -2**63 <= i < 2**64),
+                    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=40), st.binary(max_size=40))
+values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=5),
+                                                       st.dictionaries(st.text(max_size=12), inner, max_size=5)),
+                      max_leaves=20)
+
+
+def _valid_payloads():
+    torch.manual_seed(0)
+    x = torch.randn(300)
+    return [codecs.encode(x, c, 64) for c in codecs.CODECS]
+
+
+PAYLOADS = _valid_payloads()
+
+
+def mutate(data: bytes, edits: list[tuple[int, int]], cut: int | None) -> bytes:
+    out = bytearray(data)
+    for pos, byte in edits:
+        if out:
+            out[pos % len(out)] = byte
+    return bytes(out[:cut] if cut is not None else out)
+
+
+def check_decoded(tensor: torch.Tensor, numel: int | None) -> None:
+    assert tensor.dtype == torch.float32 and tensor.dim() == 1
+    assert numel is None or tensor.numel() == numel
+    assert bool(torch.isfinite(tensor).all())
+
+
+# ---- codecs ---------------------------------------------------------------------------------------------------
+@FUZZ
+@given(st.binary(max_size=2000), st.one_of(st.none(), st.integers(0, 400)))
+def test_decode_random_bytes(data, numel):
+    try:
+        check_decoded(codecs.decode(data, expected_numel=numel, max_numel=10_000), numel)
+    except codecs.CodecError as e:
+        assert e.kind in ("codec", "shape", "nonfinite")
+
+
+@FUZZ
+@given(st.sampled_from(range(len(PAYLOADS))), st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)),
+                                                       max_size=6), st.one_of(st.none(), st.integers(0, 2000)))
+def test_decode_mutated_payloads(index, edits, cut):
+    data = mutate(PAYLOADS[index], edits, cut)
+    try:
+        check_decoded(codecs.decode(data, expected_numel=300), 300)
+    except codecs.CodecError:
+        pass
+
+
+@FUZZ
+@given(st.floats(allow_nan=True, allow_infinity=True, width=32), st.integers(0, 299),
+       st.sampled_from(codecs.CODECS))
+def test_a_non_finite_value_never_decodes(value, index, codec):
+    """Plant a non-finite fp32 value (or scale) in a valid payload: decode must refuse it."""
+    data = bytearray(codecs.encode(torch.ones(300), codec, 64))
+    offset = codecs.HEADER_SIZE + 4 * (index % 5)  # a value (none) or a scale (block codecs)
+    if codec in ("none", "int8", "int4", "fp4", "int2"):
+        data[offset : offset + 4] = struct.pack("<f", value)
+    try:
+        check_decoded(codecs.decode(bytes(data), expected_numel=300), 300)
+        assert math.isfinite(value) or codec == "bf16"
+    except codecs.CodecError:
+        pass
+
+
+# ---- wire envelopes ---------------------------------------------------------------------------------------------
+class Msg:
+    def __init__(self, metadata):
+        self.metadata = metadata
+
+
+@FUZZ
+@given(st.one_of(st.binary(max_size=300), values.map(lambda v: msgpack.packb(v, use_bin_type=True)), values),
+       st.dictionaries(st.sampled_from(["a", "group_id", "weight", "data"]),
+                       st.sampled_from([str, int, float, bytes, bool, list]), max_size=3))
+def test_unpack_random_envelopes(metadata, required):
+    try:
+        msg = unpack(Msg(metadata), required)
+    except WireError as e:
+        assert e.kind in ("protocol", "oversize")
+        return
+    assert isinstance(msg, dict) and set(required) <= set(msg)
+
+
+def test_unpack_refuses_oversized_metadata():
+    with pytest.raises(WireError) as info:
+        unpack(Msg(b"\0" * (MAX_MESSAGE_BYTES + 1)), {})
+    assert info.value.kind == "oversize"
+
+
+@FUZZ
+@given(st.lists(st.binary(max_size=64), max_size=4), st.integers(0, 40))
+def test_parts_to_tensor_random(parts, numel):
+    try:
+        check_decoded(parts_to_tensor(parts, numel), numel)
+    except WireError as e:
+        assert e.kind in ("shape", "nonfinite")
+
+
+# ---- DHT records ----------------------------------------------------------------------------------------------
+GOOD = dict(peer_id="QmPeer", status="training", device="cpu", algorithm="diloco", step=10, version=2,
+            fragment_versions=[2], fragment_weights=[1024.0], fragment_hashes=["abc"], schedule_step=3, tokens=4096,
+            tokens_per_s=100.0, loss=2.5, held_out_loss=None, rounds=2, rounds_skipped=0, forks_healed=0,
+            tokens_lost=0, goodput=0.9, blocked_s=1.5, bytes_sent=10, bytes_received=20, rejected=0,
+            rejected_by_kind={"shape": 1}, clipped=0, time=1.0)
+
+
+@FUZZ
+@given(st.dictionaries(st.sampled_from(sorted(GOOD) + ["extra"]), values, max_size=6), st.booleans())
+def test_progress_records_are_valid_or_refused(changes, drop):
+    rec = {**GOOD, **changes}
+    if drop and changes:
+        del rec[next(iter(changes))]
+    parsed = parse_progress(rec)
+    if parsed is not None:
+        assert isinstance(parsed, ProgressRecord)
+        assert all(math.isfinite(w) and w >= 0 for w in parsed.fragment_weights)
+        assert math.isfinite(parsed.time) and len(parsed.rejected_by_kind) <= 32
+
+
+@FUZZ
+@given(values)
+def test_record_parsers_take_anything(value):
+    assert parse_progress(value) is None or isinstance(value, dict)
+    assert parse_run_config(value) is None or isinstance(value, dict)
+    rec = parse_round_record(value)
+    if rec is not None:
+        assert math.isfinite(rec["weight"]) and rec["weight"] > 0 and math.isfinite(rec["time"])
+    parsed = parse_open_round(value)
+    assert parsed is None or (parsed[1] >= 0 and parsed[2] >= 0)
+    groups = parse_group_record(value)
+    assert groups is None or all(g == sorted(g) for g in groups)
+
+
+@FUZZ
+@given(st.dictionaries(st.sampled_from(["peer_id", "weight", "time", "fragment", "version", "groups"]), values,
+                       max_size=4))
+def test_round_records_with_the_right_keys(value):
+    test_record_parsers_take_anything.hypothesis.inner_test(value)
+
+
+@FUZZ
+@given(st.one_of(values, st.dictionaries(st.sampled_from(sorted(GOOD)), values, max_size=4).map(
+    lambda c: {**GOOD, **c})))
+def test_schema_validator_never_raises(value):
+    signer = RSASignatureValidator()
+    _, schema = make_validators("run1")
+    try:
+        serialized = DHTProtocol.serializer.dumps(value)
+    except Exception:  # not serializable: cannot arrive over the wire
+        return
+    record = DHTRecord(key=DHTID.generate(source=progress_key("run1")).to_bytes(),
+                       subkey=DHTProtocol.serializer.dumps(signer.local_public_key), value=serialized,
+                       expiration_time=get_dht_time() + 10)
+    ok = schema.validate(record)
+    assert ok in (True, False)
+    if ok and value is not None:  # None is the schema's "deleted" value; readers skip it
+        assert parse_progress(value) is not None
+
+
+# ---- the averaging RPC: random headers and parts against an open group --------------------------------------------
+class Ctx:
+    remote_id = "peerA"
+
+
+header_fields = st.fixed_dictionaries({}, optional={
+    "group_id": st.one_of(st.just("GID"), st.text(max_size=30)),
+    "weight": st.one_of(st.floats(), st.integers(-2**63, 2**63 - 1)),
+    "numel": st.one_of(st.just(8), st.integers(-10, 100)), "wait": st.floats(), "norm": st.floats(),
+    "codec": st.one_of(st.just("none"), st.text(max_size=6)), "junk": values})
+
+
+@settings(max_examples=30, deadline=None)
+@given(header_fields, st.lists(st.one_of(
+    st.sampled_from([codecs.encode(torch.ones(8), "none")]).map(lambda p: {"data": p}),
+    st.binary(max_size=64).map(lambda b: {"data": b}), values.map(lambda v: {"data": v})), max_size=4))
+def test_aggregate_rpc_with_random_messages(header, parts):
+    async def run():
+        stats = TrafficStats()
+        servicer = AveragingServicer("run", "peerB", stats, max_wait=0.05)
+        spec = GroupSpec("run", 0, 0, 0, ("peerA", "peerB"), 16, block=8)
+        reduction = servicer.open(spec, timeout=0.2)
+        reduction.add("peerB", 1.0, torch.full((8,), 2.0))
+        if header.get("group_id") == "GID":
+            header["group_id"] = spec.group_id
+
+        async def requests():
+            yield pack_request(header)
+            for p in parts:
+                yield pack_request(p)
+
+        answers = [unpack(m, {}) async for m in servicer.rpc_aggregate(requests(), Ctx())]
+        result = await reduction.result
+        return answers, result, stats
+
+    answers, result, stats = asyncio.run(run())
+    assert answers
+    assert bool(torch.isfinite(result.values).all())
+    if "peerA" in result.contributors:  # accepted: a valid part of the right size
+        assert stats.rejected == 0 and answers[0]["ok"]
+    else:
+        assert stats.rejected >= 1 or not answers[0]["ok"] or result.contributors == ["peerB"]
+
+
+# ---- state sync: a donor that answers with random or mutated messages ----------------------------------------------
+def _good_state_messages(numel=6):
+    params, momentum = torch.arange(numel, dtype=torch.float32), torch.zeros(numel)
+    digest = state_sync.tensor_hash(params, momentum)
+    header = {"ok": True, "version": 3, "weight": 2.0, "digest": digest, "numel": numel, "schedule_step": 1,
+              "fragment": 0, "ancestors": [digest]}
+    return [header, {"data": torch.cat([params, momentum]).numpy().tobytes()}]
+
+
+@FUZZ
+@given(st.lists(st.tuples(st.integers(0, 1), st.sampled_from(["ok", "version", "weight", "digest", "numel",
+                                                               "schedule_step", "fragment", "ancestors", "data"]),
+                          values), max_size=3),
+       st.booleans())
+def test_state_download_with_a_lying_donor(edits, truncate):
+    messages = _good_state_messages()
+    for index, key, value in edits:
+        messages[index][key] = value
+    if truncate:
+        messages = messages[:1]
+
+    class Stub:
+        async def rpc_download_state(self, request):
+            async def stream():
+                for m in messages:
+                    yield pack_response(m)
+            return stream()
+
+    original = state_sync.StateServicer.get_stub
+    state_sync.StateServicer.get_stub = classmethod(lambda cls, *a, **k: Stub())
+    try:
+        stats = TrafficStats()
+        try:
+            state = asyncio.run(state_sync._download_from(
+                None, "run", "QmDonorDonorDonorDonorDonorDonorDonorDonorDon", 0, 6, 0.5, stats))
+        except (WireError, StopAsyncIteration, asyncio.TimeoutError):
+            return
+    finally:
+        state_sync.StateServicer.get_stub = original
+    assert state.params.numel() == 6 and bool(torch.isfinite(state.params).all())
+    assert bool(torch.isfinite(state.momentum).all()) and state.digest == messages[0]["digest"]
