@@ -342,7 +342,7 @@ class Syncer:
                 self.dht, run_id=self._namespace(), fragment=p, version=version, peer_id=self.peer_id,
                 subkey=self._subkey, weight=weight, live_peers=live_peers, gather_timeout=run.gather_timeout,
                 abort=lambda: self.behind(p), quorum=run.quorum if decoupled else None,
-                grace=self.grace, on_reject=self._reject, max_group=run.max_group,
+                grace=self.grace, on_reject=self._reject, max_group=run.max_group, excluded=self.cooldown.active,
             )
             formed = time.monotonic()
             if members is None:

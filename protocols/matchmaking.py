@@ -86,6 +86,7 @@ async def form_group(
     poll_interval: float = 0.2,
     on_reject: Callable[..., None] = lambda kind, source=None: None,
     max_group: int = MAX_GROUP,
+    excluded: Callable[[str], bool] = lambda peer: False,
 ) -> list[str] | None:
     """Register for the round and return its sorted member list.
 
@@ -96,6 +97,12 @@ async def form_group(
     its own. Returns None when ``abort()`` becomes true (a heavier replica appeared: catch up instead), and an
     empty list when this daemon is in none of the round's groups or no group was decided in time.
     ``on_reject(kind, source)`` hears of every malformed record, with the key that signed it.
+    ``excluded(peer)``: peers this daemon is cooling down (``protocols/cooldown.py``). ``live_peers`` leaves them
+    out already (so they are neither expected nor registered here); decisions that list one are ignored too. An
+    offender takes itself for the coordinator (it sees itself registered) and publishes a group with itself in
+    it; if some members followed that decision and others the honest coordinator's, they would disagree about
+    the round. Every member that saw the offence ignores it; a daemon that never did may follow it and miss the
+    round (it catches up by download), but no replica forks.
     """
     key, gkey = round_key(run_id, fragment, version), group_key(run_id, fragment, version)
     now = get_dht_time()
@@ -124,6 +131,8 @@ async def form_group(
             groups = parse_group_record(value)
             if groups is None:
                 on_reject("group_record", source)
+            elif any(excluded(m) for members in groups for m in members):
+                continue
             elif isinstance(value["time"], float) and value["time"] >= stale_before:
                 # An older decision belongs to a round that ended (or never ran) long ago: ignore it, or a
                 # daemon left out of it would be shut out of this version forever.
