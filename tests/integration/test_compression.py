@@ -12,7 +12,10 @@ pytestmark = pytest.mark.integration
 
 def test_malformed_parts_are_rejected_and_replicas_still_agree(tmp_path):
     common = ["--model", "nano", "--batch-size", "4", "--algorithm", "diloco", "--sync-every", "20", "--compression", "int4",
-              "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1", "--fault", "step_delay=0.02"]
+              "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1", "--fault", "step_delay=0.02",
+              # A short cooldown: the corrupting daemon is left out for a few seconds after each offence, so that its
+              # eight corrupt rounds (and the full rounds after them) come within the test's time.
+              "--peer-cooldown", "3"]
     with LocalSwarm(tmp_path, common) as swarm:
         swarm.start("a", join=False)
         swarm.start("b")
@@ -39,6 +42,8 @@ def test_malformed_parts_are_rejected_and_replicas_still_agree(tmp_path):
         wait_for(lambda: len(full_rounds_after_fault()) >= 2, 240, "rounds with all three after the corrupt ones")
         for kind in patterns:
             assert f"sending {kind} parts" in bad.log()
+        assert re.search(r"peer \w+ sent a rejected (codec|nonfinite): left out of rounds",
+                         swarm.daemons["a"].log() + swarm.daemons["b"].log())
         assert_replicas_agree(swarm, ("a", "b", "bad"))
         codes = swarm.stop_all(timeout=60)
         assert all(code == 0 for code in codes.values()), codes

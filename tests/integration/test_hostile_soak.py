@@ -139,9 +139,12 @@ def test_daemons_survive_a_flood_of_malformed_rpcs_and_records(tmp_path):
             for kind, count in p["rejected_by_kind"].items():
                 kinds[kind] = kinds.get(kind, 0) + count
         print("rejections by kind:", kinds)
-        for kind in ("protocol", "weight", "shape", "codec", "unknown_group", "state_request"):
+        # The hostile peer is in no group, so its parts never reach the per-member checks (weight, shape, codec,
+        # finiteness: the unit, fuzz and Byzantine tests cover those); its envelopes, groups and requests do.
+        for kind in ("protocol", "unknown_group", "state_request"):
             assert kinds.get(kind, 0) > 0, kinds
         assert any(k in kinds for k in ("round_record", "group_record", "open_round", "progress_record")), kinds
+        assert "left out of rounds" in a.log() + b.log()  # its peer id (and record key) cooled down
         codes = swarm.stop_all(timeout=60)
         assert all(code == 0 for code in codes.values()), codes
         for name, d in swarm.daemons.items():
