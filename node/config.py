@@ -61,9 +61,10 @@ class RunConfig:
     error_feedback: bool = True  # keep what quantization dropped and add it to the next delta
     codec_block: int = 256  # values per scale in the blockwise codecs
     # Robust merging: a reducer scales every contribution (and declared weight or RDA norm) above clip_factor × the
-    # round's lower median down to that bound (atoll.models.robust); 0 disables. Honest contributions of one round
-    # differ in norm by a small factor (steps and tokens since their last merge, data); 4 leaves room for that
-    # while a 1000× contribution moves the merge by at most 4/M × a typical one.
+    # round's lower median down to that bound (atoll.models.robust); 0 disables. Measured: honest shard
+    # contributions of a decoupled swarm with a 3× slower daemon were within 2× the lower median in 98% of cases,
+    # at most 4.7×; a ×1000 member of four (diloco, tests/integration/test_byzantine.py) cost the honest daemons'
+    # held-out loss 0.8-1.3% with 4, 22% with 8, and ×340 unclipped. 4 bounds an attacker to 4/M of a merge.
     clip_factor: float = 4.0
 
     def validate(self) -> None:

@@ -45,7 +45,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
 from atoll.models.outer import rda_finish, weighted_mean, weighted_norm
-from atoll.models.robust import clip_contributions, clip_scalars
+from atoll.models.robust import clip_contributions, clip_scalars, lower_median
 
 from . import codecs
 from .cooldown import Cooldown
@@ -193,6 +193,11 @@ class _Reduction:
         else:
             values = [self.parts[p][1] for p in peers]
         clipped: set[int] = set()
+        if len(peers) > 1 and logger.isEnabledFor(logging.DEBUG):  # how far apart honest contributions are
+            norms_now = [float(torch.linalg.vector_norm(v.double())) for v in values]
+            median = lower_median(norms_now)
+            logger.debug("round f%d v%d shard %s: contribution norms / lower median %s", self.spec.fragment,
+                         self.spec.version, self.bounds, [round(n / median, 3) if median else None for n in norms_now])
         if self.clip_factor and len(peers) > 1:
             # Robust merging (models/robust.py): what gets averaged, the weights, and RDA's norms are each bounded
             # by clip_factor × the round's lower median, so no single member can dominate the merge.
