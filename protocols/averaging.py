@@ -378,7 +378,9 @@ async def _exchange_with(
             size += len(chunk)
             stats.bytes_received += len(chunk)
             if size > limit:
-                raise WireError(f"reduced shard longer than {limit} bytes")
+                raise WireError(f"reduced shard longer than {limit} bytes", "oversize")
+            if not chunk:  # endless empty messages would keep us reading until the round's timeout
+                raise WireError("empty data message from the reducer")
             chunks.append(chunk)
         if size < limit:  # every codec's size is fixed by numel: a short answer is a stream that broke
             raise BrokenStream(f"the reduced shard ended after {size} of {limit} bytes")

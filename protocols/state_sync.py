@@ -97,6 +97,8 @@ async def _download_from(p2p: P2P, namespace: str, donor: str, fragment: int, nu
     received = 0
     while received < 8 * numel:
         chunk = unpack(await asyncio.wait_for(anext(stream), part_timeout), {"data": bytes})["data"]
+        if not chunk:  # a donor streaming empty parts would otherwise keep us reading forever
+            raise WireError("empty data message from the donor")
         received += len(chunk)
         stats.bytes_received += len(chunk)
         chunks.append(chunk)

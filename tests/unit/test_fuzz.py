@@ -280,3 +280,23 @@ def test_state_download_with_a_lying_donor(edits, truncate):
         state_sync.StateServicer.get_stub = original
     assert state.params.numel() == 6 and bool(torch.isfinite(state.params).all())
     assert bool(torch.isfinite(state.momentum).all()) and state.digest == messages[0]["digest"]
+
+
+def test_a_donor_streaming_empty_parts_forever_is_refused():
+    header = _good_state_messages()[0]
+
+    class Stub:
+        async def rpc_download_state(self, request):
+            async def stream():
+                yield pack_response(header)
+                while True:
+                    yield pack_response({"data": b""})
+            return stream()
+
+    original = state_sync.StateServicer.get_stub
+    state_sync.StateServicer.get_stub = classmethod(lambda cls, *a, **k: Stub())
+    try:
+        with pytest.raises(WireError, match="empty"):
+            asyncio.run(state_sync._download_from(None, "run", "QmDonor", 0, 6, 0.5, TrafficStats()))
+    finally:
+        state_sync.StateServicer.get_stub = original
