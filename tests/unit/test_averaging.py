@@ -153,3 +153,17 @@ def test_cooling_down_sender_is_treated_as_missing_and_still_gets_the_result():
     answers, reduction, stats = asyncio.run(run())
     assert answers[0]["ok"] and answers[0]["contributors"] == ["b"]
     assert stats.rejected_by_kind == {"cooldown": 1}
+
+
+@pytest.mark.parametrize("codec", ["none", "int8", "int4"])
+def test_byzantine_payloads_are_refused_with_their_kind(codec):
+    from atoll.protocols import codecs
+    from atoll.protocols.averaging import byzantine_payload
+
+    flat = torch.randn(1000, dtype=torch.float64)
+    for kind, expected in (("nan", "nonfinite"), ("shape", "shape")):
+        payload = byzantine_payload(flat, 256, 768, codec, 64, kind)
+        with pytest.raises(codecs.CodecError) as info:
+            codecs.decode(payload, expected_numel=512)
+        assert info.value.kind == expected
+        assert len(payload) <= codecs.encoded_size(512, codec, 64)  # refused by decode, not by the size bound
