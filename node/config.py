@@ -60,11 +60,12 @@ class RunConfig:
     compression: str = "none"  # codec of outer deltas on the wire (see atoll.protocols.codecs)
     error_feedback: bool = True  # keep what quantization dropped and add it to the next delta
     codec_block: int = 256  # values per scale in the blockwise codecs
-    # Robust merging: a reducer scales every contribution (and declared weight or RDA norm) above clip_factor × the
-    # round's lower median down to that bound (atoll.models.robust); 0 disables. Measured: honest shard
-    # contributions of a decoupled swarm with a 3× slower daemon were within 2× the lower median in 98% of cases,
-    # at most 4.7×; a ×1000 member of four (diloco, tests/integration/test_byzantine.py) cost the honest daemons'
-    # held-out loss 0.8-1.3% with 4, 22% with 8, and ×340 unclipped. 4 bounds an attacker to 4/M of a merge.
+    # Robust merging: a reducer treats every contribution (and declared weight or RDA norm) above clip_factor × the
+    # round's lower median as an outlier and scales it to the lower median (atoll.models.robust); 0 disables.
+    # Measured: honest shard contributions of a decoupled swarm with a 3× slower daemon were within 2× the lower
+    # median in 98% of cases, at most 4.7×, so 4 leaves honest spread alone; an attacker that stays just below it
+    # weighs at most 4 typical members (keep it small: cut to 4× rather than to the median, a ×1000 member of four
+    # cost the honest daemons up to 7% held-out loss, and 22% at 8×; unclipped, ×340).
     clip_factor: float = 4.0
 
     def validate(self) -> None:
