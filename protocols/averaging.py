@@ -19,9 +19,9 @@ as missing; a reduced shard that does not decode counts as a failed reducer.
 Hostile members: every header field, size and value is checked before use (sizes against the shard and the
 codec's exact encoded size, before anything is buffered); a rejected part is a missing member and its sender
 an offender (``protocols/cooldown.py``): its parts are treated as missing in the shards this daemon reduces
-while it cools down. Valid but outsized parts are clipped before the merge (``models/robust.py``: each
-contribution of a shard, each declared weight and RDA norm, to ``clip_factor`` × the lower median of the
-shard's contributions); clipping is per shard, because a reducer sees only its shard. A hostile *reducer* can
+while it cools down. Valid but outsized parts are clipped before the merge (``models/robust.py``: a
+contribution, declared weight or RDA norm above ``clip_factor`` × the lower median of the shard's is scaled to
+that median); clipping is per shard, because a reducer sees only its shard. A hostile *reducer* can
 still spoil the shard it reduces for everyone (its members cannot check it without the other parts).
 
 A member that never sends its part costs its reducer at most ``timeout``; the shard is reduced without it.
@@ -178,7 +178,7 @@ class _Reduction:
         if result.clipped:
             if self.stats is not None:
                 self.stats.clipped += len(result.clipped)
-            logger.info("round f%d v%d: clipped the contributions of %s to %g x the round's median",
+            logger.info("round f%d v%d: clipped the contributions of %s (above %g x the round's median) to it",
                         self.spec.fragment, self.spec.version, [c[-8:] for c in result.clipped], self.clip_factor)
         if not self.result.done():
             self.result.set_result(result)
@@ -199,8 +199,8 @@ class _Reduction:
             logger.debug("round f%d v%d shard %s: contribution norms / lower median %s", self.spec.fragment,
                          self.spec.version, self.bounds, [round(n / median, 3) if median else None for n in norms_now])
         if self.clip_factor and len(peers) > 1:
-            # Robust merging (models/robust.py): what gets averaged, the weights, and RDA's norms are each bounded
-            # by clip_factor × the round's lower median, so no single member can dominate the merge.
+            # Robust merging (models/robust.py): outliers among what gets averaged, the weights and RDA's norms
+            # (above clip_factor × the round's lower median) are scaled to it: no single member dominates the merge.
             values, cut = clip_contributions(values, self.clip_factor)
             weights, cut_w = clip_scalars(weights, self.clip_factor)
             norms, cut_n = clip_scalars(norms, self.clip_factor)
