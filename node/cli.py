@@ -40,7 +40,7 @@ def _start_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gather-timeout", type=float, help="seconds a round waits for expected members")
     p.add_argument("--round-timeout", type=float, help="seconds a reducer waits for missing parts")
     p.add_argument("--clip-factor", type=float, metavar="F",
-                   help="clip contributions above F x the round's median norm before merging (0: off; default 4)")
+                   help="scale contributions above F x the round's median norm to the median (0: off; default 4)")
     p.add_argument("--peer-cooldown", type=float, metavar="S",
                    help="seconds a peer whose message was rejected is left out of rounds (default 120)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
