@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import signal
 import sys
 import threading
@@ -29,6 +30,7 @@ from atoll.models.configs import get_model_config
 from atoll.models.data import Corpus, load_corpus, shard_for_peer
 from atoll.models.fragments import make_fragments
 from atoll.models.outer import token_weight
+from atoll.protocols.auth import AuthError, JoinToken, RunKey, fingerprint
 from atoll.protocols.records import RunConfigRecord, config_key, make_validators, parse_run_config, unwrap_subkeys
 from atoll.protocols.state_sync import MAX_ANCESTORS
 
@@ -105,6 +107,47 @@ class Daemon:
         self.restored_error_feedback: dict[str, torch.Tensor] = {}
 
     # ---- set-up --------------------------------------------------------------------------------------------
+    def _membership(self) -> JoinToken | None:
+        """This daemon's membership of a private run (None: an open run). A join token, or a certificate issued to
+        ourselves by the run key we hold; a new run without ``open`` creates its run key."""
+        cfg = self.cfg
+        if cfg.open:
+            return None
+        if cfg.join_token is not None:
+            try:
+                token = JoinToken.load(cfg.join_token)
+            except AuthError as e:
+                raise ConfigError(f"join_token: {e}") from None
+            if token.run_id != cfg.run_id:
+                raise ConfigError(f"join_token: the token is for run {token.run_id!r}, not {cfg.run_id!r}")
+            return token
+        path = cfg.run_key_path
+        if cfg.initial_peers and (path is None or (cfg.run_key is None and not os.path.exists(path))):
+            return None  # joining without credentials: fine for an open run; a private one refuses us clearly
+        if path is None:
+            raise ConfigError("run_key: a new run is private and needs a file for its run key: pass --checkpoint-dir "
+                              "or --run-key (or --open for an open run that anyone may join)")
+        try:
+            key, created = RunKey.load_or_create(path)
+        except AuthError as e:
+            raise ConfigError(f"run_key: {e}") from None
+        if created:
+            logger.info("created the run key %s at %s; admit daemons with: atoll token --run-key %s --run-id %s "
+                        "--out member.token", fingerprint(key.public_bytes), path, path, cfg.run_id)
+        return key.issue_token(cfg.run_id)
+
+    def _check_access(self, published: RunConfigRecord) -> None:
+        """Refuse, with one clear line, to take part in a run whose access our credentials do not match."""
+        run_id, token = self.cfg.run_id, self.token
+        if published.access == "private" and token is None:
+            raise ConfigError(f"join_token: run {run_id!r} is private (run key {published.run_key}); start with "
+                              f"--join-token FILE, issued by a holder of the run key with `atoll token`")
+        if published.access == "private" and fingerprint(token.run_public_key) != published.run_key:
+            raise ConfigError(f"join_token: the token is for run key {fingerprint(token.run_public_key)}, "
+                              f"run {run_id!r} uses {published.run_key}")
+        if published.access == "open" and token is not None:
+            raise ConfigError(f"join_token: run {run_id!r} is open; start without --join-token or --run-key")
+
     def _agree_on_run_config(self, dht: DHT) -> None:
         """Adopt the run's published config (joiners) or publish ours (the daemon that starts the run)."""
         key = config_key(self.cfg.run_id)
@@ -118,15 +161,19 @@ class Daemon:
                     break
                 time.sleep(1)
         if published is not None:
+            self._check_access(published)
             run = reconcile_run_config(self.cfg.run, self.explicit, published.fields)
             self.cfg = dataclasses.replace(self.cfg, run=run)
             self.config_record = published.dict()
             logger.info("joined run %r started by %s", self.cfg.run_id, published.started_by[-8:])
         else:
+            private = self.token is not None
             self.config_record = RunConfigRecord(
-                fields=self.cfg.run.published(), started_by=str(dht.peer_id), started_at=float(get_dht_time())
+                fields=self.cfg.run.published(), started_by=str(dht.peer_id), started_at=float(get_dht_time()),
+                access="private" if private else "open",
+                run_key=fingerprint(self.token.run_public_key) if private else None,
             ).dict()
-            logger.info("starting a new run %r", self.cfg.run_id)
+            logger.info("starting a new %s run %r", "private" if private else "open", self.cfg.run_id)
         dht.store(key, self.config_record, expiration_time=get_dht_time() + CONFIG_TTL, subkey=self.subkey)
 
     def _progress(self) -> dict[str, Any]:
@@ -160,9 +207,10 @@ class Daemon:
         self._install_signal_handlers()  # first: a SIGTERM during start-up still means a clean exit 0
         self.device = resolve_device(cfg.device)
         torch.set_num_threads(cfg.threads)
-        signature_validator, schema_validator = make_validators(cfg.run_id)
-        self.subkey = signature_validator.local_public_key
-        self.dht = dht = start_dht(cfg, [signature_validator, schema_validator])
+        self.token = self._membership()
+        validators = make_validators(cfg.run_id, self.token)
+        self.subkey = validators[0].local_public_key
+        self.dht = dht = start_dht(cfg, validators)
         try:
             return self._run_with_dht(dht)
         finally:
@@ -196,7 +244,8 @@ class Daemon:
         if self.cfg.checkpoint_dir:
             self.metrics_file = open(Path(self.cfg.checkpoint_dir) / "metrics.jsonl", "a")
         resumed = self._restore()
-        self.syncer = syncer = Syncer(self.cfg, dht, self.subkey, self.replica, self._progress, self.fragments)
+        self.syncer = syncer = Syncer(self.cfg, dht, self.subkey, self.replica, self._progress, self.fragments,
+                                      private=self.token is not None)
         syncer.error_feedback.load_state_dict(self.restored_error_feedback)
         syncer.config_record = self.config_record
         syncer.start()

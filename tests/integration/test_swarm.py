@@ -95,16 +95,28 @@ def test_status_json_lists_all_daemons(swarm):
     assert doc["totals"]["peers"] >= 2 and doc["totals"]["tokens"] > 0
 
 
-def test_joiner_with_conflicting_run_config_is_refused(swarm, tmp_path):
-    out = subprocess.run(
+def _start_once(swarm, *args):
+    return subprocess.run(
         [sys.executable, "-m", "atoll.node.cli", "start", "--initial-peers", *swarm.bootstrap, "--host-maddrs",
-         "/ip4/127.0.0.1/tcp/0", "--sync-every", "99", "--checkpoint-dir", str(tmp_path)],
+         "/ip4/127.0.0.1/tcp/0", *args],
         capture_output=True, text=True, timeout=120,
     )
+
+
+def test_joiner_with_conflicting_run_config_is_refused(swarm, tmp_path):
+    out = _start_once(swarm, "--sync-every", "99", "--checkpoint-dir", str(tmp_path),
+                      *swarm.credentials(tmp_path, joining=True))
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1] == (
         "atoll: error: run config disagrees with the run's: sync_every=99 (run has 20)"
     )
+
+
+def test_joiner_without_a_token_is_refused(swarm, tmp_path):
+    out = _start_once(swarm, "--checkpoint-dir", str(tmp_path))
+    assert out.returncode == 2
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("atoll: error: join_token: run 'atoll' is private (run key ") and "atoll token" in last
 
 
 def test_joiner_downloads_state_and_contributes(swarm):
