@@ -324,6 +324,9 @@ class Daemon:
         boundaries. Only the synchronous algorithms (diloco, streaming) block when a merge is due."""
         cfg, learner, run = self.cfg, self.learner, self.cfg.run
         step_delay = cfg.parsed_faults().get("step_delay", 0.0)
+        # On an accelerator, reading a step's loss waits for the device to finish that step; the previous step's
+        # loss is ready, so the host traces step k+1 while the device runs step k (the reported loss lags a step).
+        lagged_loss = self.device.kind != "cpu"
         window_start, window_tokens = time.monotonic(), 0
         self.started = time.monotonic()
         while not self.stop.is_set() and (cfg.max_steps == 0 or learner.step < cfg.max_steps):
@@ -332,7 +335,12 @@ class Daemon:
             if step_delay:
                 time.sleep(step_delay)
             before = learner.step
-            self.loss = self._ddp_step() if run.algorithm == "ddp" else learner.train_step()
+            if run.algorithm == "ddp":
+                self.loss = self._ddp_step()
+            elif lagged_loss:
+                self.loss = learner.train_step_lagged()
+            else:
+                self.loss = learner.train_step()
             elapsed_step = time.monotonic() - t0
             self.train_seconds += elapsed_step
             if learner.step == before:  # ddp: the step could not be averaged and was dropped
