@@ -164,6 +164,22 @@ class LocalSwarm:
         self.stop_all(timeout=30)
 
 
+def wait_for(predicate: Any, timeout: float, what: str) -> Any:
+    """Poll ``predicate`` every half second until it returns something truthy (returned); AssertionError after
+    ``timeout`` seconds. Tests wait on observable progress (metrics, logs) with it, never on bare sleeps."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def peer_id(d: DaemonProcess) -> str:
+    return d.maddrs[0].rsplit("/", 1)[1]
+
+
 class StatusReader:
     """Reads the run's progress records through a client-mode DHT, as ``atoll status`` does."""
 

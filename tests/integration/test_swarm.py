@@ -8,10 +8,9 @@ import json
 import re
 import subprocess
 import sys
-import time
 
 import pytest
-from swarm import LocalSwarm
+from swarm import LocalSwarm, peer_id, wait_for  # noqa: F401 (other test modules import them from here)
 
 pytestmark = pytest.mark.integration
 
@@ -19,20 +18,6 @@ ROUND_TIMEOUT = 8.0
 COMMON = ["--model", "nano", "--batch-size", "4", "--algorithm", "diloco", "--sync-every", "20", "--gather-timeout", "8",
           "--round-timeout", str(ROUND_TIMEOUT), "--heartbeat", "1"]
 KILL_ROUND = 25
-
-
-def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-def peer_id(d):
-    return d.maddrs[0].rsplit("/", 1)[1]
 
 
 def assert_replicas_agree(swarm, names):
