@@ -29,7 +29,7 @@ from hivemind.utils import get_dht_time
 from atoll.models.configs import get_model_config
 from atoll.models.data import Corpus, load_corpus, shard_for_peer
 from atoll.models.fragments import make_fragments
-from atoll.models.outer import token_weight
+from atoll.models.outer import pseudo_gradient, token_weight
 from atoll.protocols.auth import AuthError, JoinToken, RunKey, fingerprint
 from atoll.protocols.records import RunConfigRecord, config_key, make_validators, parse_run_config, unwrap_subkeys
 from atoll.protocols.state_sync import MAX_ANCESTORS
@@ -78,6 +78,17 @@ class _Pending:
     delta: torch.Tensor | None = None  # our contribution (Θ_base − θ at the snapshot), kept for stale contributions
 
 
+@dataclass
+class _Snapshot:
+    """A round about to start: θ_p on its way to host memory, and what the round is taken against."""
+
+    theta: concurrent.futures.Future  # flat fp32 host θ_p as of the due step
+    base: torch.Tensor  # Θ_base at that step (LocalFragmentState replaces, never mutates, its base)
+    base_id: tuple[int, str]
+    weight: float
+    merge_at: int
+
+
 @dataclass(eq=False)
 class _MergedRound:
     """One of our recent merged rounds of a fragment, kept so that a fork that loses it can be detected (its
@@ -102,6 +113,7 @@ class Daemon:
         self.blocked_seconds = 0.0
         self.started = time.monotonic()
         self.pending: dict[int, _Pending] = {}
+        self.snapshots: dict[int, _Snapshot] = {}  # rounds whose θ_p snapshot is still on its way to the host
         self.merged_rounds: dict[int, list[_MergedRound]] = {}  # per fragment, newest last
         self.ddp_failed_steps = 0
         self.restored_error_feedback: dict[str, torch.Tensor] = {}
@@ -367,6 +379,7 @@ class Daemon:
             if run.algorithm == "decoupled":
                 for p in sorted(self.syncer.take_open_rounds()):
                     self._start_round(p)
+            self._submit_snapshots()
             self._merge_due()
 
     def _ddp_step(self) -> float:
@@ -429,7 +442,7 @@ class Daemon:
     def _start_round(self, p: int, own_schedule: bool = False) -> None:
         """Contribute fragment ``p`` to its next round: at its due step (``own_schedule``), or earlier when a peer
         opened that round (decoupled)."""
-        if p in self.pending:  # the previous round of this fragment has not landed: do not queue another
+        if p in self.pending or p in self.snapshots:  # the previous round has not landed: do not queue another
             if own_schedule:
                 self.syncer.rounds_skipped += 1
             return
@@ -445,12 +458,27 @@ class Daemon:
             # An adoption is landing right now, or one just restarted this fragment: nothing of ours to merge yet.
             self.syncer.rounds_skipped += 1
             return
-        delta = local.delta(self.fragments[p].gather(self.learner.params))
         weight = token_weight(local.tokens, local.steps) if run.algorithm == "decoupled" else float(local.tokens)
-        future = self.syncer.submit_round(p, delta, weight, local.base_id)
+        # θ_p as of this step, copied to host memory without holding up the next steps (on an accelerator the copy
+        # lands a step or two later; the round starts then, against the base it was taken from).
+        snapshot = _Snapshot(self.learner.snapshot(self.fragments[p].params), local.base, local.base_id, weight,
+                             self.replica.schedule_step + run.overlap_steps)
+        self.snapshots[p] = snapshot
+        self._submit_snapshots()
+
+    def _submit_snapshots(self) -> None:
+        """Start the rounds whose fragment snapshots have reached host memory."""
+        run = self.cfg.run
         keep = run.algorithm == "decoupled" and run.stale_contributions
-        self.pending[p] = _Pending(future, self.replica.schedule_step + run.overlap_steps, version,
-                                   delta.float() if keep else None)
+        synchronous = run.algorithm in ("diloco", "streaming")
+        for p, snap in list(self.snapshots.items()):
+            # A synchronous round merges at a fixed step: training past it on θ_p would be overwritten, so wait.
+            if not snap.theta.done() and not (synchronous and self.replica.schedule_step >= snap.merge_at):
+                continue
+            del self.snapshots[p]
+            delta = pseudo_gradient(snap.base, snap.theta.result())
+            future = self.syncer.submit_round(p, delta, snap.weight, snap.base_id)
+            self.pending[p] = _Pending(future, snap.merge_at, snap.base_id[0], delta.float() if keep else None)
 
     def _merge_due(self) -> None:
         synchronous = self.cfg.run.algorithm in ("diloco", "streaming")
