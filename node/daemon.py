@@ -271,7 +271,8 @@ class Daemon:
                 self.replica.schedule_step = states[0].schedule_step
                 logger.info("joined at version %d from %s (shard %d)", self.replica.total_version,
                             states[0].donor[-8:], shard)
-                self._metric(event="joined", version=self.replica.total_version, donor=states[0].donor)
+                self._metric(event="joined", version=self.replica.total_version, donor=states[0].donor,
+                             bytes_received=syncer.stats.bytes_received)  # what joining cost: the whole state
             else:
                 logger.info("no peer holds state yet: starting from the seed's initial model (shard %d)", shard)
         if run.algorithm == "ddp" and self.replica.total_version > 0 and not resumed:
