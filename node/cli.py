@@ -1,9 +1,14 @@
-"""``atoll start`` and ``atoll status``. Bad configuration: one line on stderr, exit code 2, no traceback."""
+"""``atoll start``, ``atoll status`` and ``atoll token``.
+
+Bad configuration: one line on stderr, exit code 2, no traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 
 from .config import DEVICES, ConfigError, load_config
 
@@ -44,6 +49,11 @@ def _start_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--peer-cooldown", type=float, metavar="S",
                    help="seconds a peer whose message was rejected is left out of rounds (default 120)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
+    p.add_argument("--join-token", metavar="FILE", help="membership of a private run (issued with `atoll token`)")
+    p.add_argument("--run-key", metavar="FILE",
+                   help="run key of a private run (created when starting a new run; default <checkpoint-dir>/run.key)")
+    p.add_argument("--open", action="store_const", const=True,
+                   help="start an open run that any daemon may join (default: a new run is private)")
     p.add_argument("--fault", dest="faults", action="append", metavar="NAME=VALUE", help=argparse.SUPPRESS)
 
 
@@ -54,11 +64,39 @@ def _status_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print stable JSON (run_id, config, peers, totals)")
 
 
+def _token_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("token", help="admit a daemon to a private run: write a join token signed by the run key")
+    p.add_argument("--run-key", metavar="FILE", required=True, help="the run key (<checkpoint-dir>/run.key of the "
+                                                                    "daemon that started the run)")
+    p.add_argument("--run-id", default="atoll")
+    p.add_argument("--out", metavar="FILE", required=True, help="where to write the token (readable by you only)")
+    p.add_argument("--expires-in", type=float, metavar="HOURS", help="valid for this long (default: no expiry)")
+
+
+def issue_token(run_key: str, run_id: str, out: str, expires_in: float | None) -> int:
+    from atoll.protocols.auth import AuthError, RunKey, fingerprint
+
+    if expires_in is not None and not expires_in > 0:
+        raise ConfigError(f"expires_in: must be a positive number of hours, got {expires_in}")
+    if os.path.exists(out):
+        raise ConfigError(f"out: {out!r} exists; a join token is never overwritten")
+    try:
+        key = RunKey.load(run_key)
+    except AuthError as e:
+        raise ConfigError(f"run_key: {e}") from None
+    expires_at = time.time() + 3600 * expires_in if expires_in is not None else 0.0
+    key.issue_token(run_id, expires_at).save(out)
+    print(f"wrote a join token for run {run_id!r} (run key {fingerprint(key.public_bytes)}) to {out}; "
+          f"start the daemon with --join-token {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="atoll", description="Decentralized pre-training with DiLoCo over a DHT.")
     sub = parser.add_subparsers(dest="command", required=True)
     _start_parser(sub)
     _status_parser(sub)
+    _token_parser(sub)
     return parser
 
 
@@ -73,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg, explicit = load_config(overrides, args.config)
             setup_logging(cfg.log_level)
             return run_daemon(cfg, explicit)
+        if args.command == "token":
+            return issue_token(args.run_key, args.run_id, args.out, args.expires_in)
         from .status import run_status
 
         return run_status(list(args.initial_peers), args.run_id, args.json)

@@ -130,6 +130,11 @@ class NodeConfig:
     # treated as missing in the shards this daemon reduces. Long enough to outlast a few rounds of a misbehaving
     # peer, short enough that a peer that was wrongly suspected (or fixed) is back within minutes.
     peer_cooldown: float = 120.0
+    # Access (see atoll.protocols.auth). A new run is private unless ``open``: its run key is created at ``run_key``
+    # (default <checkpoint_dir>/run.key); joiners of a private run present a ``join_token`` file.
+    open: bool = False
+    join_token: str | None = None
+    run_key: str | None = None
     # Deterministic fault injection for tests: "kill_in_round=N" SIGKILLs this daemon's process group after the
     # group of its N-th round formed; "step_delay=S" sleeps S seconds per inner step (a slow daemon);
     # "corrupt_round=N" sends malformed parts (truncated, bad header, unknown codec, NaN; each twice) in the
@@ -158,6 +163,14 @@ class NodeConfig:
                 Path(self.checkpoint_dir).mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise ConfigError(f"checkpoint_dir: cannot create {self.checkpoint_dir!r}: {e.strerror}") from None
+        if self.join_token is not None and not Path(self.join_token).is_file():
+            raise ConfigError(f"join_token: file {self.join_token!r} does not exist")
+        if self.run_key is not None and not Path(self.run_key).parent.is_dir():
+            raise ConfigError(f"run_key: directory of {self.run_key!r} does not exist")
+        if self.join_token is not None and self.run_key is not None:
+            raise ConfigError("join_token: give either a join token or a run key, not both")
+        if self.open and (self.join_token is not None or self.run_key is not None):
+            raise ConfigError("open: an open run takes no join token or run key")
         self.parsed_faults()
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"log_level: unknown {self.log_level!r}")
@@ -175,6 +188,15 @@ class NodeConfig:
             if name == "byzantine" and value not in BYZANTINE:
                 raise ConfigError(f"faults: unknown byzantine kind {value!r}; known: {', '.join(BYZANTINE)}")
         return out
+
+    @property
+    def run_key_path(self) -> str | None:
+        """Where this daemon's run key is (or would be created): ``run_key``, else in the checkpoint directory."""
+        if self.run_key is not None:
+            return self.run_key
+        if self.checkpoint_dir is not None:
+            return os.path.join(self.checkpoint_dir, "run.key")
+        return None
 
     @property
     def identity_path(self) -> str | None:
@@ -268,8 +290,9 @@ def load_config(overrides: dict[str, Any], toml_path: str | None = None) -> tupl
     run_defaults, node_defaults = RunConfig(), NodeConfig()
     run_kwargs = {k: _coerce(k, v, getattr(run_defaults, k)) for k, v in values.items() if k in RUN_FIELDS}
     node_kwargs = {k: _coerce(k, v, getattr(node_defaults, k)) for k, v in values.items() if k in NODE_FIELDS}
-    if node_kwargs.get("identity") is not None:
-        node_kwargs["identity"] = os.path.abspath(node_kwargs["identity"])
+    for name in ("identity", "join_token", "run_key"):
+        if node_kwargs.get(name) is not None:
+            node_kwargs[name] = os.path.abspath(node_kwargs[name])
     cfg = NodeConfig(run=RunConfig(**run_kwargs), **node_kwargs)
     cfg.validate()
     return cfg, set(run_kwargs)

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import signal
 import sys
 import threading
@@ -28,7 +29,8 @@ from hivemind.utils import get_dht_time
 from atoll.models.configs import get_model_config
 from atoll.models.data import Corpus, load_corpus, shard_for_peer
 from atoll.models.fragments import make_fragments
-from atoll.models.outer import token_weight
+from atoll.models.outer import pseudo_gradient, token_weight
+from atoll.protocols.auth import AuthError, JoinToken, RunKey, fingerprint
 from atoll.protocols.records import RunConfigRecord, config_key, make_validators, parse_run_config, unwrap_subkeys
 from atoll.protocols.state_sync import MAX_ANCESTORS
 
@@ -76,6 +78,17 @@ class _Pending:
     delta: torch.Tensor | None = None  # our contribution (Θ_base − θ at the snapshot), kept for stale contributions
 
 
+@dataclass
+class _Snapshot:
+    """A round about to start: θ_p on its way to host memory, and what the round is taken against."""
+
+    theta: concurrent.futures.Future  # flat fp32 host θ_p as of the due step
+    base: torch.Tensor  # Θ_base at that step (LocalFragmentState replaces, never mutates, its base)
+    base_id: tuple[int, str]
+    weight: float
+    merge_at: int
+
+
 @dataclass(eq=False)
 class _MergedRound:
     """One of our recent merged rounds of a fragment, kept so that a fork that loses it can be detected (its
@@ -100,11 +113,53 @@ class Daemon:
         self.blocked_seconds = 0.0
         self.started = time.monotonic()
         self.pending: dict[int, _Pending] = {}
+        self.snapshots: dict[int, _Snapshot] = {}  # rounds whose θ_p snapshot is still on its way to the host
         self.merged_rounds: dict[int, list[_MergedRound]] = {}  # per fragment, newest last
         self.ddp_failed_steps = 0
         self.restored_error_feedback: dict[str, torch.Tensor] = {}
 
     # ---- set-up --------------------------------------------------------------------------------------------
+    def _membership(self) -> JoinToken | None:
+        """This daemon's membership of a private run (None: an open run). A join token, or a certificate issued to
+        ourselves by the run key we hold; a new run without ``open`` creates its run key."""
+        cfg = self.cfg
+        if cfg.open:
+            return None
+        if cfg.join_token is not None:
+            try:
+                token = JoinToken.load(cfg.join_token)
+            except AuthError as e:
+                raise ConfigError(f"join_token: {e}") from None
+            if token.run_id != cfg.run_id:
+                raise ConfigError(f"join_token: the token is for run {token.run_id!r}, not {cfg.run_id!r}")
+            return token
+        path = cfg.run_key_path
+        if cfg.initial_peers and (path is None or (cfg.run_key is None and not os.path.exists(path))):
+            return None  # joining without credentials: fine for an open run; a private one refuses us clearly
+        if path is None:
+            raise ConfigError("run_key: a new run is private and needs a file for its run key: pass --checkpoint-dir "
+                              "or --run-key (or --open for an open run that anyone may join)")
+        try:
+            key, created = RunKey.load_or_create(path)
+        except AuthError as e:
+            raise ConfigError(f"run_key: {e}") from None
+        if created:
+            logger.info("created the run key %s at %s; admit daemons with: atoll token --run-key %s --run-id %s "
+                        "--out member.token", fingerprint(key.public_bytes), path, path, cfg.run_id)
+        return key.issue_token(cfg.run_id)
+
+    def _check_access(self, published: RunConfigRecord) -> None:
+        """Refuse, with one clear line, to take part in a run whose access our credentials do not match."""
+        run_id, token = self.cfg.run_id, self.token
+        if published.access == "private" and token is None:
+            raise ConfigError(f"join_token: run {run_id!r} is private (run key {published.run_key}); start with "
+                              f"--join-token FILE, issued by a holder of the run key with `atoll token`")
+        if published.access == "private" and fingerprint(token.run_public_key) != published.run_key:
+            raise ConfigError(f"join_token: the token is for run key {fingerprint(token.run_public_key)}, "
+                              f"run {run_id!r} uses {published.run_key}")
+        if published.access == "open" and token is not None:
+            raise ConfigError(f"join_token: run {run_id!r} is open; start without --join-token or --run-key")
+
     def _agree_on_run_config(self, dht: DHT) -> None:
         """Adopt the run's published config (joiners) or publish ours (the daemon that starts the run)."""
         key = config_key(self.cfg.run_id)
@@ -118,15 +173,19 @@ class Daemon:
                     break
                 time.sleep(1)
         if published is not None:
+            self._check_access(published)
             run = reconcile_run_config(self.cfg.run, self.explicit, published.fields)
             self.cfg = dataclasses.replace(self.cfg, run=run)
             self.config_record = published.dict()
             logger.info("joined run %r started by %s", self.cfg.run_id, published.started_by[-8:])
         else:
+            private = self.token is not None
             self.config_record = RunConfigRecord(
-                fields=self.cfg.run.published(), started_by=str(dht.peer_id), started_at=float(get_dht_time())
+                fields=self.cfg.run.published(), started_by=str(dht.peer_id), started_at=float(get_dht_time()),
+                access="private" if private else "open",
+                run_key=fingerprint(self.token.run_public_key) if private else None,
             ).dict()
-            logger.info("starting a new run %r", self.cfg.run_id)
+            logger.info("starting a new %s run %r", "private" if private else "open", self.cfg.run_id)
         dht.store(key, self.config_record, expiration_time=get_dht_time() + CONFIG_TTL, subkey=self.subkey)
 
     def _progress(self) -> dict[str, Any]:
@@ -161,9 +220,10 @@ class Daemon:
         self._install_signal_handlers()  # first: a SIGTERM during start-up still means a clean exit 0
         self.device = resolve_device(cfg.device)
         torch.set_num_threads(cfg.threads)
-        signature_validator, schema_validator = make_validators(cfg.run_id)
-        self.subkey = signature_validator.local_public_key
-        self.dht = dht = start_dht(cfg, [signature_validator, schema_validator])
+        self.token = self._membership()
+        validators = make_validators(cfg.run_id, self.token)
+        self.subkey = validators[0].local_public_key
+        self.dht = dht = start_dht(cfg, validators)
         try:
             return self._run_with_dht(dht)
         finally:
@@ -197,7 +257,8 @@ class Daemon:
         if self.cfg.checkpoint_dir:
             self.metrics_file = open(Path(self.cfg.checkpoint_dir) / "metrics.jsonl", "a")
         resumed = self._restore()
-        self.syncer = syncer = Syncer(self.cfg, dht, self.subkey, self.replica, self._progress, self.fragments)
+        self.syncer = syncer = Syncer(self.cfg, dht, self.subkey, self.replica, self._progress, self.fragments,
+                                      private=self.token is not None)
         syncer.error_feedback.load_state_dict(self.restored_error_feedback)
         syncer.config_record = self.config_record
         syncer.start()
@@ -211,7 +272,8 @@ class Daemon:
                 self.replica.schedule_step = states[0].schedule_step
                 logger.info("joined at version %d from %s (shard %d)", self.replica.total_version,
                             states[0].donor[-8:], shard)
-                self._metric(event="joined", version=self.replica.total_version, donor=states[0].donor)
+                self._metric(event="joined", version=self.replica.total_version, donor=states[0].donor,
+                             bytes_received=syncer.stats.bytes_received)  # what joining cost: the whole state
             else:
                 logger.info("no peer holds state yet: starting from the seed's initial model (shard %d)", shard)
         if run.algorithm == "ddp" and self.replica.total_version > 0 and not resumed:
@@ -276,6 +338,9 @@ class Daemon:
         boundaries. Only the synchronous algorithms (diloco, streaming) block when a merge is due."""
         cfg, learner, run = self.cfg, self.learner, self.cfg.run
         step_delay = cfg.parsed_faults().get("step_delay", 0.0)
+        # On an accelerator, reading a step's loss waits for the device to finish that step; the previous step's
+        # loss is ready, so the host traces step k+1 while the device runs step k (the reported loss lags a step).
+        lagged_loss = self.device.kind != "cpu"
         window_start, window_tokens = time.monotonic(), 0
         self.started = time.monotonic()
         while not self.stop.is_set() and (cfg.max_steps == 0 or learner.step < cfg.max_steps):
@@ -284,7 +349,12 @@ class Daemon:
             if step_delay:
                 time.sleep(step_delay)
             before = learner.step
-            self.loss = self._ddp_step() if run.algorithm == "ddp" else learner.train_step()
+            if run.algorithm == "ddp":
+                self.loss = self._ddp_step()
+            elif lagged_loss:
+                self.loss = learner.train_step_lagged()
+            else:
+                self.loss = learner.train_step()
             elapsed_step = time.monotonic() - t0
             self.train_seconds += elapsed_step
             if learner.step == before:  # ddp: the step could not be averaged and was dropped
@@ -311,6 +381,7 @@ class Daemon:
             if run.algorithm == "decoupled":
                 for p in sorted(self.syncer.take_open_rounds()):
                     self._start_round(p)
+            self._submit_snapshots()
             self._merge_due()
 
     def _ddp_step(self) -> float:
@@ -373,7 +444,7 @@ class Daemon:
     def _start_round(self, p: int, own_schedule: bool = False) -> None:
         """Contribute fragment ``p`` to its next round: at its due step (``own_schedule``), or earlier when a peer
         opened that round (decoupled)."""
-        if p in self.pending:  # the previous round of this fragment has not landed: do not queue another
+        if p in self.pending or p in self.snapshots:  # the previous round has not landed: do not queue another
             if own_schedule:
                 self.syncer.rounds_skipped += 1
             return
@@ -389,12 +460,27 @@ class Daemon:
             # An adoption is landing right now, or one just restarted this fragment: nothing of ours to merge yet.
             self.syncer.rounds_skipped += 1
             return
-        delta = local.delta(self.fragments[p].gather(self.learner.params))
         weight = token_weight(local.tokens, local.steps) if run.algorithm == "decoupled" else float(local.tokens)
-        future = self.syncer.submit_round(p, delta, weight, local.base_id)
+        # θ_p as of this step, copied to host memory without holding up the next steps (on an accelerator the copy
+        # lands a step or two later; the round starts then, against the base it was taken from).
+        snapshot = _Snapshot(self.learner.snapshot(self.fragments[p].params), local.base, local.base_id, weight,
+                             self.replica.schedule_step + run.overlap_steps)
+        self.snapshots[p] = snapshot
+        self._submit_snapshots()
+
+    def _submit_snapshots(self) -> None:
+        """Start the rounds whose fragment snapshots have reached host memory."""
+        run = self.cfg.run
         keep = run.algorithm == "decoupled" and run.stale_contributions
-        self.pending[p] = _Pending(future, self.replica.schedule_step + run.overlap_steps, version,
-                                   delta.float() if keep else None)
+        synchronous = run.algorithm in ("diloco", "streaming")
+        for p, snap in list(self.snapshots.items()):
+            # A synchronous round merges at a fixed step: training past it on θ_p would be overwritten, so wait.
+            if not snap.theta.done() and not (synchronous and self.replica.schedule_step >= snap.merge_at):
+                continue
+            del self.snapshots[p]
+            delta = pseudo_gradient(snap.base, snap.theta.result())
+            future = self.syncer.submit_round(p, delta, snap.weight, snap.base_id)
+            self.pending[p] = _Pending(future, snap.merge_at, snap.base_id[0], delta.float() if keep else None)
 
     def _merge_due(self) -> None:
         synchronous = self.cfg.run.algorithm in ("diloco", "streaming")

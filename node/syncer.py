@@ -59,7 +59,7 @@ class RoundOutcome:
 
 class Syncer:
     def __init__(self, cfg: NodeConfig, dht: DHT, subkey: bytes, replica: Replica,
-                 progress: Callable[[], dict[str, Any]], fragments: list[Fragment]) -> None:
+                 progress: Callable[[], dict[str, Any]], fragments: list[Fragment], private: bool = False) -> None:
         self.cfg, self.dht, self.replica, self._progress, self.fragments = cfg, dht, replica, progress, fragments
         self.peer_id = str(dht.peer_id)
         self.cooldown = Cooldown(cfg.peer_cooldown)
@@ -94,6 +94,8 @@ class Syncer:
         self.last_group: list[str] | None = None  # ddp: the members of the last completed all-reduce
         self.config_record: dict[str, Any] | None = None  # re-published so the run outlives its first daemon
         self._config_published = 0.0
+        self.private = private  # members only: the DHT holds members' records only; state is served to them only
+        self._members_refreshed = 0.0
 
     # ---- lifetime -------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -113,7 +115,8 @@ class Syncer:
         self.averager = AveragingServicer(self.cfg.run_id, self.peer_id, self.stats, self.cooldown,
                                           self.cfg.run.clip_factor, self.cfg.run.round_timeout)
         await self.averager.add_p2p_handlers(self.p2p, namespace=self.cfg.run_id)
-        await StateServicer(self.replica.snapshot, self.replica.num_fragments, self.stats).add_p2p_handlers(
+        await StateServicer(self.replica.snapshot, self.replica.num_fragments, self.stats,
+                            authorize=self.is_member if self.private else None).add_p2p_handlers(
             self.p2p, namespace=self.cfg.run_id)
         self._heartbeat_task = self._spawn(self._heartbeat())
         if self.cfg.run.algorithm == "decoupled":
@@ -201,6 +204,16 @@ class Syncer:
         with self._peers_lock:
             self._peers, self._everyone = peers, everyone
         return peers
+
+    async def is_member(self, peer_id: str) -> bool:
+        """Private runs: whether ``peer_id`` published a progress record (the DHT accepts those only from members).
+        An unknown peer triggers one refresh, at most once a second, so that a joiner is served at once."""
+        if peer_id in self.peers():
+            return True
+        if time.monotonic() - self._members_refreshed > 1.0:
+            self._members_refreshed = time.monotonic()
+            await self.refresh_peers()
+        return peer_id in self.peers()
 
     def peers(self) -> dict[str, ProgressRecord]:
         with self._peers_lock:

@@ -13,7 +13,10 @@ from typing import Any, Dict, List, Optional
 
 import pydantic.v1 as pydantic
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
+from hivemind.dht.validation import RecordValidatorBase
 from pydantic.v1 import StrictFloat, StrictStr, conint, constr
+
+from .auth import JoinToken, MembershipValidator
 
 STATUSES = ("joining", "training", "leaving")
 MAX_FRAGMENTS = 256
@@ -126,6 +129,14 @@ class RunConfigRecord(pydantic.BaseModel):
     fields: Dict[StrictStr, Any]
     started_by: StrictStr
     started_at: StrictFloat
+    access: StrictStr = "open"  # "open", or "private": only holders of a join token for ``run_key`` may take part
+    run_key: Optional[StrictStr] = None  # fingerprint of a private run's run key (see atoll.protocols.auth)
+
+    @pydantic.validator("access")
+    def _known_access(cls, v: str) -> str:  # noqa: N805
+        if v not in ("open", "private"):
+            raise ValueError(f"unknown access {v!r}")
+        return v
 
     class Config:
         extra = pydantic.Extra.forbid
@@ -136,9 +147,18 @@ class RunSchema(pydantic.BaseModel):
     config: Dict[BytesWithPublicKey, Optional[RunConfigRecord]]
 
 
-def make_validators(run_id: str) -> tuple[RSASignatureValidator, SchemaValidator]:
-    """Validators for a daemon's DHT: signatures on owner subkeys, and the run's schema."""
-    return RSASignatureValidator(), SchemaValidator(RunSchema, prefix=run_id)
+def make_validators(run_id: str, token: Optional[JoinToken] = None) -> list[RecordValidatorBase]:
+    """Validators for a daemon's DHT: signatures on owner subkeys, membership, and the run's schema.
+
+    With a join token the daemon signs its records with the token's member key and accepts only records of members
+    of the token's run (a private run); without one, it signs with a key of its own and accepts any signed record
+    (an open run). The first validator is the signature validator (its ``local_public_key`` is the owner subkey).
+    """
+    if token is None:
+        return [RSASignatureValidator(), MembershipValidator(run_id), SchemaValidator(RunSchema, prefix=run_id)]
+    return [RSASignatureValidator(token.member_key),
+            MembershipValidator(run_id, token.run_public_key, token.certificate.to_bytes()),
+            SchemaValidator(RunSchema, prefix=run_id)]
 
 
 def parse_progress(value: Any) -> Optional[ProgressRecord]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import AsyncIterator  # hivemind detects streaming RPCs by typing.AsyncIterator hints
 from dataclasses import dataclass
 from typing import Any
@@ -50,12 +50,19 @@ class StateServicer(ServicerBase):
     """Serves ``rpc_download_state`` from a snapshot callback (called on the event loop; must be cheap)."""
 
     def __init__(self, snapshot: Callable[[int], ReplicaState | None], num_fragments: int,
-                 stats: TrafficStats) -> None:
+                 stats: TrafficStats, authorize: Callable[[str], Awaitable[bool]] | None = None) -> None:
         self._snapshot, self.num_fragments, self.stats = snapshot, num_fragments, stats
+        self._authorize = authorize  # private runs: serve members only
 
     async def rpc_download_state(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        if self._authorize is not None and not await self._authorize(str(context.remote_id)):
+            self.stats.reject("unauthorized")
+            logger.warning("refused a state download by %s: not a member of this private run",
+                           str(context.remote_id)[-8:])
+            yield pack_response({"ok": False, "error": "not a member of this run"})
+            return
         try:
             fragment = unpack(request, {"fragment": int})["fragment"]
             if not 0 <= fragment < self.num_fragments:

@@ -73,8 +73,13 @@ def run_swarm(root: Path, algorithm: str, args: argparse.Namespace, extra: list[
     s = summaries(swarm)
     tokens = sum(x["tokens"] for x in s)
     sent = sum(x["bytes_sent"] for x in s)
+    # Joiners download the whole state once: a fixed cost that a short benchmark does not amortise as a long run
+    # does. Reported apart, so that the steady-state traffic per token can be read too.
+    join = sum(m.get("bytes_received", 0) for d in swarm.daemons.values() for m in d.metrics()
+               if m.get("event") == "joined")
     return {"algorithm": algorithm, "held_out_loss_mean": statistics.mean(losses), "held_out_loss_per_daemon": losses,
             "tokens_total": tokens, "bytes_sent_total": sent, "bytes_per_token": sent / tokens,
+            "join_bytes": join, "bytes_per_token_after_joining": (sent - join) / tokens,
             "goodput_mean": statistics.mean(x["goodput"] for x in s),
             "blocked_s_mean": statistics.mean(x["blocked_s"] for x in s),
             "rounds_per_daemon": [x["rounds"] for x in s], "rounds_skipped": sum(x["rounds_skipped"] for x in s),

@@ -9,7 +9,8 @@ fragments, from its last checkpoint) is evaluated on the same 32 held-out batche
 reported with its ratio to `none`. Bytes on the wire per token is the bytes all daemons sent divided by the
 tokens they trained, compared with ddp's: an fp32 gradient all-reduce every step moves 2·(M−1)/M of the model
 per daemon per step (the bandwidth-optimal volume; computed, since ddp would be the same for every codec).
-Writes docs/results/bench_compression_quality_<algorithm>.json and .png.
+It is also reported without the joiners' one-off download of the whole state (``after joining``), which a
+short run cannot amortise as a long one does. Writes docs/results/bench_compression_quality_<algorithm>.json and .png.
 """
 
 from __future__ import annotations
@@ -44,22 +45,27 @@ def main() -> int:
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--algorithm", default="decoupled", choices=("diloco", "streaming", "decoupled"))
     parser.add_argument("--daemon-args", default="", help="extra flags for every daemon, e.g. '--overlap 8'")
+    parser.add_argument("--codecs", nargs="+", default=[label for label, _, _ in RUNS],
+                        choices=[label for label, _, _ in RUNS], help="runs to make (the first is the reference)")
+    parser.add_argument("--name", default=None, help="results file name (default: per algorithm)")
     parser.add_argument("--out", default="docs/results")
     args = parser.parse_args()
     run = RunConfig(model=args.model, sync_every=args.sync_every, algorithm=args.algorithm)
     n = get_model_config(args.model).num_params
     ddp_bytes_per_token = 2 * (DAEMONS - 1) / DAEMONS * 4 * n / (BATCH * get_model_config(args.model).seq_len)
     results = []
-    for label, codec, ef in RUNS:
+    for label, codec, ef in sorted((r for r in RUNS if r[0] in args.codecs), key=lambda r: args.codecs.index(r[0])):
         print(f"{label}: {DAEMONS} daemons x {args.steps} steps ...", flush=True)
         r = run_once(label, codec, ef, args)
         results.append(r)
-        print(f"    held-out {r['held_out_loss_mean']:.4f}  bytes/token {r['bytes_per_token']:.1f}  "
+        print(f"    held-out {r['held_out_loss_mean']:.4f}  bytes/token {r['bytes_per_token']:.1f} "
+              f"({r['bytes_per_token_after_joining']:.1f} after joining)  "
               f"({r['seconds']:.0f} s)", flush=True)
-    base = results[0]["held_out_loss_mean"]
+    base = results[0]["held_out_loss_mean"]  # the first run given is the reference (`none` by default)
     for r in results:
         r["loss_ratio_to_none"] = r["held_out_loss_mean"] / base
         r["bytes_per_token_ddp_over_this"] = ddp_bytes_per_token / r["bytes_per_token"]
+        r["bytes_per_token_ddp_over_this_after_joining"] = ddp_bytes_per_token / r["bytes_per_token_after_joining"]
     doc = {"command": "python scripts/bench_compression_quality.py " + " ".join(sys.argv[1:]),
            "algorithm": args.algorithm, "model": args.model,
            "params": n, "daemons": DAEMONS, "daemon_args": args.daemon_args, "steps_per_daemon": args.steps,
@@ -67,7 +73,7 @@ def main() -> int:
            "fragments": run.num_fragments, "ddp_bytes_per_token": ddp_bytes_per_token, "runs": results}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"bench_compression_quality_{args.algorithm}"
+    name = args.name or f"bench_compression_quality_{args.algorithm}"
     (out / f"{name}.json").write_text(json.dumps(doc, indent=1))
     import matplotlib
 
@@ -88,7 +94,9 @@ def main() -> int:
     fig.tight_layout()
     fig.savefig(out / f"{name}.png", dpi=110)
     for r in results:
-        print(f"{r['label']:8s} loss ratio {r['loss_ratio_to_none']:.4f}   ddp/this bytes {r['bytes_per_token_ddp_over_this']:.0f}x")
+        print(f"{r['label']:8s} loss ratio {r['loss_ratio_to_none']:.4f}   ddp/this bytes "
+              f"{r['bytes_per_token_ddp_over_this']:.0f}x ({r['bytes_per_token_ddp_over_this_after_joining']:.0f}x "
+              f"after joining)")
     return 0
 
 

@@ -60,11 +60,26 @@ class DaemonProcess:
 class LocalSwarm:
     """Starts and ends ``atoll start`` processes under ``root`` (one sub-folder per daemon)."""
 
-    def __init__(self, root: str | os.PathLike, common_args: list[str] | None = None) -> None:
+    def __init__(self, root: str | os.PathLike, common_args: list[str] | None = None, private: bool = True) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.common_args = list(common_args or [])
         self.daemons: dict[str, DaemonProcess] = {}
+        self.private = private  # as an operator would run it: one run key, a join token for every joiner
+        self.run_key = self.root / "run.key"
+
+    def credentials(self, workdir: Path, joining: bool) -> list[str]:
+        """The first daemon holds the run key; each joiner gets its own join token (issued once, kept on restart)."""
+        if not joining:
+            return ["--run-key", str(self.run_key)]
+        token = workdir / "join.token"
+        if not token.exists():
+            from atoll.protocols.auth import RunKey
+
+            args = self.common_args
+            run_id = args[args.index("--run-id") + 1] if "--run-id" in args else "atoll"
+            RunKey.load_or_create(self.run_key)[0].issue_token(run_id).save(token)
+        return ["--join-token", str(token)]
 
     @property
     def bootstrap(self) -> list[str]:
@@ -80,8 +95,11 @@ class LocalSwarm:
         workdir.mkdir(parents=True, exist_ok=True)
         args = [sys.executable, "-m", "atoll.node.cli", "start", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
                 "--checkpoint-dir", str(workdir), *self.common_args, *(extra_args or [])]
-        if join and self.bootstrap:
+        joining = join and self.bootstrap
+        if joining:
             args += ["--initial-peers", *self.bootstrap]
+        if self.private and "--open" not in args and "--join-token" not in args and "--run-key" not in args:
+            args += self.credentials(workdir, bool(joining))
         log = open(workdir / "daemon.log", "ab")
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
@@ -144,6 +162,22 @@ class LocalSwarm:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop_all(timeout=30)
+
+
+def wait_for(predicate: Any, timeout: float, what: str) -> Any:
+    """Poll ``predicate`` every half second until it returns something truthy (returned); AssertionError after
+    ``timeout`` seconds. Tests wait on observable progress (metrics, logs) with it, never on bare sleeps."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def peer_id(d: DaemonProcess) -> str:
+    return d.maddrs[0].rsplit("/", 1)[1]
 
 
 class StatusReader:

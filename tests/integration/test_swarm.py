@@ -8,10 +8,9 @@ import json
 import re
 import subprocess
 import sys
-import time
 
 import pytest
-from swarm import LocalSwarm
+from swarm import LocalSwarm, peer_id, wait_for  # noqa: F401 (other test modules import them from here)
 
 pytestmark = pytest.mark.integration
 
@@ -19,20 +18,6 @@ ROUND_TIMEOUT = 8.0
 COMMON = ["--model", "nano", "--batch-size", "4", "--algorithm", "diloco", "--sync-every", "20", "--gather-timeout", "8",
           "--round-timeout", str(ROUND_TIMEOUT), "--heartbeat", "1"]
 KILL_ROUND = 25
-
-
-def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-def peer_id(d):
-    return d.maddrs[0].rsplit("/", 1)[1]
 
 
 def assert_replicas_agree(swarm, names):
@@ -95,16 +80,28 @@ def test_status_json_lists_all_daemons(swarm):
     assert doc["totals"]["peers"] >= 2 and doc["totals"]["tokens"] > 0
 
 
-def test_joiner_with_conflicting_run_config_is_refused(swarm, tmp_path):
-    out = subprocess.run(
+def _start_once(swarm, *args):
+    return subprocess.run(
         [sys.executable, "-m", "atoll.node.cli", "start", "--initial-peers", *swarm.bootstrap, "--host-maddrs",
-         "/ip4/127.0.0.1/tcp/0", "--sync-every", "99", "--checkpoint-dir", str(tmp_path)],
+         "/ip4/127.0.0.1/tcp/0", *args],
         capture_output=True, text=True, timeout=120,
     )
+
+
+def test_joiner_with_conflicting_run_config_is_refused(swarm, tmp_path):
+    out = _start_once(swarm, "--sync-every", "99", "--checkpoint-dir", str(tmp_path),
+                      *swarm.credentials(tmp_path, joining=True))
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1] == (
         "atoll: error: run config disagrees with the run's: sync_every=99 (run has 20)"
     )
+
+
+def test_joiner_without_a_token_is_refused(swarm, tmp_path):
+    out = _start_once(swarm, "--checkpoint-dir", str(tmp_path))
+    assert out.returncode == 2
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("atoll: error: join_token: run 'atoll' is private (run key ") and "atoll token" in last
 
 
 def test_joiner_downloads_state_and_contributes(swarm):

@@ -84,7 +84,7 @@ def _record(key, subkey, value):
 
 
 def test_schema_validator_checks_progress_values():
-    _, schema = make_validators("run1")
+    schema = make_validators("run1")[-1]
     owner = RSASignatureValidator().local_public_key
     assert schema.validate(_record(progress_key("run1"), owner, good_progress()))
     assert not schema.validate(_record(progress_key("run1"), owner, good_progress(step=-5)))

@@ -10,8 +10,8 @@ import subprocess
 import sys
 
 import pytest
-from swarm import LocalSwarm
-from xla_helpers import peer_id, wait_for, xla_only
+from swarm import LocalSwarm, peer_id, wait_for
+from xla_helpers import xla_only
 
 pytestmark = [xla_only, pytest.mark.integration]
 

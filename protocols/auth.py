@@ -1,0 +1,288 @@
+"""Private runs: a run key, signed membership certificates (join tokens), and the DHT validator that enforces them.
+
+The daemon that starts a private run creates a **run key** (Ed25519). Any holder of the run key issues **join tokens**.
+A join token is a file holding a fresh RSA key (the member key, which signs the member's DHT records through hivemind's
+``RSASignatureValidator``) and a **certificate**: the run key's signature over (run id, run public key, member public
+key, expiry). Only the certificate travels: every DHT record a member writes carries it (``[member:...]`` appended
+before the owner's RSA signature, so the signature covers it), and every daemon of a private run refuses, on store
+and on read, any record that lacks a certificate binding the record's owner key to the run key. The run's averaging
+rounds are formed from those records and its state is served only to peers that published one, so a daemon without a
+token can neither write the run's records, join its rounds, nor download its state.
+
+An observer of the DHT learns certificates but not member keys: a copied certificate is useless without the private
+key its owner signs records with. There is no revocation: a token is valid until it expires (``expires_at``, 0 =
+never), so issue short-lived tokens where that matters.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgpack
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils.crypto import RSAPrivateKey
+
+CERT_VERSION = 1
+MAX_CERT_BYTES = 2048  # an RSA-2048 member key in OpenSSH form is ~380 bytes; the certificate ~500
+TOKEN_FORMAT = "atoll-join-token-1"
+_OWNER_RE = re.compile(rb"\[owner:(.+?)\]")
+_MEMBER_RE = re.compile(rb"\[member:([A-Za-z0-9+/=]+)\]$")
+_MEMBER_FORMAT = b"[member:%s]"
+logger = logging.getLogger("atoll")
+
+
+class AuthError(ValueError):
+    """A run key, join token or certificate that is missing, malformed, forged, expired or for another run."""
+
+
+def fingerprint(run_public_key: bytes) -> str:
+    """Short, stable name of a run key (shown in logs and published in the run's config record)."""
+    return hashlib.sha256(run_public_key).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Certificate:
+    """The run key's statement that ``member_key`` (an OpenSSH RSA public key) belongs to run ``run_id``."""
+
+    run_id: str
+    run_public_key: bytes  # raw Ed25519, 32 bytes
+    member_key: bytes
+    expires_at: float  # unix time; 0: never
+    signature: bytes = b""
+
+    def payload(self) -> bytes:
+        return msgpack.packb([CERT_VERSION, self.run_id, self.run_public_key, self.member_key, self.expires_at])
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb([self.payload(), self.signature])
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Certificate:
+        """Parse (not verify) a certificate; ``AuthError`` if it is not one."""
+        if len(data) > MAX_CERT_BYTES:
+            raise AuthError(f"certificate of {len(data)} bytes exceeds {MAX_CERT_BYTES}")
+        try:
+            payload, signature = msgpack.unpackb(data)
+            version, run_id, run_public_key, member_key, expires_at = msgpack.unpackb(payload)
+        except (ValueError, TypeError, msgpack.UnpackException) as e:
+            raise AuthError(f"malformed certificate ({e.__class__.__name__})") from None
+        if version != CERT_VERSION:
+            raise AuthError(f"certificate version {version!r} is not {CERT_VERSION}")
+        if not (isinstance(run_id, str) and isinstance(run_public_key, bytes) and len(run_public_key) == 32
+                and isinstance(member_key, bytes) and 0 < len(member_key) <= 1024
+                and isinstance(expires_at, float) and isinstance(signature, bytes) and len(signature) == 64):
+            raise AuthError("malformed certificate fields")
+        return cls(run_id, run_public_key, member_key, expires_at, signature)
+
+    def verify(self, run_id: str, run_public_key: bytes, now: float | None = None) -> None:
+        """Raise ``AuthError`` unless the run key signed this certificate for ``run_id`` and it has not expired."""
+        if self.run_public_key != run_public_key:
+            raise AuthError(f"certificate is for run key {fingerprint(self.run_public_key)}, "
+                            f"this run's is {fingerprint(run_public_key)}")
+        if self.run_id != run_id:
+            raise AuthError(f"certificate is for run {self.run_id!r}, not {run_id!r}")
+        try:
+            Ed25519PublicKey.from_public_bytes(run_public_key).verify(self.signature, self.payload())
+        except InvalidSignature:
+            raise AuthError("certificate signature is invalid") from None
+        if self.expires_at and (time.time() if now is None else now) > self.expires_at:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(self.expires_at))
+            raise AuthError(f"certificate expired at {when} UTC")
+
+
+class RunKey:
+    """The private key of a run: whoever holds it admits members (issues join tokens)."""
+
+    def __init__(self, key: Ed25519PrivateKey) -> None:
+        self._key = key
+
+    @classmethod
+    def generate(cls) -> RunKey:
+        return cls(Ed25519PrivateKey.generate())
+
+    @property
+    def public_bytes(self) -> bytes:
+        from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+        return self._key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the key readable by its owner only (atomically: a crash leaves no half-written key)."""
+        from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
+
+        raw = self._key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+        _write_private(Path(path), json.dumps({"format": "atoll-run-key-1",
+                                               "private_key": base64.b64encode(raw).decode()}))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> RunKey:
+        try:
+            doc = json.loads(Path(path).read_text())
+            if doc.get("format") != "atoll-run-key-1":
+                raise ValueError("not an atoll run key")
+            return cls(Ed25519PrivateKey.from_private_bytes(base64.b64decode(doc["private_key"], validate=True)))
+        except FileNotFoundError:
+            raise AuthError(f"run key {str(path)!r} does not exist") from None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise AuthError(f"run key {str(path)!r} is unreadable ({e})") from None
+
+    @classmethod
+    def load_or_create(cls, path: str | os.PathLike) -> tuple[RunKey, bool]:
+        """The key at ``path``, created there if missing; the flag says whether it was created."""
+        if Path(path).exists():
+            return cls.load(path), False
+        key = cls.generate()
+        key.save(path)
+        return key, True
+
+    def certify(self, run_id: str, member_key: bytes, expires_at: float = 0.0) -> Certificate:
+        cert = Certificate(run_id, self.public_bytes, member_key, float(expires_at))
+        return Certificate(run_id, self.public_bytes, member_key, float(expires_at), self._key.sign(cert.payload()))
+
+    def issue_token(self, run_id: str, expires_at: float = 0.0) -> JoinToken:
+        """A new member: a fresh RSA member key and its certificate."""
+        member = RSAPrivateKey()
+        return JoinToken(member, self.certify(run_id, member.get_public_key().to_bytes(), expires_at))
+
+
+@dataclass(frozen=True)
+class JoinToken:
+    """What a member daemon needs: its private member key and the run key's certificate for it."""
+
+    member_key: RSAPrivateKey
+    certificate: Certificate
+
+    @property
+    def run_id(self) -> str:
+        return self.certificate.run_id
+
+    @property
+    def run_public_key(self) -> bytes:
+        return self.certificate.run_public_key
+
+    def save(self, path: str | os.PathLike) -> None:
+        _write_private(Path(path), json.dumps({
+            "format": TOKEN_FORMAT, "run_id": self.run_id, "run_key": fingerprint(self.run_public_key),
+            "certificate": base64.b64encode(self.certificate.to_bytes()).decode(),
+            "member_key": base64.b64encode(self.member_key.to_bytes()).decode(),
+        }, indent=1))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> JoinToken:
+        """Read and check a token file: ``AuthError`` if it is missing, malformed, not self-consistent or expired."""
+        try:
+            doc = json.loads(Path(path).read_text())
+            if not isinstance(doc, dict) or doc.get("format") != TOKEN_FORMAT:
+                raise ValueError(f"not an atoll join token (format {TOKEN_FORMAT!r} expected)")
+            cert = Certificate.from_bytes(base64.b64decode(doc["certificate"], validate=True))
+            member = RSAPrivateKey.__new__(RSAPrivateKey)  # hivemind's wrapper has no constructor from bytes
+            member.__setstate__({"_private_key": base64.b64decode(doc["member_key"], validate=True)})
+        except FileNotFoundError:
+            raise AuthError(f"join token {str(path)!r} does not exist") from None
+        except AuthError as e:
+            raise AuthError(f"join token {str(path)!r}: {e}") from None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise AuthError(f"join token {str(path)!r} is unreadable ({e})") from None
+        token = cls(member, cert)
+        if member.get_public_key().to_bytes() != cert.member_key:
+            raise AuthError(f"join token {str(path)!r}: its certificate is for another member key")
+        try:
+            cert.verify(cert.run_id, cert.run_public_key)
+        except AuthError as e:
+            raise AuthError(f"join token {str(path)!r}: {e}") from None
+        return token
+
+
+def _write_private(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class MembershipValidator(RecordValidatorBase):
+    """Enforces membership on every DHT record of a private run; strips certificates in an open one.
+
+    With ``run_public_key`` None (an open run, or a client that only reads), records are accepted and a certificate,
+    if present, is stripped (so that a daemon without a token can still read a private run's config and say that it
+    is private). Otherwise a record is valid only if its subkey names an owner key and its value ends with a
+    certificate for that key, signed by the run key, for this run, not expired. Verified certificates are cached.
+
+    Priority 5: signing appends the certificate before ``RSASignatureValidator`` (priority 10) signs the value, and
+    validation checks it after that signature was checked and stripped.
+    """
+
+    def __init__(self, run_id: str, run_public_key: bytes | None = None, certificate: bytes | None = None) -> None:
+        self.run_id, self.run_public_key = run_id, run_public_key
+        self._suffix = _MEMBER_FORMAT % base64.b64encode(certificate) if certificate is not None else b""
+        self._verified: dict[bytes, tuple[float, bytes]] = {}  # certificate -> (expiry or 0, member key)
+        self._last_log: dict[str, float] = {}
+
+    @property
+    def priority(self) -> int:
+        return 5
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        return record.value + self._suffix
+
+    def strip_value(self, record: DHTRecord) -> bytes:
+        return _MEMBER_RE.sub(b"", record.value)
+
+    def validate(self, record: DHTRecord) -> bool:
+        if self.run_public_key is None:
+            return True
+        owners = _OWNER_RE.findall(record.subkey or b"")
+        match = _MEMBER_RE.search(record.value)
+        if len(owners) != 1 or match is None:
+            self._refused(owners[0] if owners else b"", "no membership certificate")
+            return False
+        try:
+            cert_bytes = base64.b64decode(match.group(1), validate=True)
+        except ValueError:
+            self._refused(owners[0], "malformed certificate")
+            return False
+        if not self.member_of_run(cert_bytes, owners[0]):
+            self._refused(owners[0], "certificate not valid for this run and owner")
+            return False
+        return True
+
+    def _refused(self, owner: bytes, reason: str) -> None:
+        """Log a refused record, at most once a minute per owner (a flood of bad records must not flood the log)."""
+        now, key = time.monotonic(), hashlib.sha256(owner).hexdigest()[:8]
+        if now - self._last_log.get(key, -1e9) > 60:
+            if len(self._last_log) > 1000:
+                self._last_log.clear()
+            self._last_log[key] = now
+            logger.warning("refused a DHT record of owner key %s: %s (the run is private)", key, reason)
+
+    def member_of_run(self, cert_bytes: bytes, owner_key: bytes) -> bool:
+        """True if ``cert_bytes`` is a valid, unexpired certificate of this run for ``owner_key``."""
+        known = self._verified.get(cert_bytes)
+        if known is None:
+            try:
+                cert = Certificate.from_bytes(cert_bytes)
+                cert.verify(self.run_id, self.run_public_key)
+            except AuthError:
+                return False
+            if len(self._verified) > 10_000:  # many distinct valid certificates cannot grow the cache forever
+                self._verified.clear()
+            known = self._verified[cert_bytes] = (cert.expires_at, cert.member_key)
+        expires, member_key = known
+        return member_key == owner_key and not (expires and time.time() > expires)
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return isinstance(other, MembershipValidator)  # one is enough; a second would append a second certificate
