@@ -23,7 +23,7 @@ from atoll.protocols.codecs import CODECS
 ALGORITHMS = ("decoupled", "streaming", "diloco", "ddp")
 DEVICES = ("auto", "cpu", "cuda", "xla")
 FAULTS = {"kill_in_round": int, "step_delay": float, "corrupt_round": int, "split_side": int, "split_until": int,
-          "byzantine": str, "byzantine_from": int}
+          "byzantine": str, "byzantine_from": int, "start_together": int}
 BYZANTINE = ("scale", "nan", "shape")
 
 
@@ -142,7 +142,8 @@ class NodeConfig:
     # sees and meets only daemons of the same side S (a split swarm whose halves meet again later);
     # "byzantine=K" (scale, nan, shape) makes this daemon a hostile member from its multi-member round
     # "byzantine_from=N" on (default 1): "scale" sends its delta ×1000, "nan" parts holding NaN, "shape" parts
-    # of the wrong size (it still reduces its own shard honestly).
+    # of the wrong size (it still reduces its own shard honestly); "start_together=N" holds the first step until N
+    # daemons train (a barrier: runs that must be compared step for step start in lockstep, whoever booted first).
     faults: tuple[str, ...] = ()
 
     def validate(self) -> None:

@@ -283,6 +283,8 @@ class Daemon:
         try:
             if run.algorithm == "ddp":
                 self._wait_for_peers(run.quorum)
+            elif "start_together" in self.cfg.parsed_faults():  # tests: every daemon's first step at once
+                self._wait_for_peers(self.cfg.parsed_faults()["start_together"])
             self._train()
         finally:
             self.status = "leaving"
@@ -309,14 +311,15 @@ class Daemon:
         self._checkpoint()
 
     def _wait_for_peers(self, count: int) -> None:
-        """ddp: hold the first step until ``count`` daemons (this one included) are training."""
+        """Hold the first step until ``count`` daemons (this one included) are training (ddp; the
+        ``start_together`` fault)."""
         logged = False
         while not self.stop.is_set():
             training = sum(peer.status == "training" for peer in self.syncer.peers().values()) + 1
             if training >= count:
                 return
             if not logged:
-                logger.info("ddp: waiting for %d daemons to start together (%d training)", count, training)
+                logger.info("waiting for %d daemons to start together (%d training)", count, training)
                 logged = True
             self.stop.wait(0.2)
 

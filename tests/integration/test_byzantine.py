@@ -3,8 +3,9 @@ with held-out loss within 2% of the same three daemons training without it, with
 hostile parts are counted (NaN and wrong-size parts rejected; ×1000 deltas clipped).
 
 Both runs use the same identities for the honest daemons (same data shards), the same seed, steps and schedule
-(synchronous DiLoCo with a fixed number of steps, every daemon started at once through a bootstrap-only DHT
-node so that every round holds everyone), so the only difference is the fourth daemon.
+(synchronous DiLoCo with a fixed number of steps; every daemon started at once through a bootstrap-only DHT
+node and held at a barrier until all are training, so that every round holds everyone at the same steps), so
+the only difference is the fourth daemon.
 """
 
 import shutil
@@ -33,9 +34,12 @@ def run_swarm(root, identities, byzantine=None):
     try:
         peers = ["--initial-peers", str(bootstrap.get_visible_maddrs()[0])]
         with LocalSwarm(root, COMMON) as swarm:
-            daemons = [(n, ["--identity", str(identities / f"{n}.key"), *peers]) for n in HONEST]
+            # A barrier: every daemon's first step at once, whoever booted first (a head start would shift the
+            # others' sync schedule, and with it what the comparison measures).
+            together = ["--fault", f"start_together={len(HONEST) + (byzantine is not None)}", *peers]
+            daemons = [(n, ["--identity", str(identities / f"{n}.key"), *together]) for n in HONEST]
             if byzantine is not None:
-                daemons.append(("x", ["--fault", f"byzantine={byzantine}", *peers]))
+                daemons.append(("x", ["--fault", f"byzantine={byzantine}", *together]))
             with ThreadPoolExecutor(len(daemons)) as pool:  # together: everyone is in the first round
                 list(pool.map(lambda d: swarm.start(*d, join=False), daemons))
             codes = {n: d.proc.wait(300) for n, d in swarm.daemons.items()}
