@@ -22,7 +22,8 @@ from atoll.protocols.codecs import CODECS
 
 ALGORITHMS = ("decoupled", "streaming", "diloco", "ddp")
 DEVICES = ("auto", "cpu", "cuda", "xla")
-FAULTS = {"kill_in_round": int, "step_delay": float, "corrupt_round": int, "split_side": int, "split_until": int}
+FAULTS = {"kill_in_round": int, "step_delay": float, "corrupt_round": int, "split_side": int, "split_until": int,
+          "kill_in_checkpoint": int, "checkpoint_kill_signal": int}
 
 
 class ConfigError(ValueError):
@@ -117,7 +118,10 @@ class NodeConfig:
     # group of its N-th round formed; "step_delay=S" sleeps S seconds per inner step (a slow daemon);
     # "corrupt_round=N" sends malformed parts (truncated, bad header, unknown codec, NaN; each twice) in the
     # multi-member rounds N..N+7; "split_side=S" with "split_until=N" partitions the swarm: until step N a daemon
-    # sees and meets only daemons of the same side S (a split swarm whose halves meet again later).
+    # sees and meets only daemons of the same side S (a split swarm whose halves meet again later);
+    # "kill_in_checkpoint=N" SIGKILLs the process group in the middle of its N-th checkpoint write (the tensors'
+    # temporary file half written); "checkpoint_kill_signal=1" makes SIGUSR1 arm the same crash for the next
+    # checkpoint write (scripts/chaos.py).
     faults: tuple[str, ...] = ()
 
     def validate(self) -> None:

@@ -34,7 +34,7 @@ from atoll.protocols.matchmaking import form_group
 from atoll.protocols.records import (
     ProgressRecord, config_key, heavier, open_rounds_key, parse_open_round, parse_progress, progress_key, unwrap_subkeys,
 )
-from atoll.protocols.state_sync import ReplicaState, StateServicer, download_state
+from atoll.protocols.state_sync import ReplicaState, StateServicer, download_state, p2p_opener
 
 from .config import NodeConfig
 from .replica import Replica
@@ -111,6 +111,7 @@ class Syncer:
         await self.averager.add_p2p_handlers(self.p2p, namespace=self.cfg.run_id)
         await StateServicer(self.replica.snapshot, self.replica.num_fragments, self.stats).add_p2p_handlers(
             self.p2p, namespace=self.cfg.run_id)
+        self._open_state_stream = p2p_opener(self.p2p, self.cfg.run_id)
         self._heartbeat_task = self._spawn(self._heartbeat())
         if self.cfg.run.algorithm == "decoupled":
             self._spawn(self._watch_open_rounds())
@@ -209,9 +210,8 @@ class Syncer:
     # ---- consistency: adopt heavier replicas ------------------------------------------------------------------
     def _heavier_peers(self, p: int) -> list[ProgressRecord]:
         mine = self.replica.identity(p)
-        candidates = [peer for peer in self.peers().values()
-                      if peer.status == "training" and heavier(peer.fragment(p), mine)]
-        return sorted(candidates, key=lambda peer: peer.fragment(p), reverse=True)
+        return [peer for peer in self.peers().values()
+                if peer.status == "training" and heavier(peer.fragment(p), mine)]
 
     def behind(self, p: int) -> bool:
         return bool(self._heavier_peers(p))
@@ -222,7 +222,7 @@ class Syncer:
         for p in range(self.replica.num_fragments):
             if p in self._downloading or p in self._in_round:
                 continue
-            donors = self._heavier_peers(p)
+            donors = donor_order(p, self._heavier_peers(p))
             if donors:
                 self._downloading.add(p)
                 self._spawn(self._catch_up(p, donors))
@@ -232,7 +232,7 @@ class Syncer:
             mine = self.replica.identity(p)
             logger.info("peer %s holds a heavier replica of fragment %d (v%d vs our v%d); downloading it",
                         donors[0].peer_id[-8:], p, donors[0].fragment(p)[0], mine[0])
-            state = await download_state(self.p2p, self.cfg.run_id, [d.peer_id for d in donors], p,
+            state = await download_state(self._open_state_stream, [d.peer_id for d in donors], p,
                                          self.replica.numel(p), self.cfg.run.round_timeout, self.stats)
             if state is not None and await asyncio.get_running_loop().run_in_executor(None, self.replica.adopt, state):
                 if state.forked:
@@ -263,21 +263,27 @@ class Syncer:
             return states
 
     def download_initial_state(self, timeout: float) -> list[ReplicaState]:
-        """Joining: download every fragment's heaviest replica among live peers. Blocks up to ``timeout``."""
+        """Joining: download every fragment's heaviest replica among live peers, all fragments at once, spread over
+        the donors that hold it (see ``donor_order``). Blocks up to ``timeout``; returns the fragments adopted, in
+        order, stopping at the first that could not be downloaded."""
+
+        async def fetch(p: int, peers: list[ProgressRecord]) -> ReplicaState | None:
+            donors = donor_order(p, peers)
+            state = await download_state(self._open_state_stream, [d.peer_id for d in donors], p,
+                                         self.replica.numel(p), self.cfg.run.round_timeout, self.stats)
+            if state is not None:
+                await asyncio.get_running_loop().run_in_executor(None, self.replica.adopt, state)
+            return state
 
         async def run() -> list[ReplicaState]:
-            peers = await self.refresh_peers()
+            peers = [peer for peer in (await self.refresh_peers()).values() if peer.status == "training"]
+            if not peers:
+                return []
+            states = await asyncio.gather(*(fetch(p, peers) for p in range(self.replica.num_fragments)))
             out = []
-            for p in range(self.replica.num_fragments):
-                donors = sorted((peer for peer in peers.values() if peer.status == "training"),
-                                key=lambda peer: peer.fragment(p), reverse=True)
-                if not donors:
-                    return []
-                state = await download_state(self.p2p, self.cfg.run_id, [d.peer_id for d in donors], p,
-                                             self.replica.numel(p), self.cfg.run.round_timeout, self.stats)
+            for state in states:
                 if state is None:
-                    return out
-                await asyncio.get_running_loop().run_in_executor(None, self.replica.adopt, state)
+                    break
                 out.append(state)
             return out
 
@@ -464,6 +470,21 @@ class Syncer:
             logger.info("ddp step v%d: all-reduce failed (attempt %d); asking again", version, attempt)
             await asyncio.sleep(0.2 * (attempt + 1))
         return None
+
+def donor_order(p: int, peers: list[ProgressRecord]) -> list[ProgressRecord]:
+    """Whom to download fragment ``p`` from, best first: the peers holding its heaviest replica, rotated by ``p``
+    so that concurrent downloads of different fragments start at different donors (and a donor that fails
+    mid-transfer is followed by another holding the same replica, which can resume it), then the others,
+    heaviest first."""
+    if not peers:
+        return []
+    best = max(peer.fragment(p) for peer in peers)
+    holders = sorted((peer for peer in peers if peer.fragment(p) == best), key=lambda peer: peer.peer_id)
+    k = p % len(holders)
+    rest = sorted((peer for peer in peers if peer.fragment(p) != best), key=lambda peer: peer.fragment(p),
+                  reverse=True)
+    return holders[k:] + holders[:k] + rest
+
 
 class EMA:
     """Exponential moving average of a duration; 0 until the first sample."""
