@@ -203,7 +203,14 @@ class Daemon:
         syncer.error_feedback.load_state_dict(self.restored_error_feedback)
         syncer.config_record = self.config_record
         syncer.start()
-        if not resumed:
+        if resumed:
+            states = syncer.catch_up_now(timeout=max(60.0, 4 * run.round_timeout))
+            if states:
+                logger.info("caught up on %d fragment(s) to version %d before training", len(states),
+                            self.replica.total_version)
+                self._metric(event="caught_up", version=self.replica.total_version,
+                             fragments=[s.fragment for s in states], donors=[list(s.donors) for s in states])
+        else:
             states = syncer.download_initial_state(timeout=max(60.0, 4 * run.round_timeout))
             for p, fragment in enumerate(self.fragments):
                 theta_p, base_id = self.replica.params_and_id(p)
@@ -212,7 +219,7 @@ class Daemon:
             if len(states) == len(self.fragments):
                 self.replica.schedule_step = states[0].schedule_step
                 logger.info("joined at version %d from %s (shard %d)", self.replica.total_version,
-                            states[0].donor[-8:], shard)
+                            ", ".join(sorted({d[-8:] for st in states for d in st.donors})), shard)
                 self._metric(event="joined", version=self.replica.total_version, donor=states[0].donor,
                              donors=[list(s.donors) for s in states], resumed_bytes=[s.resumed_bytes for s in states])
             else:

@@ -262,30 +262,54 @@ class Syncer:
             states, self._adopted = self._adopted, []
             return states
 
-    def download_initial_state(self, timeout: float) -> list[ReplicaState]:
-        """Joining: download every fragment's heaviest replica among live peers, all fragments at once, spread over
-        the donors that hold it (see ``donor_order``). Blocks up to ``timeout``; returns the fragments adopted, in
-        order, stopping at the first that could not be downloaded."""
+    async def _download_fragments(self, fragments: list[int], peers: list[ProgressRecord]) -> list[ReplicaState | None]:
+        """Download the heaviest replica of each of ``fragments`` at once, spread over the donors holding it (see
+        ``donor_order``), and adopt them into the replica; None for a fragment no donor could send."""
 
-        async def fetch(p: int, peers: list[ProgressRecord]) -> ReplicaState | None:
+        async def fetch(p: int) -> ReplicaState | None:
             donors = donor_order(p, peers)
             state = await download_state(self._open_state_stream, [d.peer_id for d in donors], p,
                                          self.replica.numel(p), self.cfg.run.round_timeout, self.stats)
-            if state is not None:
-                await asyncio.get_running_loop().run_in_executor(None, self.replica.adopt, state)
+            if state is not None and not await asyncio.get_running_loop().run_in_executor(
+                    None, self.replica.adopt, state):
+                return None
             return state
+
+        return list(await asyncio.gather(*(fetch(p) for p in fragments)))
+
+    def download_initial_state(self, timeout: float) -> list[ReplicaState]:
+        """Joining: download every fragment's heaviest replica among live peers. Blocks up to ``timeout``; returns
+        the fragments adopted, in order, stopping at the first that could not be downloaded."""
 
         async def run() -> list[ReplicaState]:
             peers = [peer for peer in (await self.refresh_peers()).values() if peer.status == "training"]
             if not peers:
                 return []
-            states = await asyncio.gather(*(fetch(p, peers) for p in range(self.replica.num_fragments)))
             out = []
-            for state in states:
+            for state in await self._download_fragments(list(range(self.replica.num_fragments)), peers):
                 if state is None:
                     break
                 out.append(state)
             return out
+
+        return self._submit(run()).result(timeout)
+
+    def catch_up_now(self, timeout: float) -> list[ReplicaState]:
+        """Returning from a checkpoint: before training, download every fragment a live peer holds a heavier
+        replica of (all at once, as a joiner does), so that the daemon does not merge rounds of a replica the
+        swarm has moved past. The adopted fragments are queued for the learner (``take_adopted``)."""
+
+        async def run() -> list[ReplicaState]:
+            peers = [peer for peer in (await self.refresh_peers()).values() if peer.status == "training"]
+            behind = [p for p in range(self.replica.num_fragments)
+                      if any(heavier(peer.fragment(p), self.replica.identity(p)) for peer in peers)]
+            states = [s for s in await self._download_fragments(behind, peers) if s is not None]
+            for state in states:
+                if state.forked:
+                    self.forks_healed += 1
+            with self._adopted_lock:
+                self._adopted.extend(states)
+            return states
 
         return self._submit(run()).result(timeout)
 
