@@ -10,15 +10,21 @@ leave, rejoining later from its checkpoint), ``join`` (a brand-new daemon) and `
 daemon's ``checkpoint_kill_signal`` fault: it dies in the middle of its next checkpoint write and is restarted).
 At least ``--min-live`` daemons are kept training; a fault that would go below is skipped (and counted as such).
 
-Every daemon sleeps ``--step-delay`` seconds per inner step, so that it is not bound by the machine's shared CPU:
-otherwise a killed daemon would hand its CPU to the others and the fault would look free.
+The fault-free swarm and the chaos swarm run side by side, in the same window (``--sequential``: one after the
+other), so that the load of this shared machine weighs on both alike. Every daemon sleeps ``--step-delay``
+seconds per inner step, so that it is less bound by the CPU: otherwise a killed daemon would hand its CPU to the
+others and the fault would look free.
 
 Reported (JSON in ``docs/results/chaos_<algorithm>.json``, plot ``docs/results/chaos.png`` over every algorithm's
 JSON there), all computed from the daemons' metrics.jsonl and checkpoints:
-faults by kind; goodput (tokens trained by live daemons / tokens the fault-free run trained in the same window);
+faults by kind; goodput (tokens trained by live daemons / tokens the fault-free run trained in the same window)
+and the pace of the live daemons (tokens per daemon-second of a training process, chaos / fault-free: whether
+the faults slowed down the daemons they did not hit);
 global downtime (the longest interval in which no round completed on any daemon, and how far it exceeds one round
 period, the fault-free run's median interval between two rounds of one fragment on one daemon); held-out loss of
-the survivors' final replicas relative to the fault-free run's; forks healed; work lost (to crashes: tokens
+the survivors at the end of the window (each one's last round measures it), relative to the fault-free run's
+(the final checkpoints' too, but the chaos swarm trains longer: it waits for restarting daemons); forks healed;
+work lost (to crashes: tokens
 trained after a daemon's last checkpoint; to adoptions: the ``lost_tokens`` of adopted events); and whether the
 survivors ended identical (a moment before the end when all held the same version and hash of every fragment)
 and on one history (their final checkpoints agree at each fragment's oldest final version).
@@ -36,6 +42,7 @@ import statistics
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -75,6 +82,7 @@ class Chaos:
         self.expect_death: set[str] = set()  # checkpoint_kill armed: the death is the fault, restart it
         self.log: list[dict] = []
         self.joined = 0
+        self.t0 = time.monotonic()
         self.lock = threading.Lock()
 
     def start(self, name: str, delay: float = 0.0) -> None:
@@ -82,11 +90,14 @@ class Chaos:
 
         def run() -> None:
             time.sleep(delay)
+            # Several bootstrap peers: the one LocalSwarm would pick may be frozen or killed meanwhile.
+            peers = [self.swarm.daemons[n].maddrs[0] for n in self.live()[:3] if self.swarm.daemons[n].maddrs]
             try:
-                self.swarm.start(name, daemon_args(self.args))
+                extra = ["--initial-peers", *peers] if peers else []
+                self.swarm.start(name, daemon_args(self.args) + extra, join=not peers)
                 self.state[name] = "live"
             except RuntimeError as e:
-                print(f"  could not start {name}: {e}", flush=True)
+                self.record(time.monotonic() - self.t0, "start_failed", name, error=str(e).splitlines()[0])
                 self.state[name] = "down"
 
         threading.Thread(target=run, daemon=True).start()
@@ -185,6 +196,23 @@ def tokens_in_window(daemons, t0: float, t1: float) -> int:
     return total
 
 
+def live_seconds(daemons, t0: float, t1: float) -> float:
+    """Daemon-seconds inside [t0, t1] that a daemon process was up and training: per process lifetime (a restart
+    or a join starts a new one), from its first to its last step record."""
+    total = 0.0
+    for d in daemons:
+        lifetimes, current = [], []
+        for m in d.metrics():
+            if m.get("event") in ("resumed", "joined") and current:
+                lifetimes.append(current)
+                current = []
+            elif "step" in m and "event" not in m and t0 <= m["time"] <= t1:
+                current.append(m["time"])
+        lifetimes.append(current)
+        total += sum(max(times) - min(times) for times in lifetimes if times)
+    return total
+
+
 def round_times(daemons, t0: float, t1: float) -> list[float]:
     return sorted(m["time"] for d in daemons for m in d.rounds() if t0 <= m["time"] <= t1)
 
@@ -219,6 +247,18 @@ def crash_losses(d) -> int:
         elif "step" in m and "event" not in m:
             last_tokens = m["tokens"]
     return lost
+
+
+def window_end_loss(daemons, t1: float) -> list[float]:
+    """Each daemon's held-out loss as of the end of the window: the one its last round before ``t1`` measured
+    (after merging fragment 0; the same held-out batches on every daemon). The final checkpoints are not used
+    for the comparison: the chaos run goes on training while restarted daemons come back, the reference does not."""
+    out = []
+    for d in daemons:
+        losses = [r["held_out_loss"] for r in d.rounds() if r["time"] <= t1 and r.get("held_out_loss") is not None]
+        if losses:
+            out.append(losses[-1])
+    return out
 
 
 def replica_now(d) -> dict:
@@ -257,7 +297,7 @@ def one_history(daemons, fragments: int) -> bool:
     return True
 
 
-def run_once(root: Path, args: argparse.Namespace, chaos: bool) -> dict:
+def run_once(root: Path, args: argparse.Namespace, chaos: bool, barrier: threading.Barrier | None = None) -> dict:
     shutil.rmtree(root, ignore_errors=True)
     rng = random.Random(args.seed)
     faults = schedule(rng, args.duration, args.mtbf) if chaos else []
@@ -271,12 +311,14 @@ def run_once(root: Path, args: argparse.Namespace, chaos: bool) -> dict:
         while time.monotonic() < deadline and not (
                 len(c.live()) == args.daemons and all(step_lines(swarm.daemons[n]) for n in c.live())):
             time.sleep(0.5)
+        if barrier is not None:
+            barrier.wait()  # both swarms are training: their windows start together
         t0_mono, t0 = time.monotonic(), time.time()
         print(f"  {'chaos' if chaos else 'fault-free'}: {len(faults)} faults scheduled; window starts", flush=True)
         c.run(faults, args.duration, t0_mono)
         t1 = time.time()
         # Survivors: live now, plus those frozen or restarting, which are let finish first.
-        settle = time.monotonic() + 120
+        settle = time.monotonic() + 120  # the window is over; no more faults
         while time.monotonic() < settle and any(s in ("starting", "frozen") for s in c.state.values()):
             time.sleep(0.5)
         survivors = [swarm.daemons[n] for n in c.live()]
@@ -291,10 +333,14 @@ def run_once(root: Path, args: argparse.Namespace, chaos: bool) -> dict:
     for f in c.log:
         kinds[f["kind"]] = kinds.get(f["kind"], 0) + 1
     return {
-        "faults": c.log, "faults_by_kind": kinds, "window_s": t1 - t0,
+        "faults": c.log, "faults_by_kind": {k: n for k, n in kinds.items() if k in KINDS},
+        "other_events": {k: n for k, n in kinds.items() if k not in KINDS}, "window_s": t1 - t0,
         "tokens": tokens_in_window(daemons, t0, t1), "rounds": len(times),
+        "live_daemon_seconds": live_seconds(daemons, t0, t1),
         "longest_gap_s": longest_gap(times, t0, t1), "round_period_s": round_period(daemons),
-        "held_out_loss_mean": statistics.mean(losses), "held_out_loss_per_survivor": losses,
+        "held_out_loss_window_end": statistics.mean(window_end_loss(survivors, t1)),
+        "held_out_loss_final_checkpoints": statistics.mean(losses), "held_out_loss_per_survivor": losses,
+        "settle_s": time.time() - t1,
         "survivors": [d.name for d in survivors], "exit_codes": codes,
         "forks_healed": sum(1 for m in adopted if m.get("forked")),
         "tokens_lost_to_adoptions": sum(m["lost_tokens"] for m in adopted),
@@ -304,6 +350,42 @@ def run_once(root: Path, args: argparse.Namespace, chaos: bool) -> dict:
         "timeline": {"rounds": times, "t0": t0,
                      "tokens": sorted((m["time"], m["tokens"], d.name) for d in daemons for m in step_lines(d))},
     }
+
+
+def rescore(path: Path, root: Path) -> None:
+    """Recompute the window-end held-out losses (and their ratio) from a run's JSON and metrics files."""
+    doc = json.loads(path.read_text())
+    for kind in ("reference", "chaos"):
+        r = doc[kind]
+        t0 = r["timeline"]["t0"]
+        t1 = t0 + r["window_s"]
+        daemons = [SimpleNamespace(rounds=_rounds_of(root / kind / name)) for name in r["survivors"]]
+        r["held_out_loss_window_end"] = statistics.mean(window_end_loss(daemons, t1))
+        every = [SimpleNamespace(metrics=_metrics_of(w)) for w in sorted((root / kind).iterdir()) if w.is_dir()]
+        r["live_daemon_seconds"] = live_seconds(every, t0, t1)
+        r.setdefault("held_out_loss_final_checkpoints", r.pop("held_out_loss_mean", None))
+    m = doc["metrics"]
+    m["loss_ratio"] = doc["chaos"]["held_out_loss_window_end"] / doc["reference"]["held_out_loss_window_end"]
+    m["pace_of_live_daemons"] = ((doc["chaos"]["tokens"] / doc["chaos"]["live_daemon_seconds"])
+                                 / (doc["reference"]["tokens"] / doc["reference"]["live_daemon_seconds"]))
+    m["loss_ratio_final_checkpoints"] = (doc["chaos"]["held_out_loss_final_checkpoints"]
+                                         / doc["reference"]["held_out_loss_final_checkpoints"])
+    path.write_text(json.dumps(doc, indent=1))
+    print(json.dumps({"algorithm": doc["algorithm"], **m}, indent=1))
+
+
+def _metrics_of(workdir: Path):
+    def metrics() -> list[dict]:
+        return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+    return metrics
+
+
+def _rounds_of(workdir: Path):
+    def rounds() -> list[dict]:
+        return [m for m in _metrics_of(workdir)() if m.get("event") == "round"]
+
+    return rounds
 
 
 def plot(out: Path) -> None:
@@ -354,23 +436,45 @@ def main() -> int:
     parser.add_argument("--step-delay", type=float, default=0.1)
     parser.add_argument("--settle", type=float, default=60.0,
                         help="seconds to wait at the end for the survivors to hold identical replicas")
+    parser.add_argument("--sequential", action="store_true",
+                        help="run the fault-free swarm first, then the chaos swarm (default: both at once)")
     parser.add_argument("--out", default="docs/results")
     parser.add_argument("--replot", action="store_true", help="only redraw chaos.png from the JSON files")
+    parser.add_argument("--rescore", action="store_true",
+                        help="recompute the window-end losses of the last run from its JSON and runs/chaos/")
     args = parser.parse_args()
     out = Path(args.out)
     if args.replot:
         plot(out)
         return 0
+    if args.rescore:
+        rescore(out / f"chaos_{args.algorithm}.json", Path("runs/chaos") / args.algorithm)
+        plot(out)
+        return 0
     command = "python scripts/chaos.py " + " ".join(sys.argv[1:])
     root = Path("runs/chaos") / args.algorithm
-    print(f"{args.algorithm}: fault-free reference, {args.daemons} daemons, {args.duration:.0f} s", flush=True)
-    reference = run_once(root / "reference", args, chaos=False)
-    print(f"{args.algorithm}: chaos, mean {args.mtbf:.0f} s between faults, seed {args.seed}", flush=True)
-    chaos = run_once(root / "chaos", args, chaos=True)
+    if args.sequential:
+        print(f"{args.algorithm}: fault-free reference, {args.daemons} daemons, {args.duration:.0f} s", flush=True)
+        reference = run_once(root / "reference", args, chaos=False)
+        print(f"{args.algorithm}: chaos, mean {args.mtbf:.0f} s between faults, seed {args.seed}", flush=True)
+        chaos = run_once(root / "chaos", args, chaos=True)
+    else:
+        # Side by side in the same window: the machine's load (shared CPU) weighs on both alike.
+        print(f"{args.algorithm}: a fault-free swarm and a chaos swarm (mean {args.mtbf:.0f} s between faults, "
+              f"seed {args.seed}) side by side, {args.daemons} daemons each, {args.duration:.0f} s", flush=True)
+        barrier = threading.Barrier(2, timeout=600)
+        with ThreadPoolExecutor(2) as pool:
+            ref_future = pool.submit(run_once, root / "reference", args, False, barrier)
+            chaos_future = pool.submit(run_once, root / "chaos", args, True, barrier)
+            reference, chaos = ref_future.result(), chaos_future.result()
     period = reference["round_period_s"]
     metrics = {
         "goodput": chaos["tokens"] / reference["tokens"],
-        "loss_ratio": chaos["held_out_loss_mean"] / reference["held_out_loss_mean"],
+        "pace_of_live_daemons": (chaos["tokens"] / chaos["live_daemon_seconds"])
+        / (reference["tokens"] / reference["live_daemon_seconds"]),
+        "loss_ratio": chaos["held_out_loss_window_end"] / reference["held_out_loss_window_end"],
+        "loss_ratio_final_checkpoints": chaos["held_out_loss_final_checkpoints"]
+        / reference["held_out_loss_final_checkpoints"],
         "global_downtime_s": chaos["longest_gap_s"], "round_period_s": period,
         "downtime_beyond_round_s": max(0.0, chaos["longest_gap_s"] - period),
         "reference_longest_gap_s": reference["longest_gap_s"],

@@ -80,7 +80,7 @@ def test_kill_mid_checkpoint_freeze_join_leave(tmp_path):
         assert c.proc.returncode == -9
         assert f"killing this daemon in the middle of checkpoint {KILL_CHECKPOINT}" in c.log()
         assert list(c.workdir.glob("ckpt-*.safetensors.tmp")), "the half-written checkpoint should be on disk"
-        good = [m for m in events(c, "checkpoint")]
+        good = events(c, "checkpoint")
         assert len(good) == KILL_CHECKPOINT - 1
         merged_before = {}  # per fragment, the newest round c merged with peers before it died
         for r in c.rounds():
