@@ -13,9 +13,7 @@ reconciles them: gossip rather than one all-reduce over the whole swarm). Everyo
 record and uses it verbatim, so all members run the all-reduce with the same list. A daemon left
 out of the group (it registered too late) gets an empty list and catches up by download; if no coordinator
 publishes in time (it died), the round is skipped and retried at the next sync point without it. Decisions
-older than a few gather timeouts are ignored, so a round that was abandoned cannot shut anyone out for good, and
-so is a decision none of whose members is alive any more (a daemon that decided a round alone and was killed):
-the live peers at that version form a group of their own instead of being shut out until it grows old.
+older than a few gather timeouts are ignored, so a round that was abandoned cannot shut anyone out for good.
 """
 
 from __future__ import annotations
@@ -69,13 +67,6 @@ def split_groups(registered: dict[str, float], max_group: int) -> list[list[str]
     ordered = sorted(registered, key=lambda p: (registered[p], p))
     count = -(-len(ordered) // max_group)
     return [sorted(ordered[i::count]) for i in range(count)]
-
-
-def pick_decision(decisions: list[tuple[float, list[list[str]]]], alive: set[str]) -> list[list[str]] | None:
-    """The round's decision: the earliest (time, then groups) of the recent decisions with a live member; None if
-    there is none. Every daemon that sees the same records and peers picks the same one."""
-    counted = [d for d in decisions if any(m in alive for members in d[1] for m in members)]
-    return min(counted, key=lambda d: (d[0], d[1]))[1] if counted else None
 
 
 async def form_group(
@@ -136,8 +127,8 @@ async def form_group(
                 # An older decision belongs to a round that ended (or never ran) long ago: ignore it, or a
                 # daemon left out of it would be shut out of this version forever.
                 decisions.append((value["time"], groups))
-        groups = pick_decision(decisions, {peer_id, *peers})
-        if groups is not None:
+        if decisions:
+            _, groups = min(decisions, key=lambda d: (d[0], d[1]))
             return next((members for members in groups if peer_id in members), [])
         coordinator = min(registered, key=lambda p: (registered[p], p))
         deadline = registered[coordinator] + gather_timeout

@@ -2,7 +2,7 @@
 
 import pytest
 
-from atoll.protocols.matchmaking import MAX_GROUP, parse_group_record, pick_decision, split_groups
+from atoll.protocols.matchmaking import MAX_GROUP, parse_group_record, split_groups
 
 
 def registrants(n):
@@ -46,16 +46,3 @@ def test_parse_group_record_accepts_disjoint_sorted_groups():
 ])
 def test_parse_group_record_rejects_malformed_decisions(value):
     assert parse_group_record(value) is None
-
-
-def test_pick_decision_takes_the_earliest_with_a_live_member():
-    early, late = (1.0, [["a", "b"]]), (2.0, [["c"], ["d"]])
-    assert pick_decision([late, early], {"a", "c"}) == [["a", "b"]]
-    assert pick_decision([], {"a"}) is None
-
-
-def test_pick_decision_ignores_a_decision_whose_members_all_died():
-    dead_solo = (1.0, [["killed"]])
-    assert pick_decision([dead_solo], {"a", "b"}) is None  # the live peers form their own group
-    assert pick_decision([dead_solo, (3.0, [["a", "b"]])], {"a", "b"}) == [["a", "b"]]
-    assert pick_decision([dead_solo], {"killed", "a"}) == [["killed"]]  # still alive: its decision stands
