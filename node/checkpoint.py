@@ -3,7 +3,8 @@
 Each checkpoint is a pair ``ckpt-NNNNNNNN.safetensors`` / ``ckpt-NNNNNNNN.json``. The tensors are written to a
 temporary file, fsynced and renamed first; the JSON (which holds the tensors' sha256) is written the same way
 last, so a checkpoint exists only once both are complete. Loading takes the newest pair that verifies, so a
-daemon killed while writing restarts from its previous good checkpoint. The two newest pairs are kept.
+daemon killed while writing restarts from its previous good checkpoint. The two newest pairs are kept; temporary
+files a killed writer left behind are removed by the next write.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,9 +24,11 @@ logger = logging.getLogger("atoll")
 KEEP = 2
 
 
-def _fsync_write(path: Path, write) -> None:
+def _fsync_write(path: Path, write, interrupt: Callable[[Path], None] | None = None) -> None:
     tmp = path.with_name(path.name + ".tmp")
     write(tmp)
+    if interrupt is not None:
+        interrupt(tmp)
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -53,14 +57,21 @@ def _sequence_numbers(directory: Path) -> list[int]:
     return sorted(out)
 
 
-def save_checkpoint(directory: str | os.PathLike, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
-    """Atomically write a new checkpoint; returns the JSON path."""
+def save_checkpoint(directory: str | os.PathLike, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
+                    interrupt: Callable[[Path], None] | None = None) -> Path:
+    """Atomically write a new checkpoint; returns the JSON path.
+
+    ``interrupt`` (fault injection) is called with the tensors' temporary file once it is written, before it is
+    fsynced and renamed: a hook that truncates it and kills the process is a crash in the middle of the write.
+    """
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
+    for stale in d.glob("ckpt-*.tmp"):  # left by a writer that died; never part of a checkpoint
+        stale.unlink(missing_ok=True)
     seq = (_sequence_numbers(d) or [0])[-1] + 1
     st_path, js_path = d / f"ckpt-{seq:08d}.safetensors", d / f"ckpt-{seq:08d}.json"
     cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    _fsync_write(st_path, lambda tmp: save_file(cpu, str(tmp)))
+    _fsync_write(st_path, lambda tmp: save_file(cpu, str(tmp)), interrupt)
     body = json.dumps({**meta, "tensors_sha256": _sha256(st_path), "tensors_file": st_path.name}, indent=1)
     _fsync_write(js_path, lambda tmp: tmp.write_text(body))
     for old in _sequence_numbers(d)[:-KEEP]:

@@ -23,7 +23,8 @@ from atoll.protocols.codecs import CODECS
 ALGORITHMS = ("decoupled", "streaming", "diloco", "ddp")
 DEVICES = ("auto", "cpu", "cuda", "xla")
 FAULTS = {"kill_in_round": int, "step_delay": float, "corrupt_round": int, "split_side": int, "split_until": int,
-          "byzantine": str, "byzantine_from": int, "start_together": int}
+          "byzantine": str, "byzantine_from": int, "start_together": int, "kill_in_checkpoint": int,
+          "checkpoint_kill_signal": int}
 BYZANTINE = ("scale", "nan", "shape")
 
 
@@ -143,7 +144,10 @@ class NodeConfig:
     # "byzantine=K" (scale, nan, shape) makes this daemon a hostile member from its multi-member round
     # "byzantine_from=N" on (default 1): "scale" sends its delta ×1000, "nan" parts holding NaN, "shape" parts
     # of the wrong size (it still reduces its own shard honestly); "start_together=N" holds the first step until N
-    # daemons train (a barrier: runs that must be compared step for step start in lockstep, whoever booted first).
+    # daemons train (a barrier: runs that must be compared step for step start in lockstep, whoever booted first);
+    # "kill_in_checkpoint=N" SIGKILLs the process group in the middle of its N-th checkpoint write (the tensors'
+    # temporary file half written); "checkpoint_kill_signal=1" makes SIGUSR1 arm the same crash for the next
+    # checkpoint write (scripts/chaos.py).
     faults: tuple[str, ...] = ()
 
     def validate(self) -> None:

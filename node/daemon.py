@@ -117,6 +117,8 @@ class Daemon:
         self.merged_rounds: dict[int, list[_MergedRound]] = {}  # per fragment, newest last
         self.ddp_failed_steps = 0
         self.restored_error_feedback: dict[str, torch.Tensor] = {}
+        self.checkpoints_written = 0
+        self.checkpoint_kill_armed = False  # fault injection: die in the middle of the next checkpoint write
 
     # ---- set-up --------------------------------------------------------------------------------------------
     def _membership(self) -> JoinToken | None:
@@ -262,7 +264,14 @@ class Daemon:
         syncer.error_feedback.load_state_dict(self.restored_error_feedback)
         syncer.config_record = self.config_record
         syncer.start()
-        if not resumed:
+        if resumed:
+            states = syncer.catch_up_now(timeout=max(60.0, 4 * run.round_timeout))
+            if states:
+                logger.info("caught up on %d fragment(s) to version %d before training", len(states),
+                            self.replica.total_version)
+                self._metric(event="caught_up", version=self.replica.total_version,
+                             fragments=[s.fragment for s in states], donors=[list(s.donors) for s in states])
+        else:
             states = syncer.download_initial_state(timeout=max(60.0, 4 * run.round_timeout))
             for p, fragment in enumerate(self.fragments):
                 theta_p, base_id = self.replica.params_and_id(p)
@@ -271,8 +280,9 @@ class Daemon:
             if len(states) == len(self.fragments):
                 self.replica.schedule_step = states[0].schedule_step
                 logger.info("joined at version %d from %s (shard %d)", self.replica.total_version,
-                            states[0].donor[-8:], shard)
+                            ", ".join(sorted({d[-8:] for st in states for d in st.donors})), shard)
                 self._metric(event="joined", version=self.replica.total_version, donor=states[0].donor,
+                             donors=[list(s.donors) for s in states], resumed_bytes=[s.resumed_bytes for s in states],
                              bytes_received=syncer.stats.bytes_received)  # what joining cost: the whole state
             else:
                 logger.info("no peer holds state yet: starting from the seed's initial model (shard %d)", shard)
@@ -334,6 +344,12 @@ class Daemon:
 
         signal.signal(signal.SIGINT, handler)
         signal.signal(signal.SIGTERM, handler)
+        if self.cfg.parsed_faults().get("checkpoint_kill_signal"):
+
+            def arm(_signum: int, _frame: Any) -> None:
+                self.checkpoint_kill_armed = True
+
+            signal.signal(signal.SIGUSR1, arm)
 
     # ---- the training loop ----------------------------------------------------------------------------------
     def _train(self) -> None:
@@ -442,7 +458,7 @@ class Daemon:
             logger.info("adopted fragment %d v%d from %s%s; unmerged local work %s, %d tokens' work lost", p,
                         state.version, state.donor[-8:], " (a fork: ours lost)" if state.forked else "", what, lost)
             self._metric(event="adopted", fragment=p, version=state.version, lost_tokens=lost, step=self.learner.step,
-                         forked=state.forked)
+                         forked=state.forked, hash=state.digest, donors=list(state.donors))
 
     def _start_round(self, p: int, own_schedule: bool = False) -> None:
         """Contribute fragment ``p`` to its next round: at its due step (``own_schedule``), or earlier when a peer
@@ -572,7 +588,22 @@ class Daemon:
             "schedule_step": self.replica.schedule_step, "counters": [lo.counters() for lo in self.local],
             "tokens_lost": self.tokens_lost,
         }
-        save_checkpoint(self.cfg.checkpoint_dir, tensors, meta)
+        self.checkpoints_written += 1
+        faults = self.cfg.parsed_faults()
+        doomed = self.checkpoint_kill_armed or faults.get("kill_in_checkpoint") == self.checkpoints_written
+        save_checkpoint(self.cfg.checkpoint_dir, tensors, meta, interrupt=self._die_mid_write if doomed else None)
+        self._metric(event="checkpoint", version=meta["version"], step=meta["step"], tokens=meta["tokens"])
+
+    def _die_mid_write(self, tmp: Path) -> None:
+        """Fault injection: a crash while the checkpoint's tensors are only half on disk."""
+        size = tmp.stat().st_size
+        with open(tmp, "r+b") as f:
+            f.truncate(size // 2)
+        logger.warning("fault injection: killing this daemon in the middle of checkpoint %d (%s, %d of %d bytes)",
+                       self.checkpoints_written, tmp.name, size // 2, size)
+        for h in logger.handlers:
+            h.flush()
+        os.killpg(os.getpgid(0), signal.SIGKILL)
 
     def _restore(self) -> bool:
         if not self.cfg.checkpoint_dir:

@@ -35,7 +35,7 @@ from atoll.protocols.matchmaking import form_group
 from atoll.protocols.records import (
     ProgressRecord, config_key, heavier, open_rounds_key, parse_open_round, parse_progress, progress_key, unwrap_subkeys,
 )
-from atoll.protocols.state_sync import ReplicaState, StateServicer, download_state
+from atoll.protocols.state_sync import ReplicaState, StateServicer, download_state, p2p_opener
 
 from .config import NodeConfig
 from .replica import Replica
@@ -118,6 +118,7 @@ class Syncer:
         await StateServicer(self.replica.snapshot, self.replica.num_fragments, self.stats,
                             authorize=self.is_member if self.private else None).add_p2p_handlers(
             self.p2p, namespace=self.cfg.run_id)
+        self._open_state_stream = p2p_opener(self.p2p, self.cfg.run_id)
         self._heartbeat_task = self._spawn(self._heartbeat())
         if self.cfg.run.algorithm == "decoupled":
             self._spawn(self._watch_open_rounds())
@@ -238,9 +239,8 @@ class Syncer:
     # ---- consistency: adopt heavier replicas ------------------------------------------------------------------
     def _heavier_peers(self, p: int) -> list[ProgressRecord]:
         mine = self.replica.identity(p)
-        candidates = [peer for peer in self.peers().values()
-                      if peer.status == "training" and heavier(peer.fragment(p), mine)]
-        return sorted(candidates, key=lambda peer: peer.fragment(p), reverse=True)
+        return [peer for peer in self.peers().values()
+                if peer.status == "training" and heavier(peer.fragment(p), mine)]
 
     def behind(self, p: int) -> bool:
         return bool(self._heavier_peers(p))
@@ -251,7 +251,7 @@ class Syncer:
         for p in range(self.replica.num_fragments):
             if p in self._downloading or p in self._in_round:
                 continue
-            donors = self._heavier_peers(p)
+            donors = donor_order(p, self._heavier_peers(p))
             if donors:
                 self._downloading.add(p)
                 self._spawn(self._catch_up(p, donors))
@@ -261,7 +261,7 @@ class Syncer:
             mine = self.replica.identity(p)
             logger.info("peer %s holds a heavier replica of fragment %d (v%d vs our v%d); downloading it",
                         donors[0].peer_id[-8:], p, donors[0].fragment(p)[0], mine[0])
-            state = await download_state(self.p2p, self.cfg.run_id, [d.peer_id for d in donors], p,
+            state = await download_state(self._open_state_stream, [d.peer_id for d in donors], p,
                                          self.replica.numel(p), self.cfg.run.round_timeout, self.stats)
             if state is not None and await asyncio.get_running_loop().run_in_executor(None, self.replica.adopt, state):
                 if state.forked:
@@ -291,24 +291,54 @@ class Syncer:
             states, self._adopted = self._adopted, []
             return states
 
+    async def _download_fragments(self, fragments: list[int], peers: list[ProgressRecord]) -> list[ReplicaState | None]:
+        """Download the heaviest replica of each of ``fragments`` at once, spread over the donors holding it (see
+        ``donor_order``), and adopt them into the replica; None for a fragment no donor could send."""
+
+        async def fetch(p: int) -> ReplicaState | None:
+            donors = donor_order(p, peers)
+            state = await download_state(self._open_state_stream, [d.peer_id for d in donors], p,
+                                         self.replica.numel(p), self.cfg.run.round_timeout, self.stats)
+            if state is not None and not await asyncio.get_running_loop().run_in_executor(
+                    None, self.replica.adopt, state):
+                return None
+            return state
+
+        return list(await asyncio.gather(*(fetch(p) for p in fragments)))
+
     def download_initial_state(self, timeout: float) -> list[ReplicaState]:
-        """Joining: download every fragment's heaviest replica among live peers. Blocks up to ``timeout``."""
+        """Joining: download every fragment's heaviest replica among live peers. Blocks up to ``timeout``; returns
+        the fragments adopted, in order, stopping at the first that could not be downloaded."""
 
         async def run() -> list[ReplicaState]:
-            peers = await self.refresh_peers()
+            peers = [peer for peer in (await self.refresh_peers()).values() if peer.status == "training"]
+            if not peers:
+                return []
             out = []
-            for p in range(self.replica.num_fragments):
-                donors = sorted((peer for peer in peers.values() if peer.status == "training"),
-                                key=lambda peer: peer.fragment(p), reverse=True)
-                if not donors:
-                    return []
-                state = await download_state(self.p2p, self.cfg.run_id, [d.peer_id for d in donors], p,
-                                             self.replica.numel(p), self.cfg.run.round_timeout, self.stats)
+            for state in await self._download_fragments(list(range(self.replica.num_fragments)), peers):
                 if state is None:
-                    return out
-                await asyncio.get_running_loop().run_in_executor(None, self.replica.adopt, state)
+                    break
                 out.append(state)
             return out
+
+        return self._submit(run()).result(timeout)
+
+    def catch_up_now(self, timeout: float) -> list[ReplicaState]:
+        """Returning from a checkpoint: before training, download every fragment a live peer holds a heavier
+        replica of (all at once, as a joiner does), so that the daemon does not merge rounds of a replica the
+        swarm has moved past. The adopted fragments are queued for the learner (``take_adopted``)."""
+
+        async def run() -> list[ReplicaState]:
+            peers = [peer for peer in (await self.refresh_peers()).values() if peer.status == "training"]
+            behind = [p for p in range(self.replica.num_fragments)
+                      if any(heavier(peer.fragment(p), self.replica.identity(p)) for peer in peers)]
+            states = [s for s in await self._download_fragments(behind, peers) if s is not None]
+            for state in states:
+                if state.forked:
+                    self.forks_healed += 1
+            with self._adopted_lock:
+                self._adopted.extend(states)
+            return states
 
         return self._submit(run()).result(timeout)
 
@@ -508,6 +538,21 @@ class Syncer:
             logger.info("ddp step v%d: all-reduce failed (attempt %d); asking again", version, attempt)
             await asyncio.sleep(0.2 * (attempt + 1))
         return None
+
+def donor_order(p: int, peers: list[ProgressRecord]) -> list[ProgressRecord]:
+    """Whom to download fragment ``p`` from, best first: the peers holding its heaviest replica, rotated by ``p``
+    so that concurrent downloads of different fragments start at different donors (and a donor that fails
+    mid-transfer is followed by another holding the same replica, which can resume it), then the others,
+    heaviest first."""
+    if not peers:
+        return []
+    best = max(peer.fragment(p) for peer in peers)
+    holders = sorted((peer for peer in peers if peer.fragment(p) == best), key=lambda peer: peer.peer_id)
+    k = p % len(holders)
+    rest = sorted((peer for peer in peers if peer.fragment(p) != best), key=lambda peer: peer.fragment(p),
+                  reverse=True)
+    return holders[k:] + holders[:k] + rest
+
 
 class EMA:
     """Exponential moving average of a duration; 0 until the first sample."""

@@ -14,7 +14,7 @@ from atoll.protocols.averaging import TrafficStats
 from atoll.protocols.records import make_validators, open_rounds_key, progress_key, round_key
 from atoll.models.configs import get_model_config
 from atoll.models.gpt import GPT
-from atoll.protocols.state_sync import _download_from
+from atoll.protocols.state_sync import _continue_from, _Transfer, p2p_opener
 from atoll.protocols.wire import WireError
 
 pytestmark = pytest.mark.integration
@@ -98,7 +98,7 @@ def test_outsider_cannot_download_state(swarm, outsider):
     async def attempt():
         p2p = await dht.replicate_p2p()
         with pytest.raises(WireError, match="donor refused: not a member of this run"):
-            await _download_from(p2p, "atoll", peer_id(a), 0, numel, 10.0, TrafficStats())
+            await _continue_from(p2p_opener(p2p, "atoll"), peer_id(a), 0, _Transfer(numel), 10.0, TrafficStats())
 
     asyncio.run(attempt())
     wait_for(lambda: "refused a state download by" in a.log(), 30, "a to log the refused download")

@@ -38,3 +38,41 @@ def test_partial_write_is_invisible(tmp_path):
 def test_empty_dir(tmp_path):
     assert load_checkpoint(tmp_path) is None
     assert load_checkpoint(tmp_path / "missing") is None
+
+
+class _Killed(BaseException):
+    """Stands for the process dying: nothing after the hook runs."""
+
+
+def test_crash_mid_write_resumes_from_previous_good(tmp_path):
+    save_checkpoint(tmp_path, {"a": torch.zeros(1000)}, {"version": 1})
+    save_checkpoint(tmp_path, {"a": torch.ones(1000)}, {"version": 2})
+
+    def die_half_written(tmp):
+        data = tmp.read_bytes()
+        tmp.write_bytes(data[: len(data) // 2])
+        raise _Killed
+
+    try:
+        save_checkpoint(tmp_path, {"a": torch.full((1000,), 3.0)}, {"version": 3}, interrupt=die_half_written)
+    except _Killed:
+        pass
+    assert list(tmp_path.glob("*.tmp"))  # the half-written tensors file is left behind, as a real crash leaves it
+    tensors, meta = load_checkpoint(tmp_path)
+    assert meta["version"] == 2 and torch.equal(tensors["a"], torch.ones(1000))
+    # The next write after the restart succeeds, removes the leftover and keeps the previous good one.
+    save_checkpoint(tmp_path, {"a": torch.full((1000,), 4.0)}, {"version": 4})
+    assert not list(tmp_path.glob("*.tmp"))
+    assert sorted(json.loads(p.read_text())["version"] for p in tmp_path.glob("ckpt-*.json")) == [2, 4]
+    assert torch.equal(load_checkpoint(tmp_path)[0]["a"], torch.full((1000,), 4.0))
+
+
+def test_crash_before_rename_of_first_checkpoint_leaves_none(tmp_path):
+    def die(tmp):
+        raise _Killed
+
+    try:
+        save_checkpoint(tmp_path, {"a": torch.zeros(8)}, {"version": 1}, interrupt=die)
+    except _Killed:
+        pass
+    assert load_checkpoint(tmp_path) is None

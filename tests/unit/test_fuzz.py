@@ -244,7 +244,7 @@ def _good_state_messages(numel=6):
     params, momentum = torch.arange(numel, dtype=torch.float32), torch.zeros(numel)
     digest = state_sync.tensor_hash(params, momentum)
     header = {"ok": True, "version": 3, "weight": 2.0, "digest": digest, "numel": numel, "schedule_step": 1,
-              "fragment": 0, "ancestors": [digest]}
+              "fragment": 0, "ancestors": [digest], "offset": 0}
     return [header, {"data": torch.cat([params, momentum]).numpy().tobytes()}]
 
 
@@ -260,24 +260,18 @@ def test_state_download_with_a_lying_donor(edits, truncate):
     if truncate:
         messages = messages[:1]
 
-    class Stub:
-        async def rpc_download_state(self, request):
-            async def stream():
-                for m in messages:
-                    yield pack_response(m)
-            return stream()
+    async def open_stream(donor, request):
+        async def stream():
+            for m in messages:
+                yield pack_response(m)
+        return stream()
 
-    original = state_sync.StateServicer.get_stub
-    state_sync.StateServicer.get_stub = classmethod(lambda cls, *a, **k: Stub())
+    stats = TrafficStats()
     try:
-        stats = TrafficStats()
-        try:
-            state = asyncio.run(state_sync._download_from(
-                None, "run", "QmDonorDonorDonorDonorDonorDonorDonorDonorDon", 0, 6, 0.5, stats))
-        except (WireError, StopAsyncIteration, asyncio.TimeoutError):
-            return
-    finally:
-        state_sync.StateServicer.get_stub = original
+        state = asyncio.run(state_sync._continue_from(
+            open_stream, "QmDonorDonorDonorDonorDonorDonorDonorDonorDon", 0, state_sync._Transfer(6), 0.5, stats))
+    except (WireError, StopAsyncIteration, asyncio.TimeoutError):
+        return
     assert state.params.numel() == 6 and bool(torch.isfinite(state.params).all())
     assert bool(torch.isfinite(state.momentum).all()) and state.digest == messages[0]["digest"]
 
@@ -285,18 +279,12 @@ def test_state_download_with_a_lying_donor(edits, truncate):
 def test_a_donor_streaming_empty_parts_forever_is_refused():
     header = _good_state_messages()[0]
 
-    class Stub:
-        async def rpc_download_state(self, request):
-            async def stream():
-                yield pack_response(header)
-                while True:
-                    yield pack_response({"data": b""})
-            return stream()
+    async def open_stream(donor, request):
+        async def stream():
+            yield pack_response(header)
+            while True:
+                yield pack_response({"data": b""})
+        return stream()
 
-    original = state_sync.StateServicer.get_stub
-    state_sync.StateServicer.get_stub = classmethod(lambda cls, *a, **k: Stub())
-    try:
-        with pytest.raises(WireError, match="empty"):
-            asyncio.run(state_sync._download_from(None, "run", "QmDonor", 0, 6, 0.5, TrafficStats()))
-    finally:
-        state_sync.StateServicer.get_stub = original
+    with pytest.raises(WireError, match="empty"):
+        asyncio.run(state_sync._continue_from(open_stream, "QmDonor", 0, state_sync._Transfer(6), 0.5, TrafficStats()))

@@ -1,0 +1,499 @@
+#!/usr/bin/env python3
+"""Chaos run: a local swarm under a seeded random schedule of faults, against a fault-free run of the same length.
+
+    python scripts/chaos.py --algorithm decoupled [--daemons 6] [--duration 180] [--mtbf 15] [--seed 0]
+
+Faults, drawn with a mean time between faults of ``--mtbf`` seconds (exponential gaps) from five kinds:
+``kill`` (SIGKILL of the daemon's process group, restarted later from its checkpoint directory), ``freeze``
+(SIGSTOP of the group for ``--freeze`` seconds, several round periods, then SIGCONT), ``leave`` (SIGTERM: a graceful
+leave, rejoining later from its checkpoint), ``join`` (a brand-new daemon) and ``checkpoint_kill`` (SIGUSR1 arms the
+daemon's ``checkpoint_kill_signal`` fault: it dies in the middle of its next checkpoint write and is restarted).
+At least ``--min-live`` daemons are kept training; a fault that would go below is skipped (and counted as such).
+
+The fault-free swarm and the chaos swarm run side by side, in the same window (``--sequential``: one after the
+other), so that the load of this shared machine weighs on both alike. Every daemon sleeps ``--step-delay``
+seconds per inner step, so that it is less bound by the CPU: otherwise a killed daemon would hand its CPU to the
+others and the fault would look free.
+
+Reported (JSON in ``docs/results/chaos_<algorithm>.json``, plot ``docs/results/chaos.png`` over every algorithm's
+JSON there), all computed from the daemons' metrics.jsonl and checkpoints:
+faults by kind; goodput (tokens trained by live daemons / tokens the fault-free run trained in the same window)
+and the pace of the live daemons (tokens per daemon-second of a training process, chaos / fault-free: whether
+the faults slowed down the daemons they did not hit);
+global downtime (the longest interval in which no round completed on any daemon, and how far it exceeds one round
+period, the fault-free run's median interval between two rounds of one fragment on one daemon); held-out loss of
+the survivors at the end of the window (each one's last round measures it), relative to the fault-free run's
+(the final checkpoints' too, but the chaos swarm trains longer: it waits for restarting daemons); forks healed;
+work lost (to crashes: tokens
+trained after a daemon's last checkpoint; to adoptions: the ``lost_tokens`` of adopted events); and whether the
+survivors ended identical (a moment before the end when all held the same version and hash of every fragment)
+and on one history (their final checkpoints agree at each fragment's oldest final version).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_algorithms import evaluate_swarm  # noqa: E402
+from swarm import LocalSwarm  # noqa: E402
+
+from atoll.node.checkpoint import load_checkpoint  # noqa: E402
+from atoll.node.config import RunConfig  # noqa: E402
+
+KINDS = ("kill", "freeze", "leave", "join", "checkpoint_kill")
+
+
+def daemon_args(args: argparse.Namespace) -> list[str]:
+    return ["--model", args.model, "--algorithm", args.algorithm, "--sync-every", str(args.sync_every),
+            "--batch-size", str(args.batch_size), "--gather-timeout", "10", "--round-timeout", "10",
+            "--heartbeat", "1", "--threads", "1", "--fault", f"step_delay={args.step_delay}",
+            "--fault", "checkpoint_kill_signal=1"]
+
+
+def schedule(rng: random.Random, duration: float, mtbf: float) -> list[tuple[float, str]]:
+    """Fault times (seconds after the start of the window) and kinds; none in the first 10% and last 20%."""
+    out, t = [], 0.1 * duration
+    while True:
+        t += rng.expovariate(1.0 / mtbf)
+        if t > 0.8 * duration:
+            return out
+        out.append((t, rng.choice(KINDS)))
+
+
+class Chaos:
+    """Runs a schedule against a LocalSwarm. Restarts happen on background threads (starting takes seconds)."""
+
+    def __init__(self, swarm: LocalSwarm, args: argparse.Namespace, rng: random.Random) -> None:
+        self.swarm, self.args, self.rng = swarm, args, rng
+        self.state: dict[str, str] = {}  # name -> live | frozen | down | starting
+        self.expect_death: set[str] = set()  # checkpoint_kill armed: the death is the fault, restart it
+        self.log: list[dict] = []
+        self.joined = 0
+        self.t0 = time.monotonic()
+        self.lock = threading.Lock()
+
+    def start(self, name: str, delay: float = 0.0) -> None:
+        self.state[name] = "starting"
+
+        def run() -> None:
+            time.sleep(delay)
+            # Several bootstrap peers: the one LocalSwarm would pick may be frozen or killed meanwhile.
+            peers = [self.swarm.daemons[n].maddrs[0] for n in self.live()[:3] if self.swarm.daemons[n].maddrs]
+            try:
+                extra = ["--initial-peers", *peers] if peers else []
+                self.swarm.start(name, daemon_args(self.args) + extra, join=not peers)
+                self.state[name] = "live"
+            except RuntimeError as e:
+                self.record(time.monotonic() - self.t0, "start_failed", name, error=str(e).splitlines()[0])
+                self.state[name] = "down"
+
+        threading.Thread(target=run, daemon=True).start()
+
+    def live(self) -> list[str]:
+        return sorted(n for n, s in self.state.items() if s == "live")
+
+    def record(self, t: float, kind: str, target: str, **extra) -> None:
+        entry = {"t": round(t, 2), "kind": kind, "target": target, **extra}
+        self.log.append(entry)
+        print(f"  t={t:6.1f}s {kind:16s} {target} {extra or ''}", flush=True)
+
+    def inject(self, t: float, kind: str) -> None:
+        live = self.live()
+        removes = kind in ("kill", "leave", "freeze", "checkpoint_kill")
+        if removes and len(live) <= self.args.min_live:
+            self.record(t, "skipped_" + kind, "-", live=len(live))
+            return
+        if kind == "join":
+            name = f"j{self.joined}"
+            self.joined += 1
+            self.start(name)
+            self.record(t, kind, name)
+            return
+        target = self.rng.choice(live)
+        rejoin = self.rng.uniform(3.0, 15.0)
+        if kind == "kill":
+            self.swarm.kill(target)
+            self.state[target] = "down"
+            self.start(target, delay=rejoin)
+            self.record(t, kind, target, restart_after_s=round(rejoin, 1))
+        elif kind == "leave":
+            self.state[target] = "down"
+
+            def leave_and_return() -> None:
+                code = self.swarm.stop(target, timeout=60)
+                self.record(time.monotonic() - self.t0, "left", target, exit_code=code)
+                self.start(target, delay=rejoin)
+
+            threading.Thread(target=leave_and_return, daemon=True).start()
+            self.record(t, kind, target, rejoin_after_s=round(rejoin, 1))
+        elif kind == "freeze":
+            self.swarm.signal(target, signal.SIGSTOP)
+            self.state[target] = "frozen"
+
+            def thaw() -> None:
+                time.sleep(self.args.freeze)
+                self.swarm.signal(target, signal.SIGCONT)
+                self.state[target] = "live"
+
+            threading.Thread(target=thaw, daemon=True).start()
+            self.record(t, kind, target, seconds=self.args.freeze)
+        elif kind == "checkpoint_kill":
+            os.kill(self.swarm.daemons[target].proc.pid, signal.SIGUSR1)  # the daemon alone: it arms the fault
+            self.expect_death.add(target)
+            self.record(t, kind, target)
+
+    def reap(self, t: float) -> None:
+        """Restart daemons that died in a checkpoint write (or unexpectedly: counted)."""
+        for name, s in list(self.state.items()):
+            d = self.swarm.daemons.get(name)
+            if s == "live" and d is not None and not d.alive():
+                expected = name in self.expect_death
+                self.expect_death.discard(name)
+                self.swarm.signal(name, signal.SIGKILL)  # the rest of its group
+                self.state[name] = "down"
+                self.record(t, "died_in_checkpoint" if expected else "unexpected_exit", name,
+                            code=d.proc.returncode)
+                self.start(name, delay=self.rng.uniform(3.0, 15.0))
+
+    def run(self, faults: list[tuple[float, str]], duration: float, t0: float) -> None:
+        self.t0 = t0
+        pending = list(faults)
+        while time.monotonic() - t0 < duration:
+            t = time.monotonic() - t0
+            while pending and pending[0][0] <= t:
+                self.inject(t, pending.pop(0)[1])
+            self.reap(t)
+            time.sleep(0.2)
+
+
+def step_lines(d) -> list[dict]:
+    return [m for m in d.metrics() if "step" in m and "event" not in m]
+
+
+def tokens_in_window(daemons, t0: float, t1: float) -> int:
+    """Tokens trained inside [t0, t1]: the sum of increases between consecutive step records of each daemon
+    (a restart resets the counter to its checkpoint's value: that drop is not counted as training)."""
+    total = 0
+    for d in daemons:
+        prev = None
+        for m in step_lines(d):
+            if t0 <= m["time"] <= t1 and prev is not None and m["tokens"] > prev["tokens"] and prev["time"] >= t0:
+                total += m["tokens"] - prev["tokens"]
+            prev = m
+    return total
+
+
+def live_seconds(daemons, t0: float, t1: float) -> float:
+    """Daemon-seconds inside [t0, t1] that a daemon process was up and training: per process lifetime (a restart
+    or a join starts a new one), from its first to its last step record."""
+    total = 0.0
+    for d in daemons:
+        lifetimes, current = [], []
+        for m in d.metrics():
+            if m.get("event") in ("resumed", "joined") and current:
+                lifetimes.append(current)
+                current = []
+            elif "step" in m and "event" not in m and t0 <= m["time"] <= t1:
+                current.append(m["time"])
+        lifetimes.append(current)
+        total += sum(max(times) - min(times) for times in lifetimes if times)
+    return total
+
+
+def round_times(daemons, t0: float, t1: float) -> list[float]:
+    return sorted(m["time"] for d in daemons for m in d.rounds() if t0 <= m["time"] <= t1)
+
+
+def longest_gap(times: list[float], t0: float, t1: float) -> float:
+    edges = [t0, *times, t1]
+    return max(b - a for a, b in zip(edges, edges[1:]))
+
+
+def round_period(daemons) -> float:
+    """Median interval between two rounds of the same fragment on the same daemon."""
+    gaps = []
+    for d in daemons:
+        by_fragment: dict[int, list[float]] = {}
+        for r in d.rounds():
+            by_fragment.setdefault(r["fragment"], []).append(r["time"])
+        for times in by_fragment.values():
+            gaps += [b - a for a, b in zip(times, times[1:])]
+    return statistics.median(gaps) if gaps else float("nan")
+
+
+def crash_losses(d) -> int:
+    """Tokens a daemon trained after its last checkpoint before each death (killed or died in a checkpoint)."""
+    lost, last_ckpt, last_tokens = 0, None, None
+    for m in d.metrics():
+        if m.get("event") == "checkpoint":
+            last_ckpt = m["tokens"]
+        elif m.get("event") in ("resumed", "joined"):
+            if last_tokens is not None and last_ckpt is not None and m.get("event") == "resumed":
+                lost += max(0, last_tokens - last_ckpt)
+            last_tokens = None
+        elif "step" in m and "event" not in m:
+            last_tokens = m["tokens"]
+    return lost
+
+
+def window_end_loss(daemons, t1: float) -> list[float]:
+    """Each daemon's held-out loss as of the end of the window: the one its last round before ``t1`` measured
+    (after merging fragment 0; the same held-out batches on every daemon). The final checkpoints are not used
+    for the comparison: the chaos run goes on training while restarted daemons come back, the reference does not."""
+    out = []
+    for d in daemons:
+        losses = [r["held_out_loss"] for r in d.rounds() if r["time"] <= t1 and r.get("held_out_loss") is not None]
+        if losses:
+            out.append(losses[-1])
+    return out
+
+
+def replica_now(d) -> dict:
+    out = {}
+    for m in d.metrics():
+        if m.get("event") in ("round", "adopted"):
+            out[m["fragment"]] = (m["version"], m["hash"])
+    return out
+
+
+def wait_identical(daemons, timeout: float) -> float | None:
+    """Seconds until every daemon held the same version and hash of every fragment, or None."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if len({json.dumps(replica_now(d), sort_keys=True) for d in daemons}) == 1:
+            return time.monotonic() - start
+        time.sleep(0.25)
+    return None
+
+
+def one_history(daemons, fragments: int) -> bool:
+    finals = []
+    for d in daemons:
+        loaded = load_checkpoint(d.workdir)
+        if loaded is None:
+            return False
+        finals.append((loaded[1]["versions"], loaded[1]["ancestors"]))
+    for p in range(fragments):
+        common = min(v[p] for v, _ in finals)
+        seen = set()
+        for v, anc in finals:
+            back = v[p] - common
+            seen.add(anc[p][-1 - back] if back < len(anc[p]) else None)
+        if len(seen) != 1 or None in seen:
+            return False
+    return True
+
+
+def run_once(root: Path, args: argparse.Namespace, chaos: bool, barrier: threading.Barrier | None = None) -> dict:
+    shutil.rmtree(root, ignore_errors=True)
+    rng = random.Random(args.seed)
+    faults = schedule(rng, args.duration, args.mtbf) if chaos else []
+    with LocalSwarm(root, []) as swarm:
+        c = Chaos(swarm, args, rng)
+        swarm.start("d0", daemon_args(args), join=False)
+        c.state["d0"] = "live"
+        for i in range(1, args.daemons):
+            c.start(f"d{i}")
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not (
+                len(c.live()) == args.daemons and all(step_lines(swarm.daemons[n]) for n in c.live())):
+            time.sleep(0.5)
+        if barrier is not None:
+            barrier.wait()  # both swarms are training: their windows start together
+        t0_mono, t0 = time.monotonic(), time.time()
+        print(f"  {'chaos' if chaos else 'fault-free'}: {len(faults)} faults scheduled; window starts", flush=True)
+        c.run(faults, args.duration, t0_mono)
+        t1 = time.time()
+        # Survivors: live now, plus those frozen or restarting, which are let finish first.
+        settle = time.monotonic() + 120  # the window is over; no more faults
+        while time.monotonic() < settle and any(s in ("starting", "frozen") for s in c.state.values()):
+            time.sleep(0.5)
+        survivors = [swarm.daemons[n] for n in c.live()]
+        identical_after = wait_identical(survivors, args.settle)
+        codes = swarm.stop_all(timeout=90)
+    daemons = list(swarm.daemons.values())
+    run = RunConfig(model=args.model, algorithm=args.algorithm, sync_every=args.sync_every)
+    losses = evaluate_swarm(SimpleNamespace(daemons={d.name: d for d in survivors}), run)
+    times = round_times(daemons, t0, t1)
+    adopted = [m for d in daemons for m in d.metrics() if m.get("event") == "adopted" and t0 <= m["time"] <= t1]
+    kinds: dict[str, int] = {}
+    for f in c.log:
+        kinds[f["kind"]] = kinds.get(f["kind"], 0) + 1
+    return {
+        "faults": c.log, "faults_by_kind": {k: n for k, n in kinds.items() if k in KINDS},
+        "other_events": {k: n for k, n in kinds.items() if k not in KINDS}, "window_s": t1 - t0,
+        "tokens": tokens_in_window(daemons, t0, t1), "rounds": len(times),
+        "live_daemon_seconds": live_seconds(daemons, t0, t1),
+        "longest_gap_s": longest_gap(times, t0, t1), "round_period_s": round_period(daemons),
+        "held_out_loss_window_end": statistics.mean(window_end_loss(survivors, t1)),
+        "held_out_loss_final_checkpoints": statistics.mean(losses), "held_out_loss_per_survivor": losses,
+        "settle_s": time.time() - t1,
+        "survivors": [d.name for d in survivors], "exit_codes": codes,
+        "forks_healed": sum(1 for m in adopted if m.get("forked")),
+        "tokens_lost_to_adoptions": sum(m["lost_tokens"] for m in adopted),
+        "tokens_lost_to_crashes": sum(crash_losses(d) for d in daemons),
+        "identical_after_s": identical_after, "survivors_identical": identical_after is not None,
+        "survivors_on_one_history": one_history(survivors, run.num_fragments),
+        "timeline": {"rounds": times, "t0": t0,
+                     "tokens": sorted((m["time"], m["tokens"], d.name) for d in daemons for m in step_lines(d))},
+    }
+
+
+def rescore(path: Path, root: Path) -> None:
+    """Recompute the window-end held-out losses (and their ratio) from a run's JSON and metrics files."""
+    doc = json.loads(path.read_text())
+    for kind in ("reference", "chaos"):
+        r = doc[kind]
+        t0 = r["timeline"]["t0"]
+        t1 = t0 + r["window_s"]
+        daemons = [SimpleNamespace(rounds=_rounds_of(root / kind / name)) for name in r["survivors"]]
+        r["held_out_loss_window_end"] = statistics.mean(window_end_loss(daemons, t1))
+        every = [SimpleNamespace(metrics=_metrics_of(w)) for w in sorted((root / kind).iterdir()) if w.is_dir()]
+        r["live_daemon_seconds"] = live_seconds(every, t0, t1)
+        r.setdefault("held_out_loss_final_checkpoints", r.pop("held_out_loss_mean", None))
+    m = doc["metrics"]
+    m["loss_ratio"] = doc["chaos"]["held_out_loss_window_end"] / doc["reference"]["held_out_loss_window_end"]
+    m["pace_of_live_daemons"] = ((doc["chaos"]["tokens"] / doc["chaos"]["live_daemon_seconds"])
+                                 / (doc["reference"]["tokens"] / doc["reference"]["live_daemon_seconds"]))
+    m["loss_ratio_final_checkpoints"] = (doc["chaos"]["held_out_loss_final_checkpoints"]
+                                         / doc["reference"]["held_out_loss_final_checkpoints"])
+    path.write_text(json.dumps(doc, indent=1))
+    print(json.dumps({"algorithm": doc["algorithm"], **m}, indent=1))
+
+
+def _metrics_of(workdir: Path):
+    def metrics() -> list[dict]:
+        return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+    return metrics
+
+
+def _rounds_of(workdir: Path):
+    def rounds() -> list[dict]:
+        return [m for m in _metrics_of(workdir)() if m.get("event") == "round"]
+
+    return rounds
+
+
+def plot(out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    docs = [json.loads(p.read_text()) for p in sorted(out.glob("chaos_*.json"))]
+    if not docs:
+        return
+    colors = dict(zip(KINDS, ("tab:red", "tab:blue", "tab:orange", "tab:green", "tab:purple")))
+    fig, axes = plt.subplots(len(docs), 1, figsize=(10, 3.6 * len(docs)), squeeze=False)
+    for ax, doc in zip(axes[:, 0], docs):
+        for label, r, style in (("fault-free", doc["reference"], "--"), ("chaos", doc["chaos"], "-")):
+            t0 = r["timeline"]["t0"]
+            times = [t - t0 for t in r["timeline"]["rounds"]]
+            ax.plot(times, range(1, len(times) + 1), style, color="black" if label == "chaos" else "gray",
+                    label=f"{label}: rounds completed (all daemons)")
+        for f in doc["chaos"]["faults"]:
+            if f["kind"] in colors:
+                ax.axvline(f["t"], color=colors[f["kind"]], alpha=0.6, lw=1)
+        for kind, color in colors.items():
+            ax.plot([], [], color=color, label=kind)
+        m = doc["metrics"]
+        ax.set_title(f"{doc['algorithm']}: goodput {m['goodput']:.3f}, loss ratio {m['loss_ratio']:.3f}, "
+                     f"downtime beyond a round {m['downtime_beyond_round_s']:.1f}s, "
+                     f"identical {doc['chaos']['survivors_identical']}")
+        ax.set_xlabel("seconds into the window")
+        ax.set_ylabel("rounds completed")
+        ax.legend(fontsize=7, ncol=2, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(out / "chaos.png", dpi=110)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--algorithm", default="decoupled", choices=("decoupled", "diloco", "streaming"))
+    parser.add_argument("--daemons", type=int, default=6)
+    parser.add_argument("--duration", type=float, default=180.0, help="seconds of the measured window")
+    parser.add_argument("--mtbf", type=float, default=15.0, help="mean seconds between faults")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--freeze", type=float, default=20.0, help="seconds a frozen daemon stays stopped")
+    parser.add_argument("--min-live", type=int, default=3)
+    parser.add_argument("--model", default="nano")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--sync-every", type=int, default=40)
+    parser.add_argument("--step-delay", type=float, default=0.1)
+    parser.add_argument("--settle", type=float, default=60.0,
+                        help="seconds to wait at the end for the survivors to hold identical replicas")
+    parser.add_argument("--sequential", action="store_true",
+                        help="run the fault-free swarm first, then the chaos swarm (default: both at once)")
+    parser.add_argument("--out", default="docs/results")
+    parser.add_argument("--replot", action="store_true", help="only redraw chaos.png from the JSON files")
+    parser.add_argument("--rescore", action="store_true",
+                        help="recompute the window-end losses of the last run from its JSON and runs/chaos/")
+    args = parser.parse_args()
+    out = Path(args.out)
+    if args.replot:
+        plot(out)
+        return 0
+    if args.rescore:
+        rescore(out / f"chaos_{args.algorithm}.json", Path("runs/chaos") / args.algorithm)
+        plot(out)
+        return 0
+    command = "python scripts/chaos.py " + " ".join(sys.argv[1:])
+    root = Path("runs/chaos") / args.algorithm
+    if args.sequential:
+        print(f"{args.algorithm}: fault-free reference, {args.daemons} daemons, {args.duration:.0f} s", flush=True)
+        reference = run_once(root / "reference", args, chaos=False)
+        print(f"{args.algorithm}: chaos, mean {args.mtbf:.0f} s between faults, seed {args.seed}", flush=True)
+        chaos = run_once(root / "chaos", args, chaos=True)
+    else:
+        # Side by side in the same window: the machine's load (shared CPU) weighs on both alike.
+        print(f"{args.algorithm}: a fault-free swarm and a chaos swarm (mean {args.mtbf:.0f} s between faults, "
+              f"seed {args.seed}) side by side, {args.daemons} daemons each, {args.duration:.0f} s", flush=True)
+        barrier = threading.Barrier(2, timeout=600)
+        with ThreadPoolExecutor(2) as pool:
+            ref_future = pool.submit(run_once, root / "reference", args, False, barrier)
+            chaos_future = pool.submit(run_once, root / "chaos", args, True, barrier)
+            reference, chaos = ref_future.result(), chaos_future.result()
+    period = reference["round_period_s"]
+    metrics = {
+        "goodput": chaos["tokens"] / reference["tokens"],
+        "pace_of_live_daemons": (chaos["tokens"] / chaos["live_daemon_seconds"])
+        / (reference["tokens"] / reference["live_daemon_seconds"]),
+        "loss_ratio": chaos["held_out_loss_window_end"] / reference["held_out_loss_window_end"],
+        "loss_ratio_final_checkpoints": chaos["held_out_loss_final_checkpoints"]
+        / reference["held_out_loss_final_checkpoints"],
+        "global_downtime_s": chaos["longest_gap_s"], "round_period_s": period,
+        "downtime_beyond_round_s": max(0.0, chaos["longest_gap_s"] - period),
+        "reference_longest_gap_s": reference["longest_gap_s"],
+        "forks_healed": chaos["forks_healed"],
+        "tokens_lost": chaos["tokens_lost_to_adoptions"] + chaos["tokens_lost_to_crashes"],
+        "tokens_lost_share": (chaos["tokens_lost_to_adoptions"] + chaos["tokens_lost_to_crashes"]) / chaos["tokens"],
+        "reference_tokens_lost_share": (reference["tokens_lost_to_adoptions"] + reference["tokens_lost_to_crashes"])
+        / reference["tokens"],
+        "survivors_identical": chaos["survivors_identical"],
+        "survivors_on_one_history": chaos["survivors_on_one_history"],
+    }
+    doc = {"algorithm": args.algorithm, "command": command, "args": vars(args), "metrics": metrics,
+           "reference": reference, "chaos": chaos}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"chaos_{args.algorithm}.json").write_text(json.dumps(doc, indent=1))
+    plot(out)
+    print(json.dumps({"algorithm": args.algorithm, "faults_by_kind": chaos["faults_by_kind"], **metrics}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

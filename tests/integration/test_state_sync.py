@@ -1,0 +1,57 @@
+"""State transfer over real p2p daemons on 127.0.0.1: a donor whose stream breaks off mid-transfer hands over to
+another donor holding the same replica, which resumes at the byte offset already received."""
+
+import asyncio
+
+import pytest
+import torch
+from hivemind.p2p import P2P
+
+from atoll.models.outer import tensor_hash
+from atoll.protocols.averaging import TrafficStats
+from atoll.protocols.state_sync import ReplicaState, StateServicer, download_state, p2p_opener
+
+pytestmark = pytest.mark.integration
+
+NUMEL, PART, DIE_AFTER = 50_000, 64 * 1024, 2  # 400 kB of payload in 7 parts; the first donor sends 2
+
+
+class DonorDied(Exception):
+    pass
+
+
+async def transfer():
+    g = torch.Generator().manual_seed(0)
+    params, momentum = torch.randn(NUMEL, generator=g), torch.randn(NUMEL, generator=g)
+    digest = tensor_hash(params, momentum)
+    state = ReplicaState(9, 3.0, digest, params, momentum, 120, ancestors=(digest,))
+
+    def die(n):
+        if n == DIE_AFTER:
+            raise DonorDied
+
+    receiver = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    peers, stats = [receiver], {}
+    try:
+        for name, hook in (("dying", die), ("healthy", None)):
+            p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                   initial_peers=await receiver.get_visible_maddrs())
+            peers.append(p2p)
+            stats[name] = TrafficStats()
+            await StateServicer(lambda _p: state, 1, stats[name], part_bytes=PART, on_part=hook).add_p2p_handlers(
+                p2p, namespace="run")
+        ids = [p.peer_id.to_base58() for p in peers[1:]]
+        got = await download_state(p2p_opener(receiver, "run"), ids, 0, NUMEL, 10.0, TrafficStats())
+        return state, got, stats, ids
+    finally:
+        for p2p in peers:
+            await p2p.shutdown()
+
+
+def test_transfer_resumes_from_another_donor_after_one_breaks_off():
+    state, got, stats, ids = asyncio.run(transfer())
+    assert got is not None and got.digest == state.digest
+    assert torch.equal(got.params, state.params) and torch.equal(got.momentum, state.momentum)
+    assert got.donors == tuple(ids) and got.resumed_bytes == DIE_AFTER * PART
+    assert stats["dying"].bytes_sent == DIE_AFTER * PART
+    assert stats["healthy"].bytes_sent == 8 * NUMEL - DIE_AFTER * PART

@@ -1,0 +1,151 @@
+"""State downloads resume where a dying donor stopped, never splice two replicas, and spread over donors.
+
+The donors are real ``StateServicer`` handlers called in-process (no sockets): the opener hands the request
+straight to the donor's handler, and a donor "dies" by raising from its ``on_part`` hook after k parts.
+"""
+
+import asyncio
+from types import SimpleNamespace
+
+import torch
+
+from atoll.models.outer import tensor_hash
+from atoll.node.syncer import donor_order
+from atoll.protocols.averaging import TrafficStats
+from atoll.protocols.records import ProgressRecord
+from atoll.protocols.state_sync import ReplicaState, StateServicer, download_state
+from atoll.protocols.wire import pack_request, unpack
+
+CONTEXT = SimpleNamespace(remote_id="QmRequester")  # what the servicer reads of hivemind's P2PContext
+
+NUMEL = 1000  # 8000 bytes of payload: 8 parts of 1 KiB (the last one shorter)
+PART = 1024
+
+
+class DonorDied(Exception):
+    pass
+
+
+def replica(seed, version=3):
+    g = torch.Generator().manual_seed(seed)
+    params, momentum = torch.randn(NUMEL, generator=g), torch.randn(NUMEL, generator=g)
+    digest = tensor_hash(params, momentum)
+    return ReplicaState(version, 7.0, digest, params, momentum, schedule_step=40, ancestors=(digest,))
+
+
+class Donor:
+    def __init__(self, state, die_after=None, tamper=False):
+        self.stats = TrafficStats()
+        self.requests = []
+        self.state = state
+
+        def on_part(n):
+            if die_after is not None and n == die_after:
+                raise DonorDied
+
+        def snapshot(_p):
+            if not tamper:
+                return state
+            bad = state.params.clone()
+            bad[-1] += 1.0  # the bytes near the end differ from what the header's digest promises
+            return ReplicaState(state.version, state.weight, state.digest, bad, state.momentum, state.schedule_step,
+                                ancestors=state.ancestors)
+
+        self.servicer = StateServicer(snapshot, 1, self.stats, part_bytes=PART, on_part=on_part)
+
+
+def opener(donors):
+    async def open_stream(name, request):
+        donors[name].requests.append(request)
+        return donors[name].servicer.rpc_download_state(pack_request(request), CONTEXT)
+
+    return open_stream
+
+
+def fetch(donors, order):
+    stats = TrafficStats()
+    state = asyncio.run(download_state(opener(donors), order, 0, NUMEL, 5.0, stats))
+    return state, stats
+
+
+def test_one_donor_downloads_and_verifies():
+    donors = {"a": Donor(replica(1))}
+    state, stats = fetch(donors, ["a"])
+    assert state.digest == donors["a"].state.digest and torch.equal(state.params, donors["a"].state.params)
+    assert state.donors == ("a",) and state.resumed_bytes == 0
+    assert stats.bytes_received == donors["a"].stats.bytes_sent == 8 * NUMEL
+
+
+def test_donor_dying_mid_stream_is_resumed_by_a_donor_with_the_same_replica():
+    same = replica(1)
+    donors = {"a": Donor(same, die_after=3), "b": Donor(same)}
+    state, stats = fetch(donors, ["a", "b"])
+    assert state is not None and state.digest == same.digest
+    assert torch.equal(state.params, same.params) and torch.equal(state.momentum, same.momentum)
+    assert state.donors == ("a", "b") and state.resumed_bytes == 3 * PART
+    assert donors["b"].requests == [{"fragment": 0, "offset": 3 * PART, "digest": same.digest}]
+    # b sent only what a had not: nothing was received twice.
+    assert donors["a"].stats.bytes_sent == 3 * PART
+    assert donors["b"].stats.bytes_sent == 8 * NUMEL - 3 * PART
+    assert stats.bytes_received == 8 * NUMEL and stats.rejected == 0
+
+
+def test_donor_with_another_replica_restarts_from_zero():
+    a, b = replica(1), replica(2, version=4)
+    donors = {"a": Donor(a, die_after=5), "b": Donor(b)}
+    state, _ = fetch(donors, ["a", "b"])
+    assert state.digest == b.digest and torch.equal(state.params, b.params)  # not a splice of a and b
+    assert state.donors == ("b",) and state.resumed_bytes == 0
+    assert donors["b"].stats.bytes_sent == 8 * NUMEL
+
+
+def test_lying_resumer_is_caught_by_the_hash_and_the_next_donor_starts_over():
+    same = replica(1)
+    donors = {"a": Donor(same, die_after=2), "liar": Donor(same, tamper=True), "c": Donor(same)}
+    state, stats = fetch(donors, ["a", "liar", "c"])
+    assert state.digest == same.digest and torch.equal(state.params, same.params)
+    assert state.donors == ("c",) and state.resumed_bytes == 0
+    assert donors["c"].requests == [{"fragment": 0}]
+    assert stats.rejected_by_kind == {"state": 1}
+
+
+def test_every_donor_failing_gives_none():
+    donors = {"a": Donor(replica(1), die_after=1), "b": Donor(replica(1), die_after=2)}
+    state, _ = fetch(donors, ["a", "b"])
+    assert state is None
+
+
+def test_bad_offsets_are_refused_and_counted():
+    donor = Donor(replica(1))
+
+    async def first(request):
+        stream = donor.servicer.rpc_download_state(pack_request(request), CONTEXT)
+        return unpack(await anext(stream), {"ok": bool})
+
+    for bad in (-4, 3, "x", True):
+        assert asyncio.run(first({"fragment": 0, "offset": bad, "digest": donor.state.digest}))["ok"] is False
+    assert donor.stats.rejected_by_kind == {"state_request": 4}
+    past_the_end = asyncio.run(first({"fragment": 0, "offset": 8 * NUMEL + 4, "digest": donor.state.digest}))
+    assert past_the_end["ok"] and past_the_end["offset"] == 0
+
+
+def record(peer_id, versions, hashes):
+    n = len(versions)
+    return ProgressRecord(
+        peer_id=peer_id, status="training", device="cpu", algorithm="decoupled", step=1, version=sum(versions),
+        fragment_versions=versions, fragment_weights=[float(v) for v in versions], fragment_hashes=hashes,
+        schedule_step=1, tokens=1, tokens_per_s=1.0, loss=None, held_out_loss=None, rounds=0, rounds_skipped=0,
+        forks_healed=0, tokens_lost=0, goodput=1.0, blocked_s=0.0, bytes_sent=0, bytes_received=0, rejected=0,
+        rejected_by_kind={}, clipped=0, time=1.0)
+
+
+def test_donor_order_spreads_fragments_over_the_holders_of_the_heaviest_replica():
+    peers = [record("p1", [5, 5, 5, 5], list("abcd")), record("p2", [5, 5, 5, 5], list("abcd")),
+             record("p3", [5, 5, 5, 5], list("abcd")), record("old", [4, 4, 4, 4], list("wxyz"))]
+    orders = [[peer.peer_id for peer in donor_order(p, peers)] for p in range(4)]
+    assert orders == [["p1", "p2", "p3", "old"], ["p2", "p3", "p1", "old"], ["p3", "p1", "p2", "old"],
+                      ["p1", "p2", "p3", "old"]]
+    # A peer with a different replica of the same version is not a holder of the heaviest one.
+    peers[1] = record("p2", [5, 6, 5, 5], list("abcd"))
+    assert [peer.peer_id for peer in donor_order(1, peers)] == ["p2", "p1", "p3", "old"]
+    assert donor_order(0, []) == []
