@@ -374,8 +374,10 @@ class Syncer:
 
             async def live_peers() -> dict[str, int]:
                 peers = await self.refresh_peers()
+                # A peer at our version with another replica (a fork) meets in another round: do not expect it.
                 return {peer.peer_id: peer.fragment_versions[p] for peer in peers.values()
-                        if peer.status == "training"}
+                        if peer.status == "training" and not (peer.fragment_versions[p] == version
+                                                              and peer.fragment_hashes[p] != digest)}
 
             decoupled = run.algorithm == "decoupled"
             self._last_round[p] = version
@@ -386,6 +388,7 @@ class Syncer:
                 subkey=self._subkey, weight=weight, live_peers=live_peers, gather_timeout=run.gather_timeout,
                 abort=lambda: self.behind(p), quorum=run.quorum if decoupled else None,
                 grace=self.grace, on_reject=self._reject, max_group=run.max_group, excluded=self.cooldown.active,
+                base=digest,
             )
             formed = time.monotonic()
             if members is None:
@@ -462,10 +465,15 @@ class Syncer:
                 peer, p, version = parsed
                 if (peer == self.peer_id or peer not in peers or p >= self.replica.num_fragments
                         or p in self._in_round or self._last_round.get(p) == version
-                        or version != self.replica.identity(p)[0]):
+                        or version != self.replica.identity(p)[0] or self._forked_from(peers[peer], p)):
                     continue
                 with self._open_lock:
                     self._open.add(p)
+
+    def _forked_from(self, peer: ProgressRecord, p: int) -> bool:
+        """The peer holds another replica of fragment ``p`` at our version (its round is not ours to join)."""
+        version, _, digest = self.replica.identity(p)
+        return peer.fragment_versions[p] == version and peer.fragment_hashes[p] != digest
 
     def take_open_rounds(self) -> set[int]:
         """Fragments whose round at our version a peer has opened since the last call."""

@@ -33,8 +33,8 @@ MAX_GROUP = 1024
 DECISION_LIFETIME_FACTOR = 3  # a group decision older than this many gather timeouts is stale
 
 
-def group_key(run_id: str, fragment: int, version: int) -> str:
-    return round_key(run_id, fragment, version) + "_group"
+def group_key(run_id: str, fragment: int, version: int, base: str = "") -> str:
+    return round_key(run_id, fragment, version, base) + "_group"
 
 
 def parse_group_record(value: Any) -> list[list[str]] | None:
@@ -87,6 +87,7 @@ async def form_group(
     on_reject: Callable[..., None] = lambda kind, source=None: None,
     max_group: int = MAX_GROUP,
     excluded: Callable[[str], bool] = lambda peer: False,
+    base: str = "",
 ) -> list[str] | None:
     """Register for the round and return its sorted member list.
 
@@ -104,7 +105,8 @@ async def form_group(
     the round. Every member that saw the offence ignores it; a daemon that never did may follow it and miss the
     round (it catches up by download), but no replica forks.
     """
-    key, gkey = round_key(run_id, fragment, version), group_key(run_id, fragment, version)
+    # ``base``: the digest of the replica this round updates; only daemons holding that very replica meet.
+    key, gkey = round_key(run_id, fragment, version, base), group_key(run_id, fragment, version, base)
     now = get_dht_time()
     expiration = now + 4 * gather_timeout + 60
     record = {"peer_id": peer_id, "weight": float(weight), "time": float(now)}

@@ -32,8 +32,11 @@ def progress_key(run_id: str) -> str:
     return f"{run_id}_progress"
 
 
-def round_key(run_id: str, fragment: int, version: int) -> str:
-    return f"{run_id}_round_{fragment}_{version}"
+def round_key(run_id: str, fragment: int, version: int, base: str = "") -> str:
+    """Where the daemons holding replica ``base`` (a digest) of fragment ``fragment`` at ``version`` meet. Two
+    replicas at one version with different digests (a fork) never share a round: averaging the same delta into
+    different bases would keep them apart; they are reconciled by adoption (the heavier wins) instead."""
+    return f"{run_id}_round_{fragment}_{version}" + (f"_{base}" if base else "")
 
 
 def open_rounds_key(run_id: str) -> str:

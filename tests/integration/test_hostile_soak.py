@@ -70,7 +70,8 @@ async def download(p2p, target: PeerID, rng: random.Random) -> None:
         pass
 
 
-async def flood(dht: DHT, targets: list[PeerID], signer: RSASignatureValidator) -> dict[str, int]:
+async def flood(dht: DHT, targets: list[PeerID], signer: RSASignatureValidator,
+                current: tuple[int, int, str]) -> dict[str, int]:
     rng = random.Random(0)
     p2p = await dht.replicate_p2p()
     sent = {"aggregate": 0, "state": 0, "records": 0}
@@ -89,7 +90,9 @@ async def flood(dht: DHT, targets: list[PeerID], signer: RSASignatureValidator) 
     rng.shuffle(calls)
     await asyncio.gather(*calls)
 
-    keys = [progress_key(RUN), open_rounds_key(RUN), *(round_key(RUN, 0, v) for v in range(40)),
+    fragment, version, digest = current  # the round the daemons are about to form: they read these keys
+    keys = [progress_key(RUN), open_rounds_key(RUN), round_key(RUN, fragment, version, digest),
+            group_key(RUN, fragment, version, digest), *(round_key(RUN, 0, v) for v in range(40)),
             *(group_key(RUN, 0, v) for v in range(40))]
     junk = [None, 1, "x" * 1000, [1, 2], {"peer_id": 5}, {"groups": [["b", "a"]], "time": 1.0},
             {"peer_id": "Qm", "weight": float("nan"), "time": 1.0}, {"peer_id": "Qm", "fragment": -1, "version": 0}]
@@ -117,7 +120,9 @@ def test_daemons_survive_a_flood_of_malformed_rpcs_and_records(tmp_path):
         try:
             before = {n: last_step(d) for n, d in swarm.daemons.items()}
             started = time.monotonic()
-            sent = asyncio.run(flood(hostile, [PeerID.from_base58(p) for p in ids], signer))
+            last = a.rounds()[-1]
+            current = (last["fragment"], last["version"], last["hash"])
+            sent = asyncio.run(flood(hostile, [PeerID.from_base58(p) for p in ids], signer, current))
             flood_seconds = time.monotonic() - started
         finally:
             hostile.shutdown()

@@ -114,3 +114,12 @@ def test_run_config_records():
     assert parse_run_config({**good, "started_at": "yesterday"}) is None
     assert parse_run_config({**good, "extra": 1}) is None
     assert parse_run_config("garbage") is None
+
+
+def test_round_keys_separate_replicas_at_one_version():
+    from atoll.protocols.matchmaking import group_key
+    from atoll.protocols.records import round_key
+
+    assert round_key("r", 1, 5) == "r_round_1_5"
+    assert round_key("r", 1, 5, "abc") != round_key("r", 1, 5, "abd")
+    assert group_key("r", 1, 5, "abc") == round_key("r", 1, 5, "abc") + "_group"
