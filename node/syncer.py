@@ -44,6 +44,7 @@ logger = logging.getLogger("atoll")
 MAX_ATTEMPTS = 3
 CORRUPTIONS = ("truncated", "header", "codec", "nan")
 OPEN_ROUND_POLL = 0.25  # seconds between reads of the rounds others opened (decoupled)
+MEMBER_WAIT = 3.0  # seconds a private run's donor looks for an unknown requester among its peers
 
 
 @dataclass
@@ -96,6 +97,7 @@ class Syncer:
         self._config_published = 0.0
         self.private = private  # members only: the DHT holds members' records only; state is served to them only
         self._members_refreshed = 0.0
+        self._members_refresh: asyncio.Future | None = None
 
     # ---- lifetime -------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -208,13 +210,29 @@ class Syncer:
 
     async def is_member(self, peer_id: str) -> bool:
         """Private runs: whether ``peer_id`` published a progress record (the DHT accepts those only from members).
-        An unknown peer triggers one refresh, at most once a second, so that a joiner is served at once."""
-        if peer_id in self.peers():
-            return True
-        if time.monotonic() - self._members_refreshed > 1.0:
+
+        A joiner asks for state right after publishing its first record, which may still be on its way to us: an
+        unknown peer is looked for again for up to ``MEMBER_WAIT`` seconds before it is refused. Concurrent askers
+        share one refresh at a time, at most two a second, so a flood of strangers costs the DHT little."""
+        deadline = time.monotonic() + MEMBER_WAIT
+        while peer_id not in self.peers():
+            if time.monotonic() > deadline:
+                return False
+            await self._refresh_members()
+            if peer_id not in self.peers():
+                await asyncio.sleep(0.25)
+        return True
+
+    async def _refresh_members(self) -> None:
+        if self._members_refresh is None or self._members_refresh.done():
+            if time.monotonic() - self._members_refreshed < 0.5:
+                return
             self._members_refreshed = time.monotonic()
-            await self.refresh_peers()
-        return peer_id in self.peers()
+            self._members_refresh = asyncio.ensure_future(self.refresh_peers())
+        try:
+            await asyncio.shield(self._members_refresh)
+        except Exception as e:  # the DHT may fail a read; the caller looks again or refuses
+            logger.debug("could not refresh peers: %r", e)
 
     def peers(self) -> dict[str, ProgressRecord]:
         with self._peers_lock:
@@ -311,6 +329,7 @@ class Syncer:
         the fragments adopted, in order, stopping at the first that could not be downloaded."""
 
         async def run() -> list[ReplicaState]:
+            await self._publish()  # donors of a private run serve members only: be one of their peers first
             peers = [peer for peer in (await self.refresh_peers()).values() if peer.status == "training"]
             if not peers:
                 return []
@@ -329,6 +348,7 @@ class Syncer:
         swarm has moved past. The adopted fragments are queued for the learner (``take_adopted``)."""
 
         async def run() -> list[ReplicaState]:
+            await self._publish()  # as a joiner does: donors of a private run serve the peers they know
             peers = [peer for peer in (await self.refresh_peers()).values() if peer.status == "training"]
             behind = [p for p in range(self.replica.num_fragments)
                       if any(heavier(peer.fragment(p), self.replica.identity(p)) for peer in peers)]

@@ -130,6 +130,10 @@ def p2p_opener(p2p: P2P, namespace: str) -> Opener:
     return open_stream
 
 
+class DonorRefused(WireError):
+    """A donor answered that it will not serve us (no state yet, or we are not a member it knows): try another."""
+
+
 class _Transfer:
     """The bytes of one fragment received so far, and the header of the replica they belong to."""
 
@@ -147,7 +151,7 @@ async def _continue_from(open_stream: Opener, donor: str, fragment: int, t: _Tra
     stream = await asyncio.wait_for(open_stream(donor, request), part_timeout)
     header: dict[str, Any] = unpack(await asyncio.wait_for(anext(stream), part_timeout), {"ok": bool})
     if not header["ok"]:
-        raise WireError(f"donor refused: {header.get('error')}")
+        raise DonorRefused(f"donor refused: {header.get('error')}")
     check_fields(header, _HEADER)
     if header["numel"] != t.numel or header["fragment"] != fragment:
         raise WireError(f"donor's fragment {header['fragment']} has {header['numel']} values, ours {t.numel}")
@@ -205,7 +209,7 @@ async def download_state(
                         "+".join(d[-8:] for d in state.donors))
             return state
         except Exception as e:  # a donor can fail in many ways (dead, slow, lying); all mean: try the next
-            if isinstance(e, WireError):
+            if isinstance(e, WireError) and not isinstance(e, DonorRefused):  # a refusal is no offence
                 stats.reject("state", donor)
             logger.warning("state download of fragment %d from %s failed after %d bytes: %r; trying the next donor",
                            fragment, donor[-8:], len(t.data), e)
