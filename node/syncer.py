@@ -315,11 +315,18 @@ class Syncer:
 
         async def fetch(p: int) -> ReplicaState | None:
             donors = donor_order(p, peers)
+            if donors and donors[0].fragment(p) == self.replica.identity(p):
+                # We hold that very replica already (a joiner of a young run holds Θ₀ from the shared seed):
+                # nothing to download; the donor's record still tells where the sync schedule is.
+                held = self.replica.snapshot(p)
+                held.schedule_step, held.donor = donors[0].schedule_step, donors[0].peer_id
+                return held
             state = await download_state(self._open_state_stream, [d.peer_id for d in donors], p,
                                          self.replica.numel(p), self.cfg.run.round_timeout, self.stats)
             if state is not None and not await asyncio.get_running_loop().run_in_executor(
                     None, self.replica.adopt, state):
-                return None
+                # Not heavier than ours: fine if it is ours (identical), else ours moved on meanwhile.
+                return state if state.digest == self.replica.identity(p)[2] else None
             return state
 
         return list(await asyncio.gather(*(fetch(p) for p in fragments)))

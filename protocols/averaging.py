@@ -229,7 +229,14 @@ class AveragingServicer(ServicerBase):
         self._waiting: dict[str, int] = {}  # peer -> its requests waiting for a group not opened yet
 
     def open(self, spec: GroupSpec, timeout: float) -> _Reduction:
-        """Start reducing this daemon's shard of ``spec``; requests for it that arrived early are released."""
+        """Start reducing this daemon's shard of ``spec``; requests for it that arrived early are released.
+
+        A group id this daemon still remembers keeps its reduction: a round retried at the same version by the
+        same members has the same id, and members that asked the first reduction must get the same values as
+        those that ask now (replacing it made them disagree: same contributors, different replicas)."""
+        existing = self._groups.get(spec.group_id)
+        if existing is not None:
+            return existing
         index = spec.members.index(self.local_peer)
         reduction = _Reduction(spec, spec.bounds()[index], timeout, self.clip_factor)
         reduction.stats = self.stats

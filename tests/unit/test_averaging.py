@@ -65,6 +65,25 @@ def test_reduction_times_out_without_missing_members():
     assert result.contributors == ["a"] and torch.equal(result.values, torch.ones(4))
 
 
+def test_a_group_id_opened_again_keeps_its_first_reduction():
+    """A round retried at the same version by the same members has the same group id: whoever asks, early or
+    late, must get the values of one reduction (a replaced reduction let two members of one round disagree)."""
+
+    async def run():
+        servicer = AveragingServicer("run", "a", TrafficStats())
+        spec = GroupSpec("run", 0, 0, 0, ("a", "b"), 8, block=4)
+        first = servicer.open(spec, timeout=0.2)
+        first.add("a", 1.0, torch.ones(4))
+        early = await first.result  # b's part never came: reduced without it
+        again = servicer.open(spec, timeout=5)
+        again.add("a", 1.0, torch.full((4,), 7.0))
+        again.add("b", 1.0, torch.full((4,), 3.0))
+        return early, again, await again.result
+
+    early, again, late = asyncio.run(run())
+    assert torch.equal(late.values, early.values) and late.contributors == ["a"]
+
+
 def test_wire_roundtrip_and_rejections():
     t = torch.randn(1000)
     parts = list(tensor_to_parts(t, part_bytes=1000))
