@@ -2,10 +2,8 @@
 
 Per fragment p it keeps ``base`` (the global Θ_p that θ_p last started from, and that replica's identity) and the
 token/step counters of Decoupled DiLoCo's weights. When a heavier replica is adopted (a fork lost, a round
-missed), θ_p restarts from it and the unmerged local work on p is dropped and counted as lost, as in the paper.
-Carrying that work into the next contribution instead was tried and measured: the stale deltas, amplified by
-the outer Nesterov momentum, made a 4-daemon tiny run diverge (held-out loss 2.98 → 4.44 over 300 steps),
-while dropping them kept it near 2.7–3.0.
+missed), θ_p restarts from it and the unmerged local work on p is dropped and counted as lost, as in the paper;
+with ``stale_contributions`` the work is rebased instead (``rebase``) and contributed to the next round.
 """
 
 from __future__ import annotations
