@@ -38,6 +38,7 @@ def _start_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stale-contributions", choices=("true", "false"),
                    help="keep work a round missed for the next one (decoupled; default false)")
     p.add_argument("--sync-every", type=int, metavar="H", help="inner steps between outer rounds")
+    p.add_argument("--seed", type=int, help="seed of the initial model and of the data order (default: 0)")
     p.add_argument("--batch-size", type=int, help="sequences per inner step on this daemon")
     p.add_argument("--max-steps", type=int, help="stop after this many inner steps (default: run until stopped)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: 1)")

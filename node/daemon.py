@@ -455,10 +455,13 @@ class Daemon:
                 fragment.scatter(new, self.learner.params)
                 what = "discarded"
             self.tokens_lost += lost
-            logger.info("adopted fragment %d v%d from %s%s; unmerged local work %s, %d tokens' work lost", p,
-                        state.version, state.donor[-8:], " (a fork: ours lost)" if state.forked else "", what, lost)
+            how = f" by replaying {len(state.rounds)} rounds" if state.rounds else ""
+            logger.info("adopted fragment %d v%d from %s%s%s; unmerged local work %s, %d tokens' work lost", p,
+                        state.version, state.donor[-8:], how, " (a fork: ours lost)" if state.forked else "", what,
+                        lost)
             self._metric(event="adopted", fragment=p, version=state.version, lost_tokens=lost, step=self.learner.step,
-                         forked=state.forked, hash=state.digest, donors=list(state.donors))
+                         forked=state.forked, hash=state.digest, donors=list(state.donors),
+                         replayed=len(state.rounds))
 
     def _start_round(self, p: int, own_schedule: bool = False) -> None:
         """Contribute fragment ``p`` to its next round: at its due step (``own_schedule``), or earlier when a peer
@@ -540,7 +543,8 @@ class Daemon:
             if run.alpha:
                 merged = run.alpha * fragment.gather(learner.params) + (1 - run.alpha) * merged
             fragment.scatter(merged, learner.params)
-            ver, w, digest = self.replica.identity(p)
+            # The round's own result: a heavier replica downloaded since (now in θ_p) is recorded as an adoption.
+            ver, w, digest = outcome.version, outcome.weight, outcome.digest
             if p == 0:
                 self.held_out_loss = learner.evaluate(self.held_out)
             logger.info("round f%d v%d→v%d done in %.1fs: %d members, %d contributors, held-out loss %s, hash %s",

@@ -3,17 +3,27 @@
 Lives in host memory as flat fp32 tensors and is shared by the learner thread and the protocol thread, so
 every access goes through one lock. Identity of a fragment replica: (version, weight, digest) — see
 ``atoll.protocols.records.heavier``. ``diloco`` uses a single fragment holding every parameter.
+
+Each fragment also keeps its last rounds as their compressed reduced shards (``RoundDelta``), so that a peer
+holding an older replica on the same line can catch up by replaying them instead of downloading Θ_p and its
+momentum (``protocols/state_sync.py``). The log holds an unbroken chain ending at the current replica: a
+round that cannot be replayed (one merged alone, or a ddp step) or an adoption from elsewhere starts it over.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 
 import torch
 
 from atoll.models.outer import NesterovOuter, tensor_hash
-from atoll.protocols.state_sync import MAX_ANCESTORS, ReplicaState
+from atoll.protocols import codecs
+from atoll.protocols.averaging import merged_delta
+from atoll.protocols.state_sync import MAX_ANCESTORS, MAX_REPLAY_ROUNDS, Replay, ReplicaState, RoundDelta
+
+logger = logging.getLogger("atoll")
 
 
 class _Fragment:
@@ -24,6 +34,15 @@ class _Fragment:
         self.version, self.weight = version, float(weight)
         self.digest = tensor_hash(self.params, self.momentum)
         self.ancestors = [a for a in ancestors if a != self.digest][-(MAX_ANCESTORS - 1):] + [self.digest]
+        self.log: list[RoundDelta] = []  # the last replayable rounds, an unbroken chain ending at ``digest``
+
+    def remember(self, rounds: Sequence[RoundDelta]) -> None:
+        """Append rounds that end at the current replica; keep at most ``MAX_REPLAY_ROUNDS`` rounds, and no more
+        bytes than half a full transfer (a longer replay is never offered)."""
+        self.log.extend(rounds)
+        budget = 4 * self.params.numel()
+        while self.log and (len(self.log) > MAX_REPLAY_ROUNDS or sum(r.nbytes for r in self.log) > budget):
+            self.log.pop(0)
 
     def advanced(self) -> None:
         """Θ_p changed into a descendant of itself: new digest, and the old one joins the ancestors."""
@@ -86,19 +105,72 @@ class Replica:
             return list(self._frags[p].ancestors)
 
     def apply_outer_step(self, p: int, version: int, delta: torch.Tensor, weight: float,
-                         outer: NesterovOuter, digest: str | None = None) -> bool:
+                         outer: NesterovOuter, digest: str | None = None,
+                         shards: Sequence[tuple[int, bytes]] | None = None,
+                         rda_norm: float | None = None) -> tuple[int, float, str] | None:
         """Apply a round's merged delta if fragment ``p`` is still the replica the round started from (same
         version and, when given, the same digest: a heavier replica adopted at the same version does not count);
-        returns whether it was applied."""
+        returns the new replica's identity (the round's result), or None if it was not applied. ``shards`` and
+        ``rda_norm``: what ``delta`` was made of (``averaging.merged_delta``), kept so peers can replay the round."""
         with self._lock:
             f = self._frags[p]
             if f.version != version or (digest is not None and f.digest != digest):
-                return False
+                return None
+            base = f.digest
             outer.step(f.params, f.momentum, delta)
             f.version += 1
             f.weight += float(weight)
             f.advanced()
-            return True
+            if shards is None:
+                f.log.clear()
+            else:
+                f.remember([RoundDelta(version, base, f.digest, float(weight), rda_norm, tuple(shards))])
+            return f.version, f.weight, f.digest
+
+    def replay_from(self, p: int, have: str) -> Replay | None:
+        """The logged rounds that lead from the replica ``have`` to our current one (a donor's answer), or None
+        when ``have`` is not on our log (then only a full transfer will do)."""
+        with self._lock:
+            f = self._frags[p]
+            for i, r in enumerate(f.log):
+                if r.base == have:
+                    return Replay(p, f.version, f.weight, f.digest, self.schedule_step, tuple(f.ancestors),
+                                  tuple(f.log[i:]))
+            return None
+
+    def replay(self, replay: Replay, outer: NesterovOuter) -> ReplicaState | None:
+        """Replay a donor's rounds on our replica of the fragment: the resulting state (to ``adopt``) if every
+        round decodes and ends at the digest the donor announced, else None (logged). The tensor work runs on
+        copies, outside the lock."""
+        p = replay.fragment
+        state = self.snapshot(p)
+        if not replay.rounds or replay.rounds[0].base != state.digest:
+            logger.info("fragment %d: our replica moved on; the replay no longer applies", p)
+            return None
+        params, momentum, weight, digest = state.params, state.momentum, state.weight, state.digest
+        ancestors = list(state.ancestors)
+        for r in replay.rounds:
+            try:
+                delta = merged_delta([codecs.decode(b, expected_numel=n) for n, b in r.shards], r.rda_norm)
+            except codecs.CodecError as e:
+                logger.warning("fragment %d: round v%d of the replay does not decode: %s", p, r.version, e)
+                return None
+            if delta.numel() != params.numel():
+                logger.warning("fragment %d: round v%d of the replay has the wrong size", p, r.version)
+                return None
+            outer.step(params, momentum, delta)
+            weight += float(r.weight)
+            digest = tensor_hash(params, momentum)
+            if digest != r.result:
+                logger.warning("fragment %d: replaying round v%d gave %s, the donor announced %s", p, r.version,
+                               digest, r.result)
+                return None
+            ancestors.append(digest)
+        if (replay.version, weight) != (state.version + len(replay.rounds), replay.weight):
+            logger.warning("fragment %d: the replay's version or weight disagrees with the donor's header", p)
+            return None
+        return ReplicaState(replay.version, weight, digest, params, momentum, replay.schedule_step, replay.donor, p,
+                            tuple(ancestors[-MAX_ANCESTORS:]), donors=(replay.donor,), rounds=replay.rounds)
 
     def adopt(self, state: ReplicaState) -> bool:
         """Replace a fragment with a heavier downloaded one; False if ours became at least as heavy meanwhile."""
@@ -109,9 +181,13 @@ class Replica:
             # A fork: our replica is not in the new one's history (as far as that history reaches back).
             oldest_known = state.version - len(state.ancestors) + 1
             state.forked = f.version >= oldest_known and f.digest not in state.ancestors
+            replayed_ours = bool(state.rounds) and state.rounds[0].base == f.digest
             f.params, f.momentum = state.params.clone(), state.momentum.clone()
             f.version, f.weight, f.digest = state.version, state.weight, state.digest
             f.ancestors = list(state.ancestors)[-MAX_ANCESTORS:] or [state.digest]
+            if not replayed_ours:
+                f.log.clear()
+            f.remember(state.rounds if replayed_ours else ())
             return True
 
     def replace_params(self, p: int, version: int, params: torch.Tensor, weight: float) -> bool:
@@ -125,4 +201,5 @@ class Replica:
             f.version += 1
             f.weight += float(weight)
             f.advanced()
+            f.log.clear()
             return True

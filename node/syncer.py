@@ -35,7 +35,7 @@ from atoll.protocols.matchmaking import form_group
 from atoll.protocols.records import (
     ProgressRecord, config_key, heavier, open_rounds_key, parse_open_round, parse_progress, progress_key, unwrap_subkeys,
 )
-from atoll.protocols.state_sync import ReplicaState, StateServicer, download_state, p2p_opener
+from atoll.protocols.state_sync import Replay, ReplicaState, StateServicer, download_state, p2p_opener
 
 from .config import NodeConfig
 from .replica import Replica
@@ -49,13 +49,17 @@ MEMBER_WAIT = 3.0  # seconds a private run's donor looks for an unknown requeste
 
 @dataclass
 class RoundOutcome:
-    """``merged``: the replica advanced to ``version``. ``behind``: a heavier replica exists; wait for it."""
+    """``merged``: the replica advanced to ``version`` with ``digest`` and total ``weight`` (the round's result,
+    which the replica may have replaced by a heavier download before the learner merges). ``behind``: a heavier
+    replica exists; wait for it."""
 
     kind: str  # "merged" | "behind" | "failed"
     version: int
     members: list[str] = field(default_factory=list)
     contributors: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    digest: str = ""
+    weight: float = 0.0
 
 
 class Syncer:
@@ -118,7 +122,8 @@ class Syncer:
                                           self.cfg.run.clip_factor, self.cfg.run.round_timeout)
         await self.averager.add_p2p_handlers(self.p2p, namespace=self.cfg.run_id)
         await StateServicer(self.replica.snapshot, self.replica.num_fragments, self.stats,
-                            authorize=self.is_member if self.private else None).add_p2p_handlers(
+                            authorize=self.is_member if self.private else None,
+                            replay=self.replica.replay_from).add_p2p_handlers(
             self.p2p, namespace=self.cfg.run_id)
         self._open_state_stream = p2p_opener(self.p2p, self.cfg.run_id)
         self._heartbeat_task = self._spawn(self._heartbeat())
@@ -279,8 +284,7 @@ class Syncer:
             mine = self.replica.identity(p)
             logger.info("peer %s holds a heavier replica of fragment %d (v%d vs our v%d); downloading it",
                         donors[0].peer_id[-8:], p, donors[0].fragment(p)[0], mine[0])
-            state = await download_state(self._open_state_stream, [d.peer_id for d in donors], p,
-                                         self.replica.numel(p), self.cfg.run.round_timeout, self.stats)
+            state = await self._download(p, [d.peer_id for d in donors])
             if state is not None and await asyncio.get_running_loop().run_in_executor(None, self.replica.adopt, state):
                 if state.forked:
                     self.forks_healed += 1  # two groups merged from the same version: ours lost
@@ -321,8 +325,7 @@ class Syncer:
                 held = self.replica.snapshot(p)
                 held.schedule_step, held.donor = donors[0].schedule_step, donors[0].peer_id
                 return held
-            state = await download_state(self._open_state_stream, [d.peer_id for d in donors], p,
-                                         self.replica.numel(p), self.cfg.run.round_timeout, self.stats)
+            state = await self._download(p, [d.peer_id for d in donors])
             if state is not None and not await asyncio.get_running_loop().run_in_executor(
                     None, self.replica.adopt, state):
                 # Not heavier than ours: fine if it is ours (identical), else ours moved on meanwhile.
@@ -330,6 +333,21 @@ class Syncer:
             return state
 
         return list(await asyncio.gather(*(fetch(p) for p in fragments)))
+
+    async def _download(self, p: int, donors: list[str]) -> ReplicaState | None:
+        """Fragment ``p``'s replica from the first of ``donors`` that delivers one: by replaying the rounds from
+        ours when a donor still holds them, else (or when a replay does not check out) in full."""
+        state = await download_state(self._open_state_stream, donors, p, self.replica.numel(p),
+                                     self.cfg.run.round_timeout, self.stats, have=self.replica.identity(p)[2])
+        if isinstance(state, Replay):
+            replayed = await asyncio.get_running_loop().run_in_executor(None, self.replica.replay, state, self.outer)
+            if replayed is not None:
+                return replayed
+            if self.replica.identity(p)[2] == state.rounds[0].base:  # it did not check out: the donor's fault
+                self._reject("replay", state.donor)
+            state = await download_state(self._open_state_stream, donors, p, self.replica.numel(p),
+                                         self.cfg.run.round_timeout, self.stats)
+        return state
 
     def download_initial_state(self, timeout: float) -> list[ReplicaState]:
         """Joining: download every fragment's heaviest replica among live peers. Blocks up to ``timeout``; returns
@@ -429,8 +447,9 @@ class Syncer:
                 logger.warning("fault injection: killing this daemon (and its DHT and p2pd) in round v%d", version)
                 os.killpg(os.getpgid(0), signal.SIGKILL)
             mode = "rda" if decoupled and run.rda and not self.fragments[p].has_embedding else "mean"
-            compress = run.compression != "none" and len(members) > 1
-            use_ef = compress and run.error_feedback
+            # A round merged alone is compressed too: every round of a compressed run is then replayable from its
+            # codec bytes (a peer that missed it catches up cheaply), and error feedback keeps what it dropped.
+            use_ef = run.compression != "none" and run.error_feedback
             target = self.error_feedback.target(str(p), delta) if use_ef else delta
             corrupt = None
             if len(members) > 1:  # a solo round sends nothing, so it cannot carry an injected fault
@@ -443,20 +462,21 @@ class Syncer:
                 logger.warning("fault injection: sending %s parts in round f%d v%d", corrupt, p, version)
             byzantine = self._byzantine(len(members))
             result, alive = await self._allreduce(p, version, members, target, weight, mode, run.compression, corrupt,
-                                                  byzantine=byzantine)
+                                                  byzantine=byzantine, base=digest)
             if result is None:
                 return RoundOutcome("failed", version, members, seconds=time.monotonic() - started)
             self._sync_time.update(time.monotonic() - formed)
-            if use_ef and result.sent is not None and len(alive) > 1:
+            if use_ef and result.sent is not None:
                 self.error_feedback.commit(str(p), target, result.sent)
             applied = await asyncio.get_running_loop().run_in_executor(
-                None, self.replica.apply_outer_step, p, version, result.merged, result.weight, self.outer, digest
-            )
-            if not applied:
+                None, self.replica.apply_outer_step, p, version, result.merged, result.weight, self.outer, digest,
+                result.shards, result.rda_norm)
+            if applied is None:
                 behind = True
                 return RoundOutcome("behind", version, members, seconds=time.monotonic() - started)
             self.rounds_done += 1
-            return RoundOutcome("merged", version + 1, members, result.contributors, time.monotonic() - started)
+            return RoundOutcome("merged", version + 1, members, result.contributors, time.monotonic() - started,
+                                digest=applied[2], weight=applied[1])
         finally:
             self._in_round.discard(p)
             self._spawn(self._publish())
@@ -519,13 +539,13 @@ class Syncer:
 
     async def _allreduce(self, p: int, version: int, members: list[str], tensor: torch.Tensor, weight: float,
                          mode: str, codec: str, corrupt: str | None = None, first_attempt: int = 0,
-                         byzantine: str | None = None) -> tuple[AllreduceResult | None, list[str]]:
+                         byzantine: str | None = None, base: str = "") -> tuple[AllreduceResult | None, list[str]]:
         """The group's all-reduce, retried without reducers that failed; (None, _) when it cannot complete.
         Attempt numbers are part of the group id, so a caller that starts over passes a fresh ``first_attempt``."""
         alive = list(members)
         for attempt in range(first_attempt, first_attempt + MAX_ATTEMPTS):
             spec = GroupSpec(self.cfg.run_id, p, version, attempt, tuple(alive), tensor.numel(), mode, codec,
-                             self.cfg.run.codec_block)
+                             self.cfg.run.codec_block, base)
             result = await allreduce(self.p2p, self.averager, spec, self.peer_id, tensor, weight,
                                      self.cfg.run.round_timeout, corrupt, byzantine)
             if result.merged is not None:

@@ -86,11 +86,12 @@ class GroupSpec:
     mode: str = "mean"  # "mean" or "rda"
     codec: str = "none"
     block: int = 256
+    base: str = ""  # the digest of the replica the round starts from: forks at one version are different groups
 
     @property
     def group_id(self) -> str:
-        text = (f"{self.run_id}|{self.fragment}|{self.version}|{self.attempt}|{','.join(self.members)}|{self.numel}"
-                f"|{self.mode}|{self.codec}|{self.block}")
+        text = (f"{self.run_id}|{self.fragment}|{self.version}|{self.base}|{self.attempt}|{','.join(self.members)}"
+                f"|{self.numel}|{self.mode}|{self.codec}|{self.block}")
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 
     def bounds(self) -> list[tuple[int, int]]:
@@ -207,8 +208,9 @@ class _Reduction:
             clipped = set(cut) | set(cut_w) | set(cut_n)
         merged = weighted_mean(values, weights)
         payload = None
-        if len(self.spec.members) > 1:
-            # Others receive the encoded shard; the reducer applies exactly the values they will decode.
+        if len(self.spec.members) > 1 or self.spec.codec != "none":
+            # Others receive the encoded shard; the reducer applies exactly the values they will decode. A round of
+            # one is encoded too (unless uncompressed), so that peers that missed it can replay it from the bytes.
             payload = codecs.encode(merged.float(), self.spec.codec, self.spec.block)
             merged = codecs.decode(payload, expected_numel=self.numel)
         return ShardResult(merged, float(sum(weights)), peers, weighted_norm(norms, weights), payload,
@@ -397,7 +399,8 @@ async def _exchange_with(
         except codecs.CodecError as e:
             stats.reject("codec")
             raise WireError(f"undecodable reduced shard: {e}") from None
-        return ShardResult(values, float(header["weight"]), list(header["contributors"]), float(header["norm"]))
+        return ShardResult(values, float(header["weight"]), list(header["contributors"]), float(header["norm"]),
+                           b"".join(chunks))
 
     # The reducer may wait up to `timeout` for slow members before it answers; allow for the transfer on top.
     return await asyncio.wait_for(call(), timeout=2 * timeout + 10)
@@ -432,7 +435,9 @@ class GroupRefused(WireError):
 @dataclass
 class AllreduceResult:
     """``failed``: reducers that could not be reached (dead, slow, or garbled); ``refused``: live ones that
-    disagreed. ``sent``: our contribution as the others decoded it (for error feedback)."""
+    disagreed. ``sent``: our contribution as the others decoded it (for error feedback). ``shards`` (compressed
+    runs, and groups with a remote member): each reduced shard as (numel, encoded bytes), in member order, and ``rda_norm``: with
+    ``merged_delta`` they give ``merged`` exactly, so a peer that missed the round can replay it from them."""
 
     merged: torch.Tensor | None
     weight: float
@@ -440,6 +445,15 @@ class AllreduceResult:
     failed: list[str]
     refused: list[str] = field(default_factory=list)
     sent: torch.Tensor | None = None
+    shards: list[tuple[int, bytes]] | None = None
+    rda_norm: float | None = None
+
+
+def merged_delta(shards: list[torch.Tensor], rda_norm: float | None) -> torch.Tensor:
+    """A round's merged delta from its decoded reduced shards (member order): concatenated in float64 and, for
+    ``rda``, rescaled to the round's norm. Every member and every replay computes it with this one function."""
+    merged = torch.cat([s.double() for s in shards])
+    return merged if rda_norm is None else rda_finish(merged, rda_norm)
 
 
 def corrupt_payload(payload: bytes, kind: str) -> bytes:
@@ -472,7 +486,7 @@ def byzantine_payload(flat: torch.Tensor, lo: int, hi: int, codec: str, block: i
 def _encode_parts(flat: torch.Tensor, bounds: list[tuple[int, int]], codec: str, block: int,
                   solo: bool) -> tuple[list[bytes], list[torch.Tensor]]:
     """Encode each shard of our contribution, and decode it back: the values the reducers will use."""
-    if solo:  # nothing travels: keep the exact float64 values
+    if solo and codec == "none":  # nothing travels: keep the exact float64 values
         return [b"" for _ in bounds], [flat[lo:hi] for lo, hi in bounds]
     payloads = [codecs.encode(flat[lo:hi].float(), codec, block) for lo, hi in bounds]
     return payloads, [codecs.decode(pl, expected_numel=hi - lo) for pl, (lo, hi) in zip(payloads, bounds)]
@@ -519,10 +533,13 @@ async def allreduce(
     if failed or refused:
         return AllreduceResult(None, 0.0, [], failed, refused)
     ordered = [shards[p] for p in spec.members]
-    merged = torch.cat([s.values.double() for s in ordered])
+    rda_norm = None
     if spec.mode == "rda":
         # The norm of the shard that heard from the most weight: the same choice on every member.
         anchor = max(range(len(ordered)), key=lambda i: (ordered[i].weight, -i))
-        merged = rda_finish(merged, ordered[anchor].norm)
+        rda_norm = ordered[anchor].norm
+    merged = merged_delta([s.values for s in ordered], rda_norm)
     contributors = sorted({c for s in ordered for c in s.contributors})
-    return AllreduceResult(merged, max(s.weight for s in ordered), contributors, [], [], torch.cat(sent))
+    encoded = None if any(s.payload is None for s in ordered) else [(s.values.numel(), s.payload) for s in ordered]
+    return AllreduceResult(merged, max(s.weight for s in ordered), contributors, [], [], torch.cat(sent), encoded,
+                           rda_norm)

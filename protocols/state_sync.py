@@ -6,6 +6,13 @@ when one fails. A transfer that breaks off is resumed: the request names the byt
 digest those bytes belong to, and a donor holding the same replica streams from there on; a donor holding
 another replica answers from byte 0 instead (its header says so), so bytes of two replicas are never spliced.
 The hash of the whole payload is checked at the end either way.
+
+Catching up by replay: a requester that names the replica it holds (``have``, a digest) may instead receive the
+rounds that lead from it to the donor's replica, as their reduced shards were sent (compressed by the run's
+codec) with each round's weight, RDA norm and resulting digest. Replaying them with the same outer step gives
+the donor's replica bit for bit (``Replica.replay`` checks every digest), for a fraction of the bytes: the
+momentum never travels. A donor offers a replay only when it holds every round of the chain and the chain is
+at most half the size of the full transfer.
 """
 
 from __future__ import annotations
@@ -45,28 +52,67 @@ class ReplicaState:
     forked: bool = False  # set on adoption: the replica it replaced was not one of its ancestors
     donors: tuple[str, ...] = ()  # downloaded: every donor that sent bytes of it, in order (``donor`` last)
     resumed_bytes: int = 0  # downloaded: bytes received before the last donor took over the transfer
+    rounds: tuple[RoundDelta, ...] = ()  # obtained by replay: the rounds replayed, oldest first
+
+
+@dataclass(frozen=True)
+class RoundDelta:
+    """One merged round of a fragment, as replayable: from the replica ``base`` at ``version``, the outer step
+    of ``merged_delta`` of the decoded ``shards`` ((numel, codec bytes) each) and ``rda_norm`` gives the replica
+    ``result`` at ``version + 1``, whose merged weight grew by ``weight``."""
+
+    version: int
+    base: str
+    result: str
+    weight: float
+    rda_norm: float | None
+    shards: tuple[tuple[int, bytes], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(b) for _, b in self.shards)
+
+
+@dataclass
+class Replay:
+    """A donor's answer to ``have``: the rounds from our replica to its own (version, weight, digest, ...)."""
+
+    fragment: int
+    version: int
+    weight: float
+    digest: str
+    schedule_step: int
+    ancestors: tuple[str, ...]
+    rounds: tuple[RoundDelta, ...]
+    donor: str = ""
 
 
 _HEADER = {"version": int, "weight": float, "digest": str, "numel": int, "schedule_step": int, "fragment": int,
            "ancestors": list, "offset": int}
 MAX_ANCESTORS = 32
+MAX_REPLAY_ROUNDS = 32  # also the most rounds a replica keeps for replays
+MAX_REPLAY_SHARDS = 1024  # shards per round (one per group member)
+_ROUND = {"version": int, "base": str, "result": str, "weight": float, "norm": float, "numels": list, "sizes": list}
 
 
 class StateServicer(ServicerBase):
     """Serves ``rpc_download_state`` from a snapshot callback (called in an executor; it copies tensors).
 
     Request: ``fragment``, and optionally ``offset`` (bytes already received) with ``digest`` (the replica they
-    belong to). ``on_part(n)`` is called before the n+1-th part of a transfer is sent (tests use it to make a
-    donor fail mid-stream).
+    belong to), or ``have`` (the digest of the replica the requester holds: answered by a replay when
+    ``replay(fragment, have)`` returns one). ``on_part(n)`` is called before the n+1-th part of a transfer is sent
+    (tests use it to make a donor fail mid-stream).
     """
 
     def __init__(self, snapshot: Callable[[int], ReplicaState | None], num_fragments: int,
                  stats: TrafficStats, part_bytes: int = PART_BYTES, on_part: Callable[[int], None] | None = None,
-                 authorize: Callable[[str], Awaitable[bool]] | None = None) -> None:
+                 authorize: Callable[[str], Awaitable[bool]] | None = None,
+                 replay: Callable[[int, str], Replay | None] | None = None) -> None:
         assert part_bytes > 0 and part_bytes % 4 == 0
         self._snapshot, self.num_fragments, self.stats = snapshot, num_fragments, stats
         self.part_bytes, self.on_part = part_bytes, on_part
         self._authorize = authorize  # private runs: serve members only
+        self._replay = replay
 
     async def rpc_download_state(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
@@ -86,9 +132,28 @@ class StateServicer(ServicerBase):
                 raise WireError(f"bad offset {offset!r}")
             if wanted is not None and not isinstance(wanted, str):
                 raise WireError("bad digest")
+            have = msg.get("have")
+            if have is not None and not (isinstance(have, str) and len(have) <= 64):
+                raise WireError("bad 'have' digest")
         except WireError as e:
             self.stats.reject("state_request", str(context.remote_id))
             yield pack_response({"ok": False, "error": str(e)})
+            return
+        replay = self._replay(fragment, have) if have and self._replay is not None and not offset else None
+        if replay is not None:
+            yield pack_response(
+                {"ok": True, "version": replay.version, "weight": replay.weight, "digest": replay.digest,
+                 "numel": sum(n for n, _ in replay.rounds[0].shards), "schedule_step": replay.schedule_step,
+                 "fragment": fragment, "ancestors": list(replay.ancestors), "offset": 0,
+                 "replay": [{"version": r.version, "base": r.base, "result": r.result, "weight": r.weight,
+                             "norm": -1.0 if r.rda_norm is None else r.rda_norm, "numels": [n for n, _ in r.shards],
+                             "sizes": [len(b) for _, b in r.shards]} for r in replay.rounds]}
+            )
+            data = b"".join(b for r in replay.rounds for _, b in r.shards)
+            for at in range(0, len(data), self.part_bytes):
+                part = data[at : at + self.part_bytes]
+                self.stats.bytes_sent += len(part)
+                yield pack_response({"data": part})
             return
         # Copying Θ_p and its momentum is tensor work: keep it off the event loop.
         state = await asyncio.get_running_loop().run_in_executor(None, self._snapshot, fragment)
@@ -143,11 +208,61 @@ class _Transfer:
         self.resumed_bytes = 0
 
 
+def _parse_replay(header: dict[str, Any], numel: int, have: str) -> list[dict[str, Any]]:
+    """Check a replay header against the fragment's size and the replica we hold; its rounds, oldest first."""
+    rounds = header["replay"]
+    if not isinstance(rounds, list) or not 0 < len(rounds) <= MAX_REPLAY_ROUNDS:
+        raise WireError("malformed replay: bad number of rounds", "replay")
+    total, digest = 0, have
+    for i, r in enumerate(rounds):
+        if not isinstance(r, dict):
+            raise WireError("malformed replay round", "replay")
+        check_fields(r, _ROUND)
+        numels, sizes = r["numels"], r["sizes"]
+        if (not 0 < len(numels) <= MAX_REPLAY_SHARDS or len(sizes) != len(numels)
+                or not all(type(n) is int and n > 0 for n in numels) or sum(numels) != numel
+                or not all(type(b) is int and 0 < b <= 8 * n + 64 for b, n in zip(sizes, numels))):
+            raise WireError("replay round's shards do not fit the fragment", "replay")
+        if r["base"] != digest or r["version"] != header["version"] - len(rounds) + i:
+            raise WireError("replay rounds do not form a chain from our replica", "replay")
+        if not (0 < r["weight"] < 1e15 and (r["norm"] == -1.0 or 0 <= r["norm"] < 1e30)):
+            raise WireError("replay round's weight or norm out of range", "replay")
+        digest = r["result"]
+        total += sum(sizes)
+    if digest != header["digest"] or total > 8 * numel:
+        raise WireError("replay does not end at the announced replica, or is larger than the replica", "replay")
+    return rounds
+
+
+async def _read_replay(stream: AsyncIterator[Any], header: dict[str, Any], rounds: list[dict[str, Any]],
+                       donor: str, part_timeout: float, stats: TrafficStats) -> Replay:
+    total = sum(sum(r["sizes"]) for r in rounds)
+    data = bytearray()
+    while len(data) < total:
+        chunk = unpack(await asyncio.wait_for(anext(stream), part_timeout), {"data": bytes})["data"]
+        if not chunk or len(data) + len(chunk) > total:
+            raise WireError(f"a replay part of {len(chunk)} bytes does not fit", "replay")
+        stats.bytes_received += len(chunk)
+        data.extend(chunk)
+    out, at = [], 0
+    for r in rounds:
+        shards = []
+        for n, size in zip(r["numels"], r["sizes"]):
+            shards.append((n, bytes(data[at : at + size])))
+            at += size
+        out.append(RoundDelta(r["version"], r["base"], r["result"], float(r["weight"]),
+                              None if r["norm"] == -1.0 else float(r["norm"]), tuple(shards)))
+    return Replay(header["fragment"], header["version"], float(header["weight"]), header["digest"],
+                  header["schedule_step"], tuple(header["ancestors"]), tuple(out), donor)
+
+
 async def _continue_from(open_stream: Opener, donor: str, fragment: int, t: _Transfer, part_timeout: float,
-                         stats: TrafficStats) -> ReplicaState:
+                         stats: TrafficStats, have: str | None = None) -> ReplicaState | Replay:
     request: dict[str, Any] = {"fragment": fragment}
     if t.data:
         request.update(offset=len(t.data), digest=t.header["digest"])
+    elif have:
+        request.update(have=have)
     stream = await asyncio.wait_for(open_stream(donor, request), part_timeout)
     header: dict[str, Any] = unpack(await asyncio.wait_for(anext(stream), part_timeout), {"ok": bool})
     if not header["ok"]:
@@ -158,6 +273,12 @@ async def _continue_from(open_stream: Opener, donor: str, fragment: int, t: _Tra
     ancestors = header["ancestors"]
     if len(ancestors) > MAX_ANCESTORS or not all(isinstance(a, str) and 0 < len(a) <= 64 for a in ancestors):
         raise WireError(f"malformed ancestors list ({len(ancestors)} entries)")
+    if "replay" in header:
+        if not have or t.data:
+            raise WireError("a replay we did not ask for", "replay")
+        if ancestors and ancestors[-1] != header["digest"]:
+            raise WireError("the ancestors list does not end with the replica's own digest")
+        return await _read_replay(stream, header, _parse_replay(header, t.numel, have), donor, part_timeout, stats)
     if header["offset"] == 0:
         if t.data:
             logger.info("fragment %d: donor %s holds another replica; restarting the download from byte 0",
@@ -197,14 +318,20 @@ async def _continue_from(open_stream: Opener, donor: str, fragment: int, t: _Tra
 
 async def download_state(
     open_stream: Opener, donors: Sequence[str], fragment: int, numel: int, part_timeout: float,
-    stats: TrafficStats,
-) -> ReplicaState | None:
+    stats: TrafficStats, have: str | None = None,
+) -> ReplicaState | Replay | None:
     """Try ``donors`` in order (best first) until one fragment replica verifies; None if all failed. A donor that
-    fails mid-transfer hands over to the next one, which resumes where it stopped if it holds the same replica."""
+    fails mid-transfer hands over to the next one, which resumes where it stopped if it holds the same replica.
+    With ``have`` (the digest of the replica we hold), a donor may answer with a ``Replay`` instead (checked for
+    form here; the caller replays it and checks the digests)."""
     t = _Transfer(numel)
     for donor in donors:
         try:
-            state = await _continue_from(open_stream, donor, fragment, t, part_timeout, stats)
+            state = await _continue_from(open_stream, donor, fragment, t, part_timeout, stats, have)
+            if isinstance(state, Replay):
+                logger.info("fragment %d: %s sent the %d rounds to v%d (%d bytes) to replay", fragment, donor[-8:],
+                            len(state.rounds), state.version, sum(r.nbytes for r in state.rounds))
+                return state
             logger.info("downloaded fragment %d v%d from %s", fragment, state.version,
                         "+".join(d[-8:] for d in state.donors))
             return state

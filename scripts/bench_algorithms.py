@@ -77,6 +77,7 @@ def run_swarm(root: Path, algorithm: str, args: argparse.Namespace, extra: list[
     # does. Reported apart, so that the steady-state traffic per token can be read too.
     join = sum(m.get("bytes_received", 0) for d in swarm.daemons.values() for m in d.metrics()
                if m.get("event") == "joined")
+    adopted = [m for d in swarm.daemons.values() for m in d.metrics() if m.get("event") == "adopted"]
     return {"algorithm": algorithm, "held_out_loss_mean": statistics.mean(losses), "held_out_loss_per_daemon": losses,
             "tokens_total": tokens, "bytes_sent_total": sent, "bytes_per_token": sent / tokens,
             "join_bytes": join, "bytes_per_token_after_joining": (sent - join) / tokens,
@@ -84,6 +85,8 @@ def run_swarm(root: Path, algorithm: str, args: argparse.Namespace, extra: list[
             "blocked_s_mean": statistics.mean(x["blocked_s"] for x in s),
             "rounds_per_daemon": [x["rounds"] for x in s], "rounds_skipped": sum(x["rounds_skipped"] for x in s),
             "forks_healed": sum(x["forks_healed"] for x in s), "tokens_lost": sum(x["tokens_lost"] for x in s),
+            "replayed_adoptions": len([m for m in adopted if m.get("replayed")]),
+            "full_adoptions": len([m for m in adopted if not m.get("replayed")]),
             "seconds": time.monotonic() - start}
 
 

@@ -1,5 +1,6 @@
 """Decoupled DiLoCo under deterministic faults: a 3× slower daemon does not slow the others, and a frozen
 daemon (SIGSTOP) catches up by downloading newer fragments and contributes again while the others never stop.
+Rounds are int4-compressed, so the frozen daemon catches up by replaying the rounds it missed.
 """
 
 import signal
@@ -12,7 +13,7 @@ pytestmark = pytest.mark.integration
 
 FAST_DELAY, SLOW_DELAY = 0.03, 0.12  # seconds slept per step on top of ~10-20 ms of compute: ≥ 3× slower
 COMMON = ["--model", "nano", "--batch-size", "4", "--algorithm", "decoupled", "--sync-every", "40",
-          "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1"]
+          "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1", "--compression", "int4"]
 
 
 def last_step(d):
@@ -57,6 +58,9 @@ def test_frozen_daemon_catches_up_and_contributes_again(swarm):
     resumed_round = len(b.rounds())
     wait_for(lambda: len([m for m in b.metrics() if m.get("event") == "adopted"]) > frozen_at["b_adopted"], 120,
              "b to download newer fragments")
+    # The rounds b missed are still on its peers' logs: it replays them (a few KB) instead of downloading Θ_p.
+    adopted = [m for m in b.metrics() if m.get("event") == "adopted"][frozen_at["b_adopted"]:]
+    assert any(m["replayed"] >= 1 for m in adopted), adopted
     me = peer_id(b)
     wait_for(lambda: any(me in r["contributors"] and len(r["contributors"]) >= 2 for r in b.rounds()[resumed_round:]),
              180, "b to contribute to a shared round again")

@@ -29,7 +29,8 @@ def test_shard_bounds_are_balanced_and_cover():
 def test_group_id_depends_on_everything_that_must_agree():
     base = GroupSpec("run", 0, 3, 0, ("a", "b"), 100)
     for other in (GroupSpec("run", 0, 3, 1, ("a", "b"), 100), GroupSpec("run", 0, 4, 0, ("a", "b"), 100),
-                  GroupSpec("run", 0, 3, 0, ("a", "c"), 100), GroupSpec("run", 0, 3, 0, ("a", "b"), 101)):
+                  GroupSpec("run", 0, 3, 0, ("a", "c"), 100), GroupSpec("run", 0, 3, 0, ("a", "b"), 101),
+                  GroupSpec("run", 0, 3, 0, ("a", "b"), 100, base="d1")):
         assert other.group_id != base.group_id
     assert GroupSpec("run", 0, 3, 0, ("a", "b"), 100).group_id == base.group_id
 

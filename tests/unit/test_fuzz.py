@@ -288,3 +288,58 @@ def test_a_donor_streaming_empty_parts_forever_is_refused():
 
     with pytest.raises(WireError, match="empty"):
         asyncio.run(state_sync._continue_from(open_stream, "QmDonor", 0, state_sync._Transfer(6), 0.5, TrafficStats()))
+
+
+# ---- catching up by replay: a donor whose replay is mutated ----------------------------------------------------------
+def _good_replay():
+    from atoll.models.outer import NesterovOuter
+    from atoll.node.replica import Replica
+    from atoll.protocols.averaging import merged_delta, shard_bounds
+
+    torch.manual_seed(1)
+    theta = torch.randn(256)
+    ahead, behind = Replica([theta]), Replica([theta.clone()])
+    for seed in range(2):
+        version, _, digest = ahead.identity(0)
+        delta = torch.randn(256, generator=torch.Generator().manual_seed(seed)).double() * 0.01
+        shards = [(hi - lo, codecs.encode(delta[lo:hi].float(), "int4", 64)) for lo, hi in shard_bounds(256, 2, 64)]
+        merged = merged_delta([codecs.decode(b, expected_numel=n) for n, b in shards], None)
+        ahead.apply_outer_step(0, version, merged, 1.0, NesterovOuter(), digest, shards, None)
+    servicer = state_sync.StateServicer(ahead.snapshot, 1, TrafficStats(), replay=ahead.replay_from)
+
+    async def collect():
+        request = pack_request({"fragment": 0, "have": behind.identity(0)[2]})
+        return [unpack(m, {}) async for m in servicer.rpc_download_state(request, None)]
+
+    return behind, asyncio.run(collect())
+
+
+@FUZZ
+@given(st.lists(st.tuples(st.integers(0, 1), st.sampled_from(["version", "base", "result", "weight", "norm",
+                                                               "numels", "sizes"]), values), max_size=2),
+       st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), max_size=3))
+def test_replay_from_a_lying_donor(edits, data_edits):
+    from atoll.models.outer import NesterovOuter
+
+    behind, messages = _good_replay()
+    assert "replay" in messages[0] and len(messages) == 2
+    for index, key, value in edits:
+        messages[0]["replay"][index][key] = value
+    messages[1]["data"] = mutate(messages[1]["data"], data_edits, None)
+
+    async def open_stream(donor, request):
+        async def stream():
+            for m in messages:
+                yield pack_response(m)
+        return stream()
+
+    have = behind.identity(0)[2]
+    try:
+        replay = asyncio.run(state_sync._continue_from(open_stream, "QmDonor", 0, state_sync._Transfer(256), 0.5,
+                                                       TrafficStats(), have))
+    except (WireError, StopAsyncIteration, asyncio.TimeoutError):
+        return
+    assert isinstance(replay, state_sync.Replay)
+    state = behind.replay(replay, NesterovOuter())
+    if state is not None:  # only the exact rounds reach the announced replica
+        assert state.digest == messages[0]["digest"] and bool(torch.isfinite(state.params).all())

@@ -117,6 +117,8 @@ def test_outer_step_is_deterministic_across_replicas():
     outer = NesterovOuter()
     for v in range(3):
         delta = torch.randn(500).double() * 0.01
-        assert r1.apply_outer_step(0, v, delta, 2.0, outer) and r2.apply_outer_step(0, v, delta.clone(), 2.0, outer)
+        result = r1.apply_outer_step(0, v, delta, 2.0, outer)
+        assert result == r2.apply_outer_step(0, v, delta.clone(), 2.0, outer) == r1.identity(0)  # the new identity
+        assert result[0] == v + 1 and result[1] == 2.0 * (v + 1)
     assert r1.identities() == r2.identities()
     assert not r1.apply_outer_step(0, 0, delta, 1.0, outer)  # stale version: refused
