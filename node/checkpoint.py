@@ -4,7 +4,8 @@ Each checkpoint is a pair ``ckpt-NNNNNNNN.safetensors`` / ``ckpt-NNNNNNNN.json``
 temporary file, fsynced and renamed first; the JSON (which holds the tensors' sha256) is written the same way
 last, so a checkpoint exists only once both are complete. Loading takes the newest pair that verifies, so a
 daemon killed while writing restarts from its previous good checkpoint. The two newest pairs are kept; temporary
-files a killed writer left behind are removed by the next write.
+files a killed writer left behind are removed by the next write. ``CheckpointWriter`` writes them on a background
+thread, so that training never waits for the disk.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any
@@ -96,3 +98,38 @@ def load_checkpoint(directory: str | os.PathLike) -> tuple[dict[str, torch.Tenso
         except (OSError, ValueError, KeyError) as e:
             logger.warning("checkpoint %s is unusable (%s); trying an older one", js_path.name, e)
     return None
+
+
+class CheckpointWriter:
+    """Writes checkpoints on a background thread, one at a time and in order: ``submit`` hands over tensors the
+    caller no longer touches (host copies) and returns; it waits only while the previous write is still going, so
+    no checkpoint is skipped or overtaken. ``on_written(meta)`` is called from the writer thread after each
+    write. A write that fails (a full disk) is logged and counted; the previous checkpoint stays the one loaded."""
+
+    def __init__(self, directory: str | os.PathLike, on_written: Callable[[dict[str, Any]], None]) -> None:
+        self.directory, self.on_written = directory, on_written
+        self.failures = 0
+        self._thread: threading.Thread | None = None
+
+    def submit(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
+               interrupt: Callable[[Path], None] | None = None) -> None:
+        self.wait()
+        self._thread = threading.Thread(target=self._write, args=(tensors, meta, interrupt), name="atoll-checkpoint",
+                                        daemon=True)
+        self._thread.start()
+
+    def _write(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
+               interrupt: Callable[[Path], None] | None) -> None:
+        try:
+            save_checkpoint(self.directory, tensors, meta, interrupt)
+        except Exception as e:  # training goes on; the next checkpoint tries again
+            self.failures += 1
+            logger.error("checkpoint of step %s could not be written (%r); the previous one stays", meta.get("step"), e)
+            return
+        self.on_written(meta)
+
+    def wait(self) -> None:
+        """Until the write in progress (if any) is on disk."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None

@@ -26,7 +26,7 @@ def _start_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", help="'builtin', a text file or folder, or uint16 .bin shards")
     p.add_argument("--model", help="named model shape (tiny, small, ...)")
     p.add_argument("--algorithm", help="decoupled (default), streaming, diloco, or ddp (gradient all-reduce per step)")
-    p.add_argument("--compression", help="codec of outer deltas: none, bf16, int8, int4, fp4, int2")
+    p.add_argument("--compression", help="codec of outer deltas: none, bf16, int8, int4 (default), fp4, int2")
     p.add_argument("--error-feedback", choices=("true", "false"), help="keep what quantization dropped (default true)")
     p.add_argument("--fragments", type=int, metavar="P", help="fragments (streaming, decoupled)")
     p.add_argument("--overlap", type=int, metavar="TAU", help="inner steps between a fragment's snapshot and merge")
@@ -49,6 +49,8 @@ def _start_parser(sub: argparse._SubParsersAction) -> None:
                    help="scale contributions above F x the round's median norm to the median (0: off; default 4)")
     p.add_argument("--peer-cooldown", type=float, metavar="S",
                    help="seconds a peer whose message was rejected is left out of rounds (default 120)")
+    p.add_argument("--eval-budget", type=float, metavar="SHARE",
+                   help="share of wall time the held-out evaluation may take (default 0.01; 1: after every merge)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
     p.add_argument("--join-token", metavar="FILE", help="membership of a private run (issued with `atoll token`)")
     p.add_argument("--run-key", metavar="FILE",

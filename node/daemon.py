@@ -34,7 +34,7 @@ from atoll.protocols.auth import AuthError, JoinToken, RunKey, fingerprint
 from atoll.protocols.records import RunConfigRecord, config_key, make_validators, parse_run_config, unwrap_subkeys
 from atoll.protocols.state_sync import MAX_ANCESTORS
 
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointWriter, load_checkpoint
 from .config import ConfigError, NodeConfig, reconcile_run_config
 from .device import resolve_device
 from .learner import Learner
@@ -119,6 +119,10 @@ class Daemon:
         self.restored_error_feedback: dict[str, torch.Tensor] = {}
         self.checkpoints_written = 0
         self.checkpoint_kill_armed = False  # fault injection: die in the middle of the next checkpoint write
+        self.checkpointer: CheckpointWriter | None = None
+        self.eval_seconds = 0.0  # time spent on held-out evaluations (kept within cfg.eval_budget of wall time)
+        self.held_out_step: int | None = None  # the step at which held_out_loss was measured
+        self._metrics_lock = threading.Lock()  # metrics come from the training loop and the checkpoint writer
 
     # ---- set-up --------------------------------------------------------------------------------------------
     def _membership(self) -> JoinToken | None:
@@ -212,9 +216,22 @@ class Daemon:
                 "rejected_by_kind": dict(stats.rejected_by_kind), "clipped": stats.clipped}
 
     def _metric(self, **fields: Any) -> None:
-        if self.metrics_file is not None:
-            self.metrics_file.write(json.dumps({"time": time.time(), **fields}) + "\n")
-            self.metrics_file.flush()
+        with self._metrics_lock:
+            if self.metrics_file is not None:
+                self.metrics_file.write(json.dumps({"time": time.time(), **fields}) + "\n")
+                self.metrics_file.flush()
+
+    def _evaluate(self) -> None:
+        """Measure θ's held-out loss, if the evaluations so far took no more than ``eval_budget`` of the wall time
+        (the first one always runs): on a device every evaluation is time not spent training."""
+        budget = self.cfg.eval_budget
+        if budget < 1 and self.held_out_loss is not None and self.eval_seconds > budget * (
+                time.monotonic() - self.started):
+            return
+        t0 = time.monotonic()
+        self.held_out_loss = self.learner.evaluate(self.held_out)
+        self.eval_seconds += time.monotonic() - t0
+        self.held_out_step = self.learner.step
 
     # ---- main ---------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -258,6 +275,8 @@ class Daemon:
                       for p, f in enumerate(self.fragments)]
         if self.cfg.checkpoint_dir:
             self.metrics_file = open(Path(self.cfg.checkpoint_dir) / "metrics.jsonl", "a")
+            self.checkpointer = CheckpointWriter(self.cfg.checkpoint_dir, lambda meta: self._metric(
+                event="checkpoint", version=meta["version"], step=meta["step"], tokens=meta["tokens"]))
         resumed = self._restore()
         self.syncer = syncer = Syncer(self.cfg, dht, self.subkey, self.replica, self._progress, self.fragments,
                                       private=self.token is not None)
@@ -300,6 +319,8 @@ class Daemon:
             self.status = "leaving"
             syncer.shutdown()
             self._checkpoint()
+            if self.checkpointer is not None:
+                self.checkpointer.wait()
             logger.info("stopped at step %d, version %d", learner.step, self.replica.total_version)
             self._metric(event="summary", **self._summary())
             if self.metrics_file is not None:
@@ -311,11 +332,12 @@ class Daemon:
         learner = self.learner
         version, weight, digest = self.replica.identity(0)
         group = self.syncer.last_group or [str(self.dht.peer_id)]
-        self.held_out_loss = learner.evaluate(self.held_out)
+        self._evaluate()
         logger.info("ddp step %d: version %d, %d members, held-out loss %.4f, hash %s", learner.step, version,
                     len(group), self.held_out_loss, digest)
         self._metric(event="round", fragment=0, version=version, hash=digest, weight=weight, members=group,
                      contributors=group, step=learner.step, tokens=learner.tokens, held_out_loss=self.held_out_loss,
+                     held_out_step=self.held_out_step,
                      seconds=0.0, bytes_sent=self.syncer.stats.bytes_sent,
                      bytes_received=self.syncer.stats.bytes_received)
         self._checkpoint()
@@ -546,13 +568,13 @@ class Daemon:
             # The round's own result: a heavier replica downloaded since (now in θ_p) is recorded as an adoption.
             ver, w, digest = outcome.version, outcome.weight, outcome.digest
             if p == 0:
-                self.held_out_loss = learner.evaluate(self.held_out)
+                self._evaluate()
             logger.info("round f%d v%d→v%d done in %.1fs: %d members, %d contributors, held-out loss %s, hash %s",
                         p, pending.version, ver, outcome.seconds, len(outcome.members), len(outcome.contributors),
                         f"{self.held_out_loss:.4f}" if self.held_out_loss is not None else "-", digest)
             self._metric(event="round", fragment=p, version=ver, hash=digest, weight=w, members=outcome.members,
                          contributors=outcome.contributors, step=learner.step, tokens=learner.tokens,
-                         held_out_loss=self.held_out_loss, seconds=outcome.seconds,
+                         held_out_loss=self.held_out_loss, held_out_step=self.held_out_step, seconds=outcome.seconds,
                          bytes_sent=self.syncer.stats.bytes_sent, bytes_received=self.syncer.stats.bytes_received)
             if p == len(self.fragments) - 1:
                 self._checkpoint()
@@ -570,12 +592,13 @@ class Daemon:
 
     # ---- checkpoints ----------------------------------------------------------------------------------------
     def _checkpoint(self) -> None:
-        if not self.cfg.checkpoint_dir:
+        """Copy the state to host memory (consistent at this step) and hand it to the background writer."""
+        if self.checkpointer is None:
             return
-        tensors = dict(self.learner.state_tensors())
-        tensors.update({f"ef.{k}": v for k, v in self.syncer.error_feedback_state().items()})
+        tensors = dict(self.learner.state_tensors())  # host copies
+        tensors.update({f"ef.{k}": v for k, v in self.syncer.error_feedback_state().items()})  # copies
         for p, local in enumerate(self.local):
-            tensors.update(local.state_tensors(f"local.{p}"))
+            tensors.update({k: v.clone() for k, v in local.state_tensors(f"local.{p}").items()})
         versions, weights, digests, ancestors = [], [], [], []
         for p in range(len(self.fragments)):
             snap = self.replica.snapshot(p)
@@ -595,8 +618,7 @@ class Daemon:
         self.checkpoints_written += 1
         faults = self.cfg.parsed_faults()
         doomed = self.checkpoint_kill_armed or faults.get("kill_in_checkpoint") == self.checkpoints_written
-        save_checkpoint(self.cfg.checkpoint_dir, tensors, meta, interrupt=self._die_mid_write if doomed else None)
-        self._metric(event="checkpoint", version=meta["version"], step=meta["step"], tokens=meta["tokens"])
+        self.checkpointer.submit(tensors, meta, interrupt=self._die_mid_write if doomed else None)
 
     def _die_mid_write(self, tmp: Path) -> None:
         """Fault injection: a crash while the checkpoint's tensors are only half on disk."""

@@ -573,7 +573,6 @@ class Syncer:
         """ddp's membership is fixed (its daemons start together), so its group needs no matchmaking: it is every
         live training peer, as this daemon's table of peers shows it. Views that disagree, or a member that fails,
         make the all-reduce fail for everyone; then each asks again with a freshly read table."""
-        run = self.cfg.run
         for attempt in range(MAX_ATTEMPTS):
             if attempt:
                 await self.refresh_peers()
@@ -582,7 +581,8 @@ class Syncer:
             members = sorted([self.peer_id, *(p for p, rec in peers.items() if rec.status == "training")])
             self._in_round.add(0)
             try:
-                result, alive = await self._allreduce(0, version, members, grads, weight, "mean", run.compression,
+                # Gradients travel in fp32: the codec is for outer deltas (ddp is the uncompressed baseline).
+                result, alive = await self._allreduce(0, version, members, grads, weight, "mean", "none",
                                                       first_attempt=attempt * MAX_ATTEMPTS)
             finally:
                 self._in_round.discard(0)
@@ -593,6 +593,7 @@ class Syncer:
             logger.info("ddp step v%d: all-reduce failed (attempt %d); asking again", version, attempt)
             await asyncio.sleep(0.2 * (attempt + 1))
         return None
+
 
 def donor_order(p: int, peers: list[ProgressRecord]) -> list[ProgressRecord]:
     """Whom to download fragment ``p`` from, best first: the peers holding its heaviest replica, rotated by ``p``

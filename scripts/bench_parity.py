@@ -54,7 +54,8 @@ def solo(run: RunConfig, steps: int) -> dict:
 
 def swarm_run(run: RunConfig, steps: int, workdir: Path) -> dict:
     common = ["--model", run.model, "--sync-every", str(run.sync_every), "--batch-size", str(BATCH),
-              "--max-steps", str(steps), "--gather-timeout", "20", "--round-timeout", "20", "--threads", "1"]
+              "--max-steps", str(steps), "--gather-timeout", "20", "--round-timeout", "20", "--threads", "1",
+              "--eval-budget", "1"]  # the curve: every round's held-out loss
     start = time.monotonic()
     with LocalSwarm(workdir, common) as swarm:
         swarm.start("d0", join=False)

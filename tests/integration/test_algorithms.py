@@ -12,7 +12,7 @@ pytestmark = pytest.mark.integration
 def test_three_daemons_train_with_fragments(algorithm, tmp_path):
     common = ["--model", "nano", "--batch-size", "4", "--algorithm", algorithm, "--sync-every", "40",
               "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1", "--fault", "step_delay=0.03",
-              "--overlap", "6"]
+              "--overlap", "6", "--eval-budget", "1"]
     with LocalSwarm(tmp_path, common) as swarm:
         for name in "abc":
             swarm.start(name, join=name != "a")
@@ -39,7 +39,8 @@ def test_three_daemons_train_with_fragments(algorithm, tmp_path):
 def test_ddp_averages_gradients_every_step(tmp_path):
     # 80 steps: more groups than a reducer keeps waiting requests for (64), within their lifetime.
     common = ["--model", "nano", "--batch-size", "4", "--algorithm", "ddp", "--sync-every", "20", "--quorum", "3",
-              "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1", "--max-steps", "80"]
+              "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1", "--max-steps", "80",
+              "--eval-budget", "1"]
     with LocalSwarm(tmp_path, common) as swarm:
         for name in "abc":
             swarm.start(name, join=name != "a")

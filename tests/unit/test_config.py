@@ -33,6 +33,8 @@ def test_defaults_are_valid():
         ({"clip_factor": -1.0}, "clip_factor: must be 0"),
         ({"clip_factor": "inf"}, "clip_factor: must be 0"),
         ({"peer_cooldown": -1.0}, "peer_cooldown: must be a non-negative"),
+        ({"eval_budget": 0.0}, "eval_budget: 0.0 must be in"),
+        ({"eval_budget": 1.5}, "eval_budget: 1.5 must be in"),
         ({"faults": ["byzantine=evil"]}, "faults: unknown byzantine kind"),
         ({"faults": ["byzantine_from=x"]}, "faults: bad value"),
     ],

@@ -17,7 +17,7 @@ pytestmark = [xla_only, pytest.mark.integration]
 
 # Synchronous DiLoCo: every round waits for all three, so "the xla daemon is in every round" is a fair check.
 COMMON = ["--model", "nano", "--batch-size", "4", "--algorithm", "diloco", "--sync-every", "20",
-          "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1"]
+          "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1", "--eval-budget", "1"]
 NAMES = ("x", "c1", "c2")
 COMPILED = "Compilation Cause"  # one per compiled graph in torch_xla's debug report
 
