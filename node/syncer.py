@@ -119,7 +119,9 @@ class Syncer:
     async def _setup(self) -> None:
         self.p2p = await self.dht.replicate_p2p()
         self.averager = AveragingServicer(self.cfg.run_id, self.peer_id, self.stats, self.cooldown,
-                                          self.cfg.run.clip_factor, self.cfg.run.round_timeout)
+                                          self.cfg.run.clip_factor, self.cfg.run.round_timeout,
+                                          past=lambda p, v: 0 <= p < self.replica.num_fragments
+                                          and self.replica.identity(p)[0] > v)
         await self.averager.add_p2p_handlers(self.p2p, namespace=self.cfg.run_id)
         await StateServicer(self.replica.snapshot, self.replica.num_fragments, self.stats,
                             authorize=self.is_member if self.private else None,

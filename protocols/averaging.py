@@ -221,11 +221,15 @@ class AveragingServicer(ServicerBase):
     """Serves ``rpc_aggregate`` for the shards this daemon reduces."""
 
     def __init__(self, run_id: str, local_peer: str, stats: TrafficStats, cooldown: Cooldown | None = None,
-                 clip_factor: float = 0.0, max_wait: float = 600.0) -> None:
+                 clip_factor: float = 0.0, max_wait: float = 600.0,
+                 past: Callable[[int, int], bool] | None = None) -> None:
         """``cooldown``: peers whose parts are treated as missing; ``max_wait``: the longest a request for a group
-        not opened here yet may wait for it (the run's round timeout: an honest member never asks for longer)."""
+        not opened here yet may wait for it (the run's round timeout: an honest member never asks for longer);
+        ``past(fragment, version)``: whether this daemon is past that round (it will never open a group of it, so
+        a request for one not opened is refused at once instead of after ``max_wait``)."""
         self.run_id, self.local_peer, self.stats = run_id, local_peer, stats
         self.cooldown, self.clip_factor, self.max_wait = cooldown, clip_factor, max_wait
+        self._past = past
         self._groups: dict[str, _Reduction] = {}
         self._opened: dict[str, asyncio.Event] = {}
         self._waiting: dict[str, int] = {}  # peer -> its requests waiting for a group not opened yet
@@ -323,6 +327,10 @@ class AveragingServicer(ServicerBase):
             header = unpack(await anext(requests), {"group_id": str, "weight": float, "numel": int, "wait": float,
                                                     "norm": float, "codec": str})
             wait = min(max(header["wait"], 0.0), self.max_wait) if math.isfinite(header["wait"]) else 0.0
+            fragment, version = header.get("fragment"), header.get("version")
+            if (self._past is not None and type(fragment) is int and type(version) is int
+                    and self._past(fragment, version)):
+                wait = 0.0  # two coordinators decided the round with different views: we ran another group of it
             # An offender's requests do not wait for groups we have not opened: it cannot hold waiting slots.
             reduction = await self._await_group(header["group_id"][:64], 0.0 if cooling else wait, sender)
             if reduction is None:
@@ -366,7 +374,7 @@ async def _exchange_with(
 
     async def requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
         yield pack_request({"group_id": spec.group_id, "weight": weight, "numel": numel, "wait": timeout,
-                            "norm": norm, "codec": spec.codec})
+                            "norm": norm, "codec": spec.codec, "fragment": spec.fragment, "version": spec.version})
         for start in range(0, len(payload), PART_BYTES):
             chunk = payload[start : start + PART_BYTES]
             stats.bytes_sent += len(chunk)

@@ -127,20 +127,8 @@ async def form_group(
                 on_reject("round_record", source)
             elif rec["peer_id"] in peers and peers[rec["peer_id"]] <= version:
                 registered[rec["peer_id"]] = rec["time"]
-        decisions = []
-        stale_before = get_dht_time() - DECISION_LIFETIME_FACTOR * gather_timeout
-        for source, value in unwrap_subkeys(group_entry).items():
-            groups = parse_group_record(value)
-            if groups is None:
-                on_reject("group_record", source)
-            elif any(excluded(m) for members in groups for m in members):
-                continue
-            elif isinstance(value["time"], float) and value["time"] >= stale_before:
-                # An older decision belongs to a round that ended (or never ran) long ago: ignore it, or a
-                # daemon left out of it would be shut out of this version forever.
-                decisions.append((value["time"], groups))
-        if decisions:
-            _, groups = min(decisions, key=lambda d: (d[0], d[1]))
+        groups = _first_decision(group_entry, gather_timeout, on_reject, excluded)
+        if groups is not None:
             return next((members for members in groups if peer_id in members), [])
         coordinator = min(registered, key=lambda p: (registered[p], p))
         deadline = registered[coordinator] + gather_timeout
@@ -155,8 +143,30 @@ async def form_group(
                 groups = split_groups(registered, max_group)
                 await dht.store(gkey, {"groups": groups, "time": float(get_dht_time())},
                                 expiration_time=expiration, subkey=subkey, return_future=True)
-                return next(members for members in groups if peer_id in members)
+                # Another registrant whose view of the DHT lacked our registration may have decided first, taking
+                # itself for the coordinator: everyone follows the earliest decision, so we do too.
+                first = _first_decision(await dht.get(gkey, latest=True, return_future=True), gather_timeout,
+                                        on_reject, excluded)
+                return next((members for members in (first or groups) if peer_id in members), [])
         elif get_dht_time() > deadline + gather_timeout / 2 + 2:
             logger.warning("round v%d: no group was decided by coordinator %s in time", version, coordinator[-8:])
             return []
         await asyncio.sleep(poll_interval)
+
+
+def _first_decision(group_entry: Any, gather_timeout: float, on_reject: Callable[..., None],
+                    excluded: Callable[[str], bool]) -> list[list[str]] | None:
+    """The earliest valid, recent group decision of a round (the one every daemon follows), or None."""
+    decisions = []
+    stale_before = get_dht_time() - DECISION_LIFETIME_FACTOR * gather_timeout
+    for source, value in unwrap_subkeys(group_entry).items():
+        groups = parse_group_record(value)
+        if groups is None:
+            on_reject("group_record", source)
+        elif any(excluded(m) for members in groups for m in members):
+            continue
+        elif isinstance(value["time"], float) and value["time"] >= stale_before:
+            # An older decision belongs to a round that ended (or never ran) long ago: ignore it, or a daemon left
+            # out of it would be shut out of this version forever.
+            decisions.append((value["time"], groups))
+    return min(decisions, key=lambda d: (d[0], d[1]))[1] if decisions else None

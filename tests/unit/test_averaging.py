@@ -1,6 +1,7 @@
 """The averaging round's math and message checks, without sockets."""
 
 import asyncio
+import time
 
 import msgpack
 import pytest
@@ -188,3 +189,29 @@ def test_byzantine_payloads_are_refused_with_their_kind(codec):
             codecs.decode(payload, expected_numel=512)
         assert info.value.kind == expected
         assert len(payload) <= codecs.encoded_size(512, codec, 64)  # refused by decode, not by the size bound
+
+
+def test_a_request_for_a_round_the_reducer_is_past_is_refused_at_once():
+    """Two coordinators that saw the DHT differently can put a daemon in a group it never runs; the members who
+    ask it for a shard must not wait out the round timeout for a group it will never open."""
+
+    class Ctx:
+        remote_id = "b"
+
+    async def ask(version):
+        servicer = AveragingServicer("run", "a", TrafficStats(), max_wait=30.0,
+                                     past=lambda fragment, v: fragment == 0 and v < 5)
+        header = {"group_id": "never-opened", "weight": 1.0, "numel": 4, "wait": 1.0, "norm": 0.0, "codec": "none",
+                  "fragment": 0, "version": version}
+
+        async def requests():
+            yield pack_request(header)
+
+        t0 = time.monotonic()
+        answers = [unpack(m, {}) async for m in servicer.rpc_aggregate(requests(), Ctx())]
+        return answers, time.monotonic() - t0
+
+    answers, seconds = asyncio.run(ask(3))
+    assert not answers[0]["ok"] and "unknown group" in answers[0]["error"] and seconds < 0.5
+    answers, seconds = asyncio.run(ask(5))  # not past round 5: it may still open the group, so it waits for it
+    assert not answers[0]["ok"] and seconds >= 0.9

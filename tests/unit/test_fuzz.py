@@ -204,7 +204,8 @@ header_fields = st.fixed_dictionaries({}, optional={
     "group_id": st.one_of(st.just("GID"), st.text(max_size=30)),
     "weight": st.one_of(st.floats(), st.integers(-2**63, 2**63 - 1)),
     "numel": st.one_of(st.just(8), st.integers(-10, 100)), "wait": st.floats(), "norm": st.floats(),
-    "codec": st.one_of(st.just("none"), st.text(max_size=6)), "junk": values})
+    "codec": st.one_of(st.just("none"), st.text(max_size=6)), "fragment": values, "version": values,
+    "junk": values})
 
 
 @settings(max_examples=30, deadline=None)
@@ -214,7 +215,7 @@ header_fields = st.fixed_dictionaries({}, optional={
 def test_aggregate_rpc_with_random_messages(header, parts):
     async def run():
         stats = TrafficStats()
-        servicer = AveragingServicer("run", "peerB", stats, max_wait=0.05)
+        servicer = AveragingServicer("run", "peerB", stats, max_wait=0.05, past=lambda f, v: v < 3)
         spec = GroupSpec("run", 0, 0, 0, ("peerA", "peerB"), 16, block=8)
         reduction = servicer.open(spec, timeout=0.2)
         reduction.add("peerB", 1.0, torch.full((8,), 2.0))

@@ -1,6 +1,11 @@
-"""Group decisions: splitting a round's registrants under the size cap, and validating decision records."""
+"""Group decisions: splitting a round's registrants under the size cap, validating decision records, and two
+coordinators with different views of the DHT agreeing on the earlier decision."""
+
+import asyncio
+from types import SimpleNamespace
 
 import pytest
+from hivemind.utils import get_dht_time
 
 from atoll.protocols.matchmaking import MAX_GROUP, parse_group_record, split_groups
 
@@ -46,3 +51,52 @@ def test_parse_group_record_accepts_disjoint_sorted_groups():
 ])
 def test_parse_group_record_rejects_malformed_decisions(value):
     assert parse_group_record(value) is None
+
+
+class FakeDHT:
+    """Subkeyed records in memory; ``hide`` lists (key, subkey) pairs this daemon's view does not see yet."""
+
+    def __init__(self, shared=None, hide=()):
+        self.records = shared if shared is not None else {}
+        self.hide = set(hide)
+
+    async def store(self, key, value, expiration_time, subkey, return_future):
+        self.records.setdefault(key, {})[subkey] = value
+        return True
+
+    async def get(self, key, latest, return_future):
+        items = {s: SimpleNamespace(value=v) for s, v in self.records.get(key, {}).items() if (key, s) not in self.hide}
+        return SimpleNamespace(value=items) if items else None
+
+
+def test_a_coordinator_that_decided_after_another_follows_the_earlier_decision(monkeypatch):
+    """b registered before a, but a's view of the DHT lacked b's registration: a took itself for the coordinator
+    and decided [a] alone. b, the coordinator in its own view (its first read of the decisions came before a's),
+    decides [a, b] later; re-reading, it follows a's earlier decision (it is left out and catches up by
+    download) instead of asking a for a shard of a group a never runs."""
+    from atoll.protocols.matchmaking import form_group, group_key, round_key
+
+    clock = iter(range(1000, 2000))  # DHT time: one second per reading
+    monkeypatch.setattr("atoll.protocols.matchmaking.get_dht_time", lambda: float(next(clock)))
+    key, gkey = round_key("run", 0, 13, "D"), group_key("run", 0, 13, "D")
+    shared = {key: {b"a": {"peer_id": "a", "weight": 1.0, "time": 1000.5}},  # b registers at 1000
+              gkey: {b"a": {"groups": [["a"]], "time": 1000.6}}}
+
+    class Late(FakeDHT):  # a's decision lands just after b's first read of the decisions
+        reads = 0
+
+        async def get(self, k, latest, return_future):
+            if k == gkey:
+                Late.reads += 1
+                if Late.reads == 1:
+                    return None
+            return await super().get(k, latest, return_future)
+
+    async def live():
+        return {"a": 13}
+
+    members = asyncio.run(form_group(Late(shared), run_id="run", fragment=0, version=13, peer_id="b", subkey=b"b",
+                                     weight=1.0, live_peers=live, gather_timeout=5.0, abort=lambda: False,
+                                     base="D"))
+    assert {s: v["groups"] for s, v in shared[gkey].items()} == {b"a": [["a"]], b"b": [["a", "b"]]}  # b decided
+    assert members == []  # and followed the earlier decision
