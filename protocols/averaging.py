@@ -549,5 +549,9 @@ async def allreduce(
     merged = merged_delta([s.values for s in ordered], rda_norm)
     contributors = sorted({c for s in ordered for c in s.contributors})
     encoded = None if any(s.payload is None for s in ordered) else [(s.values.numel(), s.payload) for s in ordered]
-    return AllreduceResult(merged, max(s.weight for s in ordered), contributors, [], [], torch.cat(sent), encoded,
-                           rda_norm)
+    ours = torch.cat(sent)
+    if byzantine == "scale":
+        # The fault is "x1000 of our delta, every round". Error feedback must keep only what quantization dropped;
+        # keeping the scaled remainder would turn the next rounds into large steps against our own progress.
+        ours = ours / BYZANTINE_SCALE
+    return AllreduceResult(merged, max(s.weight for s in ordered), contributors, [], [], ours, encoded, rda_norm)
