@@ -198,10 +198,10 @@ def test_a_request_for_a_round_the_reducer_is_past_is_refused_at_once():
     class Ctx:
         remote_id = "b"
 
-    async def ask(version):
-        servicer = AveragingServicer("run", "a", TrafficStats(), max_wait=30.0,
+    async def ask(version, wait):
+        servicer = AveragingServicer("run", "a", TrafficStats(), max_wait=60.0,
                                      past=lambda fragment, v: fragment == 0 and v < 5)
-        header = {"group_id": "never-opened", "weight": 1.0, "numel": 4, "wait": 1.0, "norm": 0.0, "codec": "none",
+        header = {"group_id": "never-opened", "weight": 1.0, "numel": 4, "wait": wait, "norm": 0.0, "codec": "none",
                   "fragment": 0, "version": version}
 
         async def requests():
@@ -211,7 +211,9 @@ def test_a_request_for_a_round_the_reducer_is_past_is_refused_at_once():
         answers = [unpack(m, {}) async for m in servicer.rpc_aggregate(requests(), Ctx())]
         return answers, time.monotonic() - t0
 
-    answers, seconds = asyncio.run(ask(3))
-    assert not answers[0]["ok"] and "unknown group" in answers[0]["error"] and seconds < 0.5
-    answers, seconds = asyncio.run(ask(5))  # not past round 5: it may still open the group, so it waits for it
-    assert not answers[0]["ok"] and seconds >= 0.9
+    # Past round 3: refused without waiting (bounded at 10 s here, far below the 60 s it would otherwise wait).
+    answers, _ = asyncio.run(asyncio.wait_for(ask(3, wait=60.0), 10.0))
+    assert not answers[0]["ok"] and "unknown group" in answers[0]["error"]
+    # Not past round 5: it may still open the group, so the request waits for it as long as asked.
+    answers, seconds = asyncio.run(ask(5, wait=0.5))
+    assert not answers[0]["ok"] and seconds >= 0.45
