@@ -7,7 +7,8 @@ every access goes through one lock. Identity of a fragment replica: (version, we
 Each fragment also keeps its last rounds as their compressed reduced shards (``RoundDelta``), so that a peer
 holding an older replica on the same line can catch up by replaying them instead of downloading Θ_p and its
 momentum (``protocols/state_sync.py``). The log holds an unbroken chain ending at the current replica: a
-round that cannot be replayed (one merged alone, or a ddp step) or an adoption from elsewhere starts it over.
+round that cannot be replayed (one sent uncompressed, or a ddp step) or an adoption from elsewhere starts it
+over.
 """
 
 from __future__ import annotations
