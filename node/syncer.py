@@ -132,8 +132,14 @@ class Syncer:
         if self.cfg.run.algorithm == "decoupled":
             self._spawn(self._watch_open_rounds())
 
-    def _spawn(self, coro) -> asyncio.Task:
-        """Start a background task and hold a reference until it ends (asyncio keeps only weak ones)."""
+    def _spawn(self, coro) -> asyncio.Task | None:
+        """Start a background task and hold a reference until it ends (asyncio keeps only weak ones).
+
+        Once leaving has begun nothing new starts: a round cancelled by the leave would otherwise spawn a publish
+        from its ``finally`` that outlives the DHT it writes to."""
+        if self._leaving:
+            coro.close()
+            return None
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
