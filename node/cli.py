@@ -38,6 +38,10 @@ def _start_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stale-contributions", choices=("true", "false"),
                    help="keep work a round missed for the next one (decoupled; default false)")
     p.add_argument("--sync-every", type=int, metavar="H", help="inner steps between outer rounds")
+    p.add_argument("--inner-lr", type=float, metavar="LR", help="AdamW learning rate of the inner steps (default 1e-3)")
+    p.add_argument("--outer-lr", type=float, metavar="LR", help="outer step size (default 0.7)")
+    p.add_argument("--outer-momentum", type=float, metavar="MU", help="outer Nesterov momentum (default 0.9; 0: plain "
+                                                                       "averaging when --outer-lr is 1)")
     p.add_argument("--seed", type=int, help="seed of the initial model and of the data order (default: 0)")
     p.add_argument("--batch-size", type=int, help="sequences per inner step on this daemon")
     p.add_argument("--max-steps", type=int, help="stop after this many inner steps (default: run until stopped)")

@@ -98,3 +98,14 @@ def test_hostile_peer_settings_parse():
     assert cfg.run.clip_factor == 0.0 and cfg.peer_cooldown == 5.0 and "clip_factor" in explicit
     assert cfg.parsed_faults() == {"byzantine": "scale", "byzantine_from": 3}
     assert load_config({})[0].run.clip_factor >= 1
+
+
+def test_optimizer_flags_reach_the_run_config():
+    from atoll.node.cli import build_parser
+
+    args = build_parser().parse_args(["start", "--outer-lr", "1", "--outer-momentum", "0", "--inner-lr", "2e-3"])
+    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+    cfg, explicit = load_config(overrides)
+    assert (cfg.run.outer_lr, cfg.run.outer_momentum, cfg.run.inner_lr) == (1.0, 0.0, 2e-3)
+    assert {"outer_lr", "outer_momentum", "inner_lr"} <= explicit
+    assert main(["start", "--outer-momentum", "1"]) == 2  # a momentum of 1 never forgets: refused
