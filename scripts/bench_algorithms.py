@@ -98,6 +98,9 @@ def main() -> int:
     parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
     parser.add_argument("--daemon-args", default="", help="extra flags for every daemon, e.g. '--overlap 8'")
     parser.add_argument("--label", default=None, help="name the runs (default: the algorithm)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the daemons' --seed (initial model, data order); a non-zero seed is added to the label, "
+                             "and ratios are taken to the ddp run of the same seed when there is one")
     parser.add_argument("--append", action="store_true",
                         help="add these runs to the existing JSON (same label: replaced) instead of starting over")
     parser.add_argument("--out", default="docs/results")
@@ -107,19 +110,23 @@ def main() -> int:
     previous = json.loads((out / "bench_algorithms.json").read_text())["runs"] if args.append else []
     results = []
     for algorithm in args.algorithms:
-        label = args.label or algorithm
+        label = (args.label or algorithm) + (f" seed {args.seed}" if args.seed else "")
         print(f"{label}: {DAEMONS} daemons x {args.steps} steps ...", flush=True)
-        r = run_swarm(Path("runs/bench_algorithms") / algorithm, algorithm, args, args.daemon_args.split())
-        r.update(label=label, daemon_args=args.daemon_args, command=command)
+        r = run_swarm(Path("runs/bench_algorithms") / algorithm, algorithm, args,
+                      [*args.daemon_args.split(), "--seed", str(args.seed)])
+        r.update(label=label, daemon_args=args.daemon_args, seed=args.seed, command=command)
         results.append(r)
         print(f"    held-out {r['held_out_loss_mean']:.4f}  bytes/token {r['bytes_per_token']:.1f}  goodput "
               f"{r['goodput_mean']:.2f}  blocked {r['blocked_s_mean']:.1f}s  ({r['seconds']:.0f} s)", flush=True)
     results = [r for r in previous if r.get("label", r["algorithm"]) not in {x["label"] for x in results}] + results
     ref = next((r for r in results if r["algorithm"] == "ddp"), None)
     for r in results:
-        if ref is not None:
-            r["loss_ratio_to_ddp"] = r["held_out_loss_mean"] / ref["held_out_loss_mean"]
-            r["ddp_bytes_per_token_over_this"] = ref["bytes_per_token"] / r["bytes_per_token"]
+        same_seed = [x for x in results if x["algorithm"] == "ddp" and x.get("seed", 0) == r.get("seed", 0)]
+        ref_r = same_seed[-1] if same_seed else ref
+        if ref_r is not None:
+            r["ratio_reference"] = ref_r.get("label", ref_r["algorithm"])
+            r["loss_ratio_to_ddp"] = r["held_out_loss_mean"] / ref_r["held_out_loss_mean"]
+            r["ddp_bytes_per_token_over_this"] = ref_r["bytes_per_token"] / r["bytes_per_token"]
     doc = {"command": command, "model": args.model,
            "daemons": DAEMONS, "steps_per_daemon": args.steps, "batch_size": BATCH, "sync_every": args.sync_every,
            "fragments": RunConfig().fragments, "overlap": RunConfig().overlap, "runs": results}

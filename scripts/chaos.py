@@ -15,8 +15,8 @@ other), so that the load of this shared machine weighs on both alike. Every daem
 seconds per inner step, so that it is less bound by the CPU: otherwise a killed daemon would hand its CPU to the
 others and the fault would look free.
 
-Reported (JSON in ``docs/results/chaos_<algorithm>.json``, plot ``docs/results/chaos.png`` over every algorithm's
-JSON there), all computed from the daemons' metrics.jsonl and checkpoints:
+Reported (JSON in ``docs/results/<name>.json``, by default ``chaos_<algorithm>``; plot ``docs/results/chaos.png``
+over every chaos_*.json there), all computed from the daemons' metrics.jsonl and checkpoints:
 faults by kind; goodput (tokens trained by live daemons / tokens the fault-free run trained in the same window)
 and the pace of the live daemons (tokens per daemon-second of a training process, chaos / fault-free: whether
 the faults slowed down the daemons they did not hit);
@@ -60,7 +60,8 @@ def daemon_args(args: argparse.Namespace) -> list[str]:
     return ["--model", args.model, "--algorithm", args.algorithm, "--sync-every", str(args.sync_every),
             "--batch-size", str(args.batch_size), "--gather-timeout", "10", "--round-timeout", "10",
             "--heartbeat", "1", "--threads", "1", "--fault", f"step_delay={args.step_delay}",
-            "--fault", "checkpoint_kill_signal=1", "--eval-budget", "1"]  # the window-end loss needs every round's
+            "--fault", "checkpoint_kill_signal=1", "--eval-budget", "1",  # the window-end loss needs every round's
+            *args.daemon_args.split()]
 
 
 def schedule(rng: random.Random, duration: float, mtbf: float) -> list[tuple[float, str]]:
@@ -411,7 +412,7 @@ def plot(out: Path) -> None:
         for kind, color in colors.items():
             ax.plot([], [], color=color, label=kind)
         m = doc["metrics"]
-        ax.set_title(f"{doc['algorithm']}: goodput {m['goodput']:.3f}, loss ratio {m['loss_ratio']:.3f}, "
+        ax.set_title(f"{doc.get('name', doc['algorithm'])} (mtbf {doc['args']['mtbf']:.0f} s): goodput {m['goodput']:.3f}, loss ratio {m['loss_ratio']:.3f}, "
                      f"downtime beyond a round {m['downtime_beyond_round_s']:.1f}s, "
                      f"identical {doc['chaos']['survivors_identical']}")
         ax.set_xlabel("seconds into the window")
@@ -434,25 +435,30 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--sync-every", type=int, default=40)
     parser.add_argument("--step-delay", type=float, default=0.1)
+    parser.add_argument("--daemon-args", default="", help="extra flags for every daemon of both swarms")
     parser.add_argument("--settle", type=float, default=60.0,
                         help="seconds to wait at the end for the survivors to hold identical replicas")
     parser.add_argument("--sequential", action="store_true",
                         help="run the fault-free swarm first, then the chaos swarm (default: both at once)")
+    parser.add_argument("--name", help="results name (default chaos_<algorithm>): <out>/<name>.json, runs/chaos/<name>")
     parser.add_argument("--out", default="docs/results")
     parser.add_argument("--replot", action="store_true", help="only redraw chaos.png from the JSON files")
     parser.add_argument("--rescore", action="store_true",
                         help="recompute the window-end losses of the last run from its JSON and runs/chaos/")
     args = parser.parse_args()
     out = Path(args.out)
+    name = args.name or f"chaos_{args.algorithm}"
+    if not name.startswith("chaos_"):
+        parser.error("--name must start with chaos_ (the plot collects <out>/chaos_*.json)")
     if args.replot:
         plot(out)
         return 0
     if args.rescore:
-        rescore(out / f"chaos_{args.algorithm}.json", Path("runs/chaos") / args.algorithm)
+        rescore(out / f"{name}.json", Path("runs/chaos") / name.removeprefix("chaos_"))
         plot(out)
         return 0
     command = "python scripts/chaos.py " + " ".join(sys.argv[1:])
-    root = Path("runs/chaos") / args.algorithm
+    root = Path("runs/chaos") / name.removeprefix("chaos_")
     if args.sequential:
         print(f"{args.algorithm}: fault-free reference, {args.daemons} daemons, {args.duration:.0f} s", flush=True)
         reference = run_once(root / "reference", args, chaos=False)
@@ -486,10 +492,10 @@ def main() -> int:
         "survivors_identical": chaos["survivors_identical"],
         "survivors_on_one_history": chaos["survivors_on_one_history"],
     }
-    doc = {"algorithm": args.algorithm, "command": command, "args": vars(args), "metrics": metrics,
+    doc = {"algorithm": args.algorithm, "name": name, "command": command, "args": vars(args), "metrics": metrics,
            "reference": reference, "chaos": chaos}
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"chaos_{args.algorithm}.json").write_text(json.dumps(doc, indent=1))
+    (out / f"{name}.json").write_text(json.dumps(doc, indent=1))
     plot(out)
     print(json.dumps({"algorithm": args.algorithm, "faults_by_kind": chaos["faults_by_kind"], **metrics}, indent=1))
     return 0

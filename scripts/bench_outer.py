@@ -1,0 +1,155 @@
+#!/usr/bin/env python3
+"""Which outer optimizer, at which batch size: DiLoCo against ddp in one process, equal tokens, no network.
+
+    python scripts/bench_outer.py [--steps 300] [--batch 8] [--configs ddp 40,0.7,0.9 40,1,0 ...]
+
+Four learners (the daemons' ``Learner``, shards 0–3, the same seed) train side by side in this process, one
+configuration after another, each from the same initial model:
+- ``ddp``: every step the four gradients are averaged and every learner takes the same AdamW step (one step on a
+  4× larger batch, as the ``ddp`` algorithm does over the network);
+- ``H,LR,MU``: DiLoCo. Every H steps (and after the last step) the four pseudo-gradients Θ − θ are averaged and
+  the outer optimizer (``NesterovOuter``: step size LR, Nesterov momentum MU; 1,0 is plain averaging) updates Θ,
+  which every learner restarts from. The same functions the daemons use.
+
+Everything is deterministic: a configuration run twice gives the same loss, so differences between rows are the
+configurations' (at one seed and one data order), not this machine's load. Reported: the held-out loss of Θ (ddp:
+of the model) on the same held-out batches, and its ratio to ddp's at the same steps and batch. Results are
+appended to docs/results/bench_outer.json (a row with the same steps, batch and config is replaced) and plotted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from atoll.models.configs import get_model_config  # noqa: E402
+from atoll.models.data import Corpus, load_corpus  # noqa: E402
+from atoll.models.outer import NesterovOuter, flatten_params, pseudo_gradient, unflatten_into, weighted_mean  # noqa: E402
+from atoll.node.config import RunConfig  # noqa: E402
+from atoll.node.device import resolve_device  # noqa: E402
+from atoll.node.learner import Learner  # noqa: E402
+
+LEARNERS = 4
+EVAL_BATCHES = 32
+
+
+def learners(run: RunConfig, batch: int) -> tuple[list[Learner], list[torch.Tensor]]:
+    tokens, _ = load_corpus(run.data)
+    corpus = Corpus(tokens, get_model_config(run.model).seq_len, run.num_shards)
+    device = resolve_device("cpu")
+    return [Learner(run, device, corpus, s, batch) for s in range(LEARNERS)], corpus.held_out(EVAL_BATCHES, batch)
+
+
+def train_ddp(run: RunConfig, steps: int, batch: int) -> float:
+    ls, held_out = learners(run, batch)
+    for _ in range(steps):
+        grads = []
+        for learner in ls:
+            learner.backward()
+            grads.append(learner.flat_grads())
+        mean = torch.stack(grads).mean(0)
+        for learner in ls:
+            learner.load_flat_grads(mean)
+            learner.apply_step()
+    return ls[0].evaluate(held_out)
+
+
+def train_diloco(run: RunConfig, steps: int, batch: int, sync_every: int, lr: float, momentum: float) -> float:
+    ls, held_out = learners(run, batch)
+    theta = flatten_params(ls[0].params)
+    buf = torch.zeros_like(theta)
+    outer = NesterovOuter(lr, momentum)
+    for step in range(1, steps + 1):
+        for learner in ls:
+            learner.train_step()
+        if step % sync_every == 0 or step == steps:  # the last round: Θ holds every step taken
+            deltas = [pseudo_gradient(theta, flatten_params(learner.params)) for learner in ls]
+            outer.step(theta, buf, weighted_mean(deltas, [1.0] * len(ls)))
+            for learner in ls:
+                unflatten_into(theta, learner.params)
+    return ls[0].evaluate(held_out)
+
+
+def parse_config(text: str) -> dict:
+    if text == "ddp":
+        return {"config": "ddp"}
+    try:
+        h, lr, mu = text.split(",")
+        return {"config": text, "sync_every": int(h), "outer_lr": float(lr), "outer_momentum": float(mu)}
+    except ValueError:
+        raise SystemExit(f"bad config {text!r}: use ddp or H,LR,MU (e.g. 40,0.7,0.9)") from None
+
+
+def plot(rows: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["batch"], r["steps"]) for r in rows})
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 4.2), squeeze=False)
+    for ax, (batch, steps) in zip(axes[0], groups):
+        sel = [r for r in rows if (r["batch"], r["steps"]) == (batch, steps)]
+        sel.sort(key=lambda r: (r["config"] != "ddp", r["config"]))
+        ax.bar([r["config"] for r in sel], [r["ratio_to_ddp"] or 0 for r in sel], color="tab:blue")
+        ax.axhline(1.01, color="tab:red", lw=1, ls="--", label="1.01× ddp")
+        ax.set_ylim(0.95, max(1.2, max((r["ratio_to_ddp"] or 0) for r in sel) + 0.02))
+        ax.set_title(f"batch {batch}/learner, {steps} steps")
+        ax.set_ylabel("held-out loss / ddp")
+        ax.tick_params(axis="x", rotation=60, labelsize=8)
+        ax.legend(fontsize=8)
+    fig.suptitle("DiLoCo (H, outer lr, momentum) vs ddp: 4 learners, equal tokens")
+    fig.tight_layout()
+    fig.savefig(out / "bench_outer.png", dpi=110)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=300, help="inner steps per learner")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per step per learner (ddp: 4x per step)")
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--inner-lr", type=float, default=RunConfig().inner_lr)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--configs", nargs="+", default=["ddp", "40,0.7,0.9", "40,1,0"])
+    parser.add_argument("--out", default="docs/results")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    path = out / "bench_outer.json"
+    rows = json.loads(path.read_text())["rows"] if path.exists() else []
+    for text in args.configs:
+        cfg = parse_config(text)
+        run = RunConfig(model=args.model, inner_lr=args.inner_lr, sync_every=cfg.get("sync_every", 50))
+        t0 = time.monotonic()
+        if cfg["config"] == "ddp":
+            loss = train_ddp(run, args.steps, args.batch)
+        else:
+            loss = train_diloco(run, args.steps, args.batch, cfg["sync_every"], cfg["outer_lr"], cfg["outer_momentum"])
+        row = {**cfg, "steps": args.steps, "batch": args.batch, "model": args.model, "inner_lr": args.inner_lr,
+               "held_out_loss": loss, "seconds": round(time.monotonic() - t0, 1),
+               "command": "python scripts/bench_outer.py " + " ".join(sys.argv[1:])}
+        rows = [r for r in rows if (r["steps"], r["batch"], r["config"], r["model"], r["inner_lr"])
+                != (row["steps"], row["batch"], row["config"], row["model"], row["inner_lr"])] + [row]
+        print(f"batch {args.batch} steps {args.steps} {text:14s} held-out loss {loss:.4f} ({row['seconds']:.0f} s)",
+              flush=True)
+    for r in rows:
+        ref = next((x["held_out_loss"] for x in rows if x["config"] == "ddp" and (x["steps"], x["batch"], x["model"],
+                    x["inner_lr"]) == (r["steps"], r["batch"], r["model"], r["inner_lr"])), None)
+        r["ratio_to_ddp"] = r["held_out_loss"] / ref if ref else None
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"learners": LEARNERS, "eval_batches": EVAL_BATCHES, "rows": rows}, indent=1))
+    plot(rows, out)
+    for r in sorted(rows, key=lambda r: (r["batch"], r["steps"], r["config"])):
+        ratio = f"{r['ratio_to_ddp']:.3f}x" if r["ratio_to_ddp"] else "-"
+        print(f"  batch {r['batch']:3d} steps {r['steps']:5d} {r['config']:14s} {r['held_out_loss']:.4f}  {ratio}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
