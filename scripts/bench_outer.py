@@ -60,8 +60,9 @@ def train_ddp(run: RunConfig, steps: int, batch: int) -> float:
     return ls[0].evaluate(held_out)
 
 
-def train_diloco(run: RunConfig, steps: int, batch: int, sync_every: int, lr: float, momentum: float) -> float:
-    ls, held_out = learners(run, batch)
+def diloco(ls: list[Learner], steps: int, sync_every: int, lr: float, momentum: float) -> torch.Tensor:
+    """Train ``ls`` with DiLoCo for ``steps`` inner steps each; returns the final Θ (flat fp32), also loaded into
+    every learner."""
     theta = flatten_params(ls[0].params)
     buf = torch.zeros_like(theta)
     outer = NesterovOuter(lr, momentum)
@@ -73,6 +74,12 @@ def train_diloco(run: RunConfig, steps: int, batch: int, sync_every: int, lr: fl
             outer.step(theta, buf, weighted_mean(deltas, [1.0] * len(ls)))
             for learner in ls:
                 unflatten_into(theta, learner.params)
+    return theta
+
+
+def train_diloco(run: RunConfig, steps: int, batch: int, sync_every: int, lr: float, momentum: float) -> float:
+    ls, held_out = learners(run, batch)
+    diloco(ls, steps, sync_every, lr, momentum)
     return ls[0].evaluate(held_out)
 
 
