@@ -90,6 +90,36 @@ def run_swarm(root: Path, algorithm: str, args: argparse.Namespace, extra: list[
             "seconds": time.monotonic() - start}
 
 
+def plot(doc: dict, out: Path) -> None:
+    """Horizontal bars, one row per run (labels get long): loss ratio to ddp, bytes per token, goodput."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = doc["runs"]
+    labels = [r.get("label", r["algorithm"]) for r in results]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 0.35 * len(results) + 1.8), sharey=True)
+    rows = range(len(results))
+    axes[0].barh(rows, [r.get("loss_ratio_to_ddp", 0) for r in results], color="tab:blue")
+    axes[0].axvline(1.01, color="tab:red", ls="--", lw=1, label="goal: 1.01x ddp")
+    axes[0].set_xlim(0.95, max(r.get("loss_ratio_to_ddp", 1) for r in results) + 0.02)
+    axes[0].set_xlabel("held-out loss / ddp of the same seed (final Θ, mean of daemons)")
+    axes[0].legend(fontsize=8)
+    axes[1].barh(rows, [r["bytes_per_token"] for r in results], color="tab:green")
+    axes[1].set_xscale("log")
+    axes[1].set_xlabel("bytes sent per token trained")
+    axes[2].barh(rows, [r["goodput_mean"] for r in results], color="tab:orange")
+    axes[2].set_xlim(0, 1)
+    axes[2].set_xlabel("goodput (share of wall time in inner steps)")
+    axes[0].set_yticks(list(rows), labels, fontsize=8)
+    axes[0].invert_yaxis()
+    fig.suptitle(f"{doc['daemons']} daemons, {doc['model']}, {doc['steps_per_daemon']} steps each, "
+                 f"H={doc['sync_every']}")
+    fig.tight_layout()
+    fig.savefig(out / "bench_algorithms.png", dpi=110)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300)
@@ -104,8 +134,12 @@ def main() -> int:
     parser.add_argument("--append", action="store_true",
                         help="add these runs to the existing JSON (same label: replaced) instead of starting over")
     parser.add_argument("--out", default="docs/results")
+    parser.add_argument("--replot", action="store_true", help="only redraw the plot from the JSON")
     args = parser.parse_args()
     out = Path(args.out)
+    if args.replot:
+        plot(json.loads((out / "bench_algorithms.json").read_text()), out)
+        return 0
     command = "python scripts/bench_algorithms.py " + " ".join(sys.argv[1:])
     previous = json.loads((out / "bench_algorithms.json").read_text())["runs"] if args.append else []
     results = []
@@ -132,26 +166,7 @@ def main() -> int:
            "fragments": RunConfig().fragments, "overlap": RunConfig().overlap, "runs": results}
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_algorithms.json").write_text(json.dumps(doc, indent=1))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    labels = [r.get("label", r["algorithm"]) for r in results]
-    axes[0].bar(labels, [r["held_out_loss_mean"] for r in results], color="tab:blue")
-    axes[0].set_ylabel("held-out loss (final Θ, mean of daemons)")
-    lo = min(r["held_out_loss_mean"] for r in results)
-    axes[0].set_ylim(lo * 0.95, max(r["held_out_loss_mean"] for r in results) * 1.02)
-    axes[1].bar(labels, [r["bytes_per_token"] for r in results], color="tab:green")
-    axes[1].set_yscale("log")
-    axes[1].set_ylabel("bytes sent per token trained")
-    axes[2].bar(labels, [r["goodput_mean"] for r in results], color="tab:orange")
-    axes[2].set_ylim(0, 1)
-    axes[2].set_ylabel("goodput (share of wall time in inner steps)")
-    fig.suptitle(f"{DAEMONS} daemons, {args.model}, {args.steps} steps each, H={args.sync_every}")
-    fig.tight_layout()
-    fig.savefig(out / "bench_algorithms.png", dpi=110)
+    plot(doc, out)
     for r in results:
         extra = (f"  loss/ddp {r['loss_ratio_to_ddp']:.4f}  ddp bytes/this {r['ddp_bytes_per_token_over_this']:.0f}x"
                  if ref is not None else "")
