@@ -27,13 +27,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from atoll.models.configs import get_model_config  # noqa: E402
-from atoll.models.data import Corpus, load_corpus  # noqa: E402
-from atoll.models.outer import NesterovOuter, flatten_params, pseudo_gradient, unflatten_into, weighted_mean  # noqa: E402
-from atoll.node.config import RunConfig  # noqa: E402
-from atoll.node.device import resolve_device  # noqa: E402
-from atoll.node.learner import Learner  # noqa: E402
+from atoll.models.configs import get_model_config
+from atoll.models.data import Corpus, load_corpus
+from atoll.models.outer import NesterovOuter, flatten_params, pseudo_gradient, unflatten_into, weighted_mean
+from atoll.node.config import RunConfig
+from atoll.node.device import resolve_device
+from atoll.node.learner import Learner
 
 LEARNERS = 4
 EVAL_BATCHES = 32
