@@ -22,8 +22,10 @@ and the pace of the live daemons (tokens per daemon-second of a training process
 the faults slowed down the daemons they did not hit);
 global downtime (the longest interval in which no round completed on any daemon, and how far it exceeds one round
 period, the fault-free run's median interval between two rounds of one fragment on one daemon); held-out loss of
-the survivors at the end of the window (each one's last round measures it), relative to the fault-free run's
-(the final checkpoints' too, but the chaos swarm trains longer: it waits for restarting daemons); forks healed;
+the survivors' final checkpoints relative to the fault-free run's (side by side, both swarms are stopped at the same
+moment, once the chaos swarm's restarting daemons are back and its survivors hold identical replicas; so both
+trained for the same time, and the faults all fell in the window), and, noisier, each survivor's held-out loss
+as of its last round before the window's end; forks healed;
 work lost (to crashes: tokens
 trained after a daemon's last checkpoint; to adoptions: the ``lost_tokens`` of adopted events); and whether the
 survivors ended identical (a moment before the end when all held the same version and hash of every fragment)
@@ -252,8 +254,8 @@ def crash_losses(d) -> int:
 
 def window_end_loss(daemons, t1: float) -> list[float]:
     """Each daemon's held-out loss as of the end of the window: the one its last round before ``t1`` measured
-    (after merging fragment 0; the same held-out batches on every daemon). The final checkpoints are not used
-    for the comparison: the chaos run goes on training while restarted daemons come back, the reference does not."""
+    (after merging fragment 0; the same held-out batches on every daemon). Noisier than the final checkpoints: the
+    daemons measure at different moments, each right after one fragment merged."""
     out = []
     for d in daemons:
         losses = [r["held_out_loss"] for r in d.rounds() if r["time"] <= t1 and r.get("held_out_loss") is not None]
@@ -324,6 +326,11 @@ def run_once(root: Path, args: argparse.Namespace, chaos: bool, barrier: threadi
             time.sleep(0.5)
         survivors = [swarm.daemons[n] for n in c.live()]
         identical_after = wait_identical(survivors, args.settle)
+        if barrier is not None:
+            # Both swarms stop at the same moment, so their final checkpoints have trained equally long: the
+            # fault-free one keeps training while the chaos one waits for its restarting daemons.
+            barrier.wait()
+        stopped = time.time()
         codes = swarm.stop_all(timeout=90)
     daemons = list(swarm.daemons.values())
     run = RunConfig(model=args.model, algorithm=args.algorithm, sync_every=args.sync_every)
@@ -337,11 +344,12 @@ def run_once(root: Path, args: argparse.Namespace, chaos: bool, barrier: threadi
         "faults": c.log, "faults_by_kind": {k: n for k, n in kinds.items() if k in KINDS},
         "other_events": {k: n for k, n in kinds.items() if k not in KINDS}, "window_s": t1 - t0,
         "tokens": tokens_in_window(daemons, t0, t1), "rounds": len(times),
+        "tokens_of_original_daemons": tokens_in_window([d for d in daemons if d.name.startswith("d")], t0, t1),
         "live_daemon_seconds": live_seconds(daemons, t0, t1),
         "longest_gap_s": longest_gap(times, t0, t1), "round_period_s": round_period(daemons),
         "held_out_loss_window_end": statistics.mean(window_end_loss(survivors, t1)),
         "held_out_loss_final_checkpoints": statistics.mean(losses), "held_out_loss_per_survivor": losses,
-        "settle_s": time.time() - t1,
+        "settle_s": stopped - t1,
         "survivors": [d.name for d in survivors], "exit_codes": codes,
         "forks_healed": sum(1 for m in adopted if m.get("forked")),
         "tokens_lost_to_adoptions": sum(m["lost_tokens"] for m in adopted),
@@ -412,7 +420,8 @@ def plot(out: Path) -> None:
         for kind, color in colors.items():
             ax.plot([], [], color=color, label=kind)
         m = doc["metrics"]
-        ax.set_title(f"{doc.get('name', doc['algorithm'])} (mtbf {doc['args']['mtbf']:.0f} s): goodput {m['goodput']:.3f}, loss ratio {m['loss_ratio']:.3f}, "
+        ax.set_title(f"{doc.get('name', doc['algorithm'])} (mtbf {doc['args']['mtbf']:.0f} s): goodput {m['goodput']:.3f}, "
+                     f"loss ratio {m['loss_ratio_final_checkpoints']:.3f} (window end {m['loss_ratio']:.3f}), "
                      f"downtime beyond a round {m['downtime_beyond_round_s']:.1f}s, "
                      f"identical {doc['chaos']['survivors_identical']}")
         ax.set_xlabel("seconds into the window")
@@ -476,6 +485,9 @@ def main() -> int:
     period = reference["round_period_s"]
     metrics = {
         "goodput": chaos["tokens"] / reference["tokens"],
+        # The same without the joiners' tokens: what the original daemons kept of their fault-free twins' work.
+        "goodput_original_daemons": chaos["tokens_of_original_daemons"] / reference["tokens"],
+        "stopped_together": not args.sequential,
         "pace_of_live_daemons": (chaos["tokens"] / chaos["live_daemon_seconds"])
         / (reference["tokens"] / reference["live_daemon_seconds"]),
         "loss_ratio": chaos["held_out_loss_window_end"] / reference["held_out_loss_window_end"],
