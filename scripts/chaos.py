@@ -421,9 +421,10 @@ def plot(out: Path) -> None:
             ax.plot([], [], color=color, label=kind)
         m = doc["metrics"]
         ax.set_title(f"{doc.get('name', doc['algorithm'])} (mtbf {doc['args']['mtbf']:.0f} s): goodput {m['goodput']:.3f}, "
-                     f"loss ratio {m['loss_ratio_final_checkpoints']:.3f} (window end {m['loss_ratio']:.3f}), "
-                     f"downtime beyond a round {m['downtime_beyond_round_s']:.1f}s, "
-                     f"identical {doc['chaos']['survivors_identical']}")
+                     + (f"loss ratio {m['loss_ratio_final_checkpoints']:.3f} (window end {m['loss_ratio']:.3f}), "
+                        if m.get("stopped_together") else f"loss ratio at the window's end {m['loss_ratio']:.3f}, ")
+                     + f"downtime beyond a round {m['downtime_beyond_round_s']:.1f}s, "
+                     f"identical {doc['chaos']['survivors_identical']}", fontsize=9)
         ax.set_xlabel("seconds into the window")
         ax.set_ylabel("rounds completed")
         ax.legend(fontsize=7, ncol=2, loc="upper left")
