@@ -54,7 +54,7 @@ def cosine_lr(base: float, warmup: int, step: int, total: int, floor: float = 0.
 
 
 class CosineLearner(Learner):
-    total_steps = 0  # set per run
+    total_steps = 0  # the run's length, set on each learner
 
     def _lr(self) -> float:
         return cosine_lr(self.run.inner_lr, self.run.warmup_steps, self.step, self.total_steps)
@@ -65,10 +65,10 @@ def learners(run: RunConfig, batch: int, schedule: str = "constant",
     tokens, _ = load_corpus(run.data)
     corpus = Corpus(tokens, get_model_config(run.model).seq_len, run.num_shards)
     device = resolve_device("cpu")
-    cls = Learner
-    if schedule == "cosine":
-        cls = type("CosineLearner", (CosineLearner,), {"total_steps": steps})
-    return [cls(run, device, corpus, s, batch) for s in range(LEARNERS)], corpus.held_out(EVAL_BATCHES, batch)
+    ls = [(CosineLearner if schedule == "cosine" else Learner)(run, device, corpus, s, batch) for s in range(LEARNERS)]
+    for learner in ls:
+        learner.total_steps = steps
+    return ls, corpus.held_out(EVAL_BATCHES, batch)
 
 
 def train_ddp(run: RunConfig, steps: int, batch: int, schedule: str = "constant") -> float:
