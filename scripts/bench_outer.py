@@ -18,8 +18,9 @@ configuration after another, each from the same initial model:
 
 Everything is deterministic: a configuration run twice gives the same loss, so differences between rows are the
 configurations' (at one seed and one data order), not this machine's load. Reported: the held-out loss of Θ (ddp:
-of the model) on the same held-out batches, and its ratio to ddp's at the same steps and batch. Results are
-appended to docs/results/bench_outer.json (a row with the same steps, batch and config is replaced) and plotted.
+of the model) on the same held-out batches, and its ratio to ddp's in the same setting (steps, batch, model, inner
+learning rate and schedule). Results are appended to docs/results/bench_outer.json (a row with the same setting and
+config is replaced) and plotted.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def learners(run: RunConfig, batch: int, schedule: str = "constant",
     device = resolve_device("cpu")
     ls = [(CosineLearner if schedule == "cosine" else Learner)(run, device, corpus, s, batch) for s in range(LEARNERS)]
     for learner in ls:
-        learner.total_steps = steps
+        if isinstance(learner, CosineLearner):
+            learner.total_steps = steps
     return ls, corpus.held_out(EVAL_BATCHES, batch)
 
 
