@@ -43,7 +43,8 @@ from .replica import Replica
 logger = logging.getLogger("atoll")
 MAX_ATTEMPTS = 3
 CORRUPTIONS = ("truncated", "header", "codec", "nan")
-OPEN_ROUND_POLL = 0.25  # seconds between reads of the rounds others opened (decoupled)
+OPEN_ROUND_POLL = 0.5  # seconds between reads of the rounds others opened (decoupled)
+PEERS_MAX_AGE = 1.0  # seconds a peer table read may be reused while forming a group (it is polled)
 MEMBER_WAIT = 3.0  # seconds a private run's donor looks for an unknown requester among its peers
 
 
@@ -100,8 +101,8 @@ class Syncer:
         self.config_record: dict[str, Any] | None = None  # re-published so the run outlives its first daemon
         self._config_published = 0.0
         self.private = private  # members only: the DHT holds members' records only; state is served to them only
-        self._members_refreshed = 0.0
-        self._members_refresh: asyncio.Future | None = None
+        self._peers_read: asyncio.Future | None = None  # the shared read of the peer table in flight, if any
+        self._peers_read_at = 0.0
 
     # ---- lifetime -------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -201,9 +202,25 @@ class Syncer:
     def _reject(self, kind: str, source: str | bytes | None = None) -> None:
         self.stats.reject(kind, source)
 
-    async def refresh_peers(self) -> dict[str, ProgressRecord]:
+    async def refresh_peers(self, max_age: float = 0.0) -> dict[str, ProgressRecord]:
         """Read the live peers' progress records; malformed ones are counted and cool their signing key down,
-        and the records of peers (or keys) cooling down are ignored."""
+        and the records of peers (or keys) cooling down are ignored.
+
+        ``max_age > 0``: a table whose read began less than ``max_age`` seconds ago is returned as it is, and a
+        read in flight is shared. Reads are not cheap: the progress key holds one signed record per peer, and each
+        DHT node asked checks every signature, so a swarm of N daemons polling it costs O(N^2) checks per poll."""
+        if max_age > 0:
+            if self._peers_read is not None and not self._peers_read.done():
+                return await asyncio.shield(self._peers_read)
+            if time.monotonic() - self._peers_read_at < max_age:
+                return self.peers()
+        self._peers_read_at = time.monotonic()
+        read = asyncio.ensure_future(self._read_peers())
+        if max_age > 0:
+            self._peers_read = read
+        return await asyncio.shield(read)
+
+    async def _read_peers(self) -> dict[str, ProgressRecord]:
         entry = await self.dht.get(progress_key(self._namespace()), latest=True, return_future=True)
         peers, everyone = {}, {}
         for subkey, value in unwrap_subkeys(entry).items():
@@ -237,13 +254,8 @@ class Syncer:
         return True
 
     async def _refresh_members(self) -> None:
-        if self._members_refresh is None or self._members_refresh.done():
-            if time.monotonic() - self._members_refreshed < 0.5:
-                return
-            self._members_refreshed = time.monotonic()
-            self._members_refresh = asyncio.ensure_future(self.refresh_peers())
         try:
-            await asyncio.shield(self._members_refresh)
+            await self.refresh_peers(max_age=0.5)
         except Exception as e:  # the DHT may fail a read; the caller looks again or refuses
             logger.debug("could not refresh peers: %r", e)
 
@@ -426,7 +438,7 @@ class Syncer:
         try:
 
             async def live_peers() -> dict[str, int]:
-                peers = await self.refresh_peers()
+                peers = await self.refresh_peers(max_age=PEERS_MAX_AGE)
                 # A peer at our version with another replica (a fork) meets in another round: do not expect it.
                 return {peer.peer_id: peer.fragment_versions[p] for peer in peers.values()
                         if peer.status == "training" and not (peer.fragment_versions[p] == version
