@@ -85,6 +85,7 @@ class Chaos:
         self.expect_death: set[str] = set()  # checkpoint_kill armed: the death is the fault, restart it
         self.log: list[dict] = []
         self.joined = 0
+        self.spawned: list[tuple[str, float]] = []  # (name, wall time) of every start after the first ones
         self.t0 = time.monotonic()
         self.lock = threading.Lock()
 
@@ -97,6 +98,7 @@ class Chaos:
             peers = [self.swarm.daemons[n].maddrs[0] for n in self.live()[:3] if self.swarm.daemons[n].maddrs]
             try:
                 extra = ["--initial-peers", *peers] if peers else []
+                self.spawned.append((name, time.time()))
                 self.swarm.start(name, daemon_args(self.args) + extra, join=not peers)
                 self.state[name] = "live"
             except RuntimeError as e:
@@ -180,6 +182,27 @@ class Chaos:
                 self.inject(t, pending.pop(0)[1])
             self.reap(t)
             time.sleep(0.2)
+
+
+def cpu_times() -> tuple[int, int]:
+    """The machine's (total, idle) CPU time so far, in clock ticks (Linux /proc/stat)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return sum(fields), fields[3] + fields[4]  # idle + iowait
+
+
+def busy_share(before: tuple[int, int], after: tuple[int, int]) -> float:
+    total, idle = after[0] - before[0], after[1] - before[1]
+    return 1.0 - idle / total if total else float("nan")
+
+
+def start_seconds(daemons, spawned: list[tuple[str, float]]) -> list[float]:
+    """Seconds from each (re)start of a daemon process to its first training step."""
+    out = []
+    for name, t in spawned:
+        steps = [m["time"] for m in step_lines(daemons[name]) if m["time"] >= t]
+        if steps:
+            out.append(round(min(steps) - t, 1))
+    return out
 
 
 def step_lines(d) -> list[dict]:
@@ -317,9 +340,12 @@ def run_once(root: Path, args: argparse.Namespace, chaos: bool, barrier: threadi
         if barrier is not None:
             barrier.wait()  # both swarms are training: their windows start together
         t0_mono, t0 = time.monotonic(), time.time()
+        c.spawned.clear()  # the swarm's first starts are not restarts
+        cpu0 = cpu_times()
         print(f"  {'chaos' if chaos else 'fault-free'}: {len(faults)} faults scheduled; window starts", flush=True)
         c.run(faults, args.duration, t0_mono)
         t1 = time.time()
+        cpu_busy = busy_share(cpu0, cpu_times())
         # Survivors: live now, plus those frozen or restarting, which are let finish first.
         settle = time.monotonic() + 120  # the window is over; no more faults
         while time.monotonic() < settle and any(s in ("starting", "frozen") for s in c.state.values()):
@@ -350,6 +376,9 @@ def run_once(root: Path, args: argparse.Namespace, chaos: bool, barrier: threadi
         "held_out_loss_window_end": statistics.mean(window_end_loss(survivors, t1)),
         "held_out_loss_final_checkpoints": statistics.mean(losses), "held_out_loss_per_survivor": losses,
         "settle_s": stopped - t1,
+        # How loaded the machine was (both swarms, side by side): a saturated CPU slows restarts and lets a fault's
+        # freed CPU speed up the others, neither of which separate machines would see.
+        "machine_cpu_busy": cpu_busy, "start_to_first_step_s": start_seconds(swarm.daemons, c.spawned),
         "survivors": [d.name for d in survivors], "exit_codes": codes,
         "forks_healed": sum(1 for m in adopted if m.get("forked")),
         "tokens_lost_to_adoptions": sum(m["lost_tokens"] for m in adopted),
@@ -504,6 +533,8 @@ def main() -> int:
         / reference["tokens"],
         "survivors_identical": chaos["survivors_identical"],
         "survivors_on_one_history": chaos["survivors_on_one_history"],
+        "machine_cpu_busy": {"reference": reference["machine_cpu_busy"], "chaos": chaos["machine_cpu_busy"]},
+        "start_to_first_step_s": chaos["start_to_first_step_s"],
     }
     doc = {"algorithm": args.algorithm, "name": name, "command": command, "args": vars(args), "metrics": metrics,
            "reference": reference, "chaos": chaos}
