@@ -13,7 +13,10 @@ At least ``--min-live`` daemons are kept training; a fault that would go below i
 The fault-free swarm and the chaos swarm run side by side, in the same window (``--sequential``: one after the
 other), so that the load of this shared machine weighs on both alike. Every daemon sleeps ``--step-delay``
 seconds per inner step, so that it is less bound by the CPU: otherwise a killed daemon would hand its CPU to the
-others and the fault would look free.
+others and the fault would look free. On a small machine, side by side saturates the CPU (two swarms, each daemon
+with its DHT process and p2pd; see ``scripts/swarm_cpu.py``), which stretches restarts from seconds to a minute;
+``--sequential`` with a larger ``--step-delay`` keeps the machine below saturation, closer to one machine per
+daemon. ``machine_cpu_busy`` in the results says how loaded each window was.
 
 Reported (JSON in ``docs/results/<name>.json``, by default ``chaos_<algorithm>``; plot ``docs/results/chaos.png``
 over every chaos_*.json there), all computed from the daemons' metrics.jsonl and checkpoints:
