@@ -461,7 +461,7 @@ def plot(out: Path) -> None:
         ax.set_ylabel("rounds completed")
         ax.legend(fontsize=7, ncol=2, loc="upper left")
     fig.tight_layout()
-    fig.savefig(out / "chaos.png", dpi=110)
+    fig.savefig(out / "chaos.png", dpi=80)
 
 
 def main() -> int:
