@@ -144,9 +144,10 @@ class NodeConfig:
     run_key: str | None = None
     # Deterministic fault injection for tests: "kill_in_round=N" SIGKILLs this daemon's process group after the
     # group of its N-th round formed; "step_delay=S" sleeps S seconds per inner step (a slow daemon);
-    # "corrupt_round=N" sends malformed parts (truncated, bad header, unknown codec, NaN; each twice) in the
-    # multi-member rounds N..N+7; "split_side=S" with "split_until=N" partitions the swarm: until step N a daemon
-    # sees and meets only daemons of the same side S (a split swarm whose halves meet again later);
+    # "corrupt_round=N" sends malformed parts (truncated, bad header, unknown codec, NaN; each until it has
+    # reached two completed rounds) from the N-th multi-member round on; "split_side=S" with "split_until=N"
+    # partitions the swarm: until step N a daemon sees and meets only daemons of the same side S (a split swarm
+    # whose halves meet again later);
     # "byzantine=K" (scale, nan, shape) makes this daemon a hostile member from its multi-member round
     # "byzantine_from=N" on (default 1): "scale" sends its delta ×1000, "nan" parts holding NaN, "shape" parts
     # of the wrong size (it still reduces its own shard honestly); "start_together=N" holds the first step until N

@@ -76,6 +76,7 @@ class Syncer:
         self.rounds_done = 0
         self.rounds_skipped = 0
         self.rounds_attempted = 0  # multi-member groups this daemon was in (the fault schedule counts these)
+        self.corrupt_delivered = 0  # rounds whose injected malformed parts reached a group that completed
         self.forks_healed = 0
         self.step_time = 0.0  # seconds per inner step, set by the learner (for the grace window)
         self._sync_time = EMA()
@@ -475,14 +476,20 @@ class Syncer:
             if len(members) > 1:  # a solo round sends nothing, so it cannot carry an injected fault
                 self.rounds_attempted += 1
             first_bad = self.faults.get("corrupt_round")
-            # Each kind is sent in two rounds: a part may also be lost to an unrelated failure of one round.
-            index = self.rounds_attempted - first_bad if first_bad is not None else -1
+            # Each kind must reach the group twice. A round whose group the others refused (they had this daemon
+            # cooling down after its previous offence) delivered nothing, so its kind is sent again.
+            index = self.corrupt_delivered if first_bad is not None and self.rounds_attempted >= first_bad else -1
             if len(members) > 1 and 0 <= index < 2 * len(CORRUPTIONS):
                 corrupt = CORRUPTIONS[index % len(CORRUPTIONS)]
                 logger.warning("fault injection: sending %s parts in round f%d v%d", corrupt, p, version)
             byzantine = self._byzantine(len(members))
             result, alive = await self._allreduce(p, version, members, target, weight, mode, run.compression, corrupt,
                                                   byzantine=byzantine, base=digest)
+            if corrupt is not None and result is not None:
+                self.corrupt_delivered += 1
+                if self.corrupt_delivered == 2 * len(CORRUPTIONS):
+                    logger.warning("fault injection: malformed parts reached %d rounds; valid parts from now on",
+                                   self.corrupt_delivered)
             if result is None:
                 return RoundOutcome("failed", version, members, seconds=time.monotonic() - started)
             self._sync_time.update(time.monotonic() - formed)

@@ -14,7 +14,7 @@ def test_malformed_parts_are_rejected_and_replicas_still_agree(tmp_path):
     common = ["--model", "nano", "--batch-size", "4", "--algorithm", "diloco", "--sync-every", "20", "--compression", "int4",
               "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1", "--fault", "step_delay=0.02",
               # A short cooldown: the corrupting daemon is left out for a few seconds after each offence, so that its
-              # eight corrupt rounds (and the full rounds after them) come within the test's time.
+              # corrupt rounds (each kind until two reached the group) and the full rounds after them come in time.
               "--peer-cooldown", "3"]
     with LocalSwarm(tmp_path, common) as swarm:
         swarm.start("a", join=False)
@@ -31,8 +31,7 @@ def test_malformed_parts_are_rejected_and_replicas_still_agree(tmp_path):
 
         wait_for(lambda: all(any(pat in r for r in rejected()) for pat in patterns.values()), 240,
                  f"a peer rejecting each kind of malformed part: {patterns}")
-        wait_for(lambda: len(re.findall(r"sending \w+ parts", bad.log())) >= 8, 240,
-                 "the end of the fault schedule")
+        wait_for(lambda: "valid parts from now on" in bad.log(), 240, "the end of the fault schedule")
         last_bad = max(int(v) for v in re.findall(r"sending \w+ parts in round f\d+ v(\d+)", bad.log()))
 
         def full_rounds_after_fault():
