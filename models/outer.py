@@ -129,3 +129,13 @@ def grace_window(gamma: float, overlap_steps: int, step_time: float, quorum_time
     if not 0 <= gamma < 1:
         raise ValueError(f"gamma must be in [0, 1), got {gamma}")
     return max(0.0, gamma * (overlap_steps * step_time - quorum_time - sync_time))
+
+
+def join_window(step_time: float, read_time: float, sync_every: int, open_poll: float, group_poll: float) -> float:
+    """How long a live peer at the same version needs to join a round that another daemon opened: it reads the open
+    rounds every ``open_poll`` s, contributes at its next step boundary (≤ one step, and one more for the snapshot),
+    registers (a DHT store), and the coordinator sees it on its next read, every ``group_poll`` s; ``read_time`` is
+    one DHT read or store. Capped at H/4 steps: waiting costs every member the steps it trains on the fragment
+    before the merge lands (α = 0 overwrites them), a quarter of what a peer left out of the round loses (its H
+    steps on the fragment since its last round)."""
+    return min(open_poll + group_poll + 2 * step_time + 3 * read_time, sync_every * step_time / 4)

@@ -34,6 +34,8 @@ def _start_parser(sub: argparse._SubParsersAction) -> None:
                    help="minimum round size (decoupled); ddp: daemons that start together")
     p.add_argument("--max-group", type=int, metavar="N", help="round-size cap; more ready daemons form several groups")
     p.add_argument("--grace-gamma", type=float, metavar="G", help="share of the overlap's slack a round may wait (0.5)")
+    p.add_argument("--join-window", choices=("true", "false"),
+                   help="a round waits at least as long as a peer needs to join it (decoupled; default true)")
     p.add_argument("--rda", choices=("true", "false"), help="radial-directional averaging (decoupled; default true)")
     p.add_argument("--stale-contributions", choices=("true", "false"),
                    help="keep work a round missed for the next one (decoupled; default false)")

@@ -56,6 +56,10 @@ class RunConfig:
     quorum: int = 1  # K: minimum members before a round may close (decoupled); ddp: daemons that start together
     max_group: int = 16  # round-size cap: more ready daemons form several groups (forks that consistency heals)
     grace_gamma: float = 0.5  # γ < 1: share of the overlap's slack a round may wait for more members
+    # decoupled, γ > 0: the grace window is at least the time a peer needs to notice a round another daemon opened
+    # and register for it (atoll.models.outer.join_window); without it, at τ·step_time below a second, rounds close
+    # before a peer a few steps off its schedule has joined, and the peers left out drop their unmerged work.
+    join_window: bool = True
     stale_contributions: bool = False  # decoupled: keep work a round missed and contribute it to the next one
     rda: bool = True  # radial-directional averaging for non-embedding fragments (decoupled)
     # Codec of outer deltas on the wire (atoll.protocols.codecs). int4 with error feedback measured at parity with

@@ -553,8 +553,10 @@ class Daemon:
         if outcome.kind == "merged":
             fragment = self.fragments[p]
             merged, base_id = self.replica.params_and_id(p)
-            # Overwriting θ_p drops the τ steps trained on it since the snapshot (the paper's α = 0 choice).
-            self.tokens_lost += run.overlap_steps * learner.tokens_per_step // len(self.fragments)
+            # Overwriting θ_p drops the steps trained on it since the snapshot (the paper's α = 0 choice): τ, or
+            # more when the round landed late (a grace window that waited for a joiner).
+            since = max(run.overlap_steps, self.replica.schedule_step - (pending.merge_at - run.overlap_steps))
+            self.tokens_lost += since * learner.tokens_per_step // len(self.fragments)
             tokens, steps = self.local[p].tokens, self.local[p].steps
             self.local[p].restart(merged, base_id)
             rounds = self.merged_rounds.setdefault(p, [])

@@ -27,11 +27,11 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time
 
 from atoll.models.fragments import Fragment
-from atoll.models.outer import NesterovOuter, grace_window
+from atoll.models.outer import NesterovOuter, grace_window, join_window
 from atoll.protocols.averaging import AllreduceResult, AveragingServicer, GroupSpec, TrafficStats, allreduce
 from atoll.protocols.codecs import ErrorFeedback
 from atoll.protocols.cooldown import Cooldown
-from atoll.protocols.matchmaking import form_group
+from atoll.protocols.matchmaking import POLL_INTERVAL, form_group
 from atoll.protocols.records import (
     ProgressRecord, config_key, heavier, open_rounds_key, parse_open_round, parse_progress, progress_key, unwrap_subkeys,
 )
@@ -81,6 +81,7 @@ class Syncer:
         self.step_time = 0.0  # seconds per inner step, set by the learner (for the grace window)
         self._sync_time = EMA()
         self._quorum_time = EMA()
+        self._read_time = EMA()  # one read of the open rounds: the DHT's latency as this daemon sees it
         self._subkey = subkey  # our RSA public key: the DHT lets only us write records under it
         self._peers: dict[str, ProgressRecord] = {}
         self._everyone: dict[str, ProgressRecord] = {}  # peers cooling down included (ddp's fixed membership)
@@ -409,10 +410,15 @@ class Syncer:
         return self._submit(run()).result(timeout)
 
     def grace(self) -> float:
-        """The adaptive grace window (seconds) a decoupled round may wait for more members after quorum."""
+        """The adaptive grace window (seconds) a decoupled round may wait for more members after quorum: the
+        overlap's slack, and with ``join_window`` at least the time a peer needs to join a round we opened."""
         run = self.cfg.run
-        return grace_window(run.grace_gamma, run.overlap, self.step_time, self._quorum_time.value,
-                            self._sync_time.value)
+        slack = grace_window(run.grace_gamma, run.overlap, self.step_time, self._quorum_time.value,
+                             self._sync_time.value)
+        if run.grace_gamma == 0 or not run.join_window:
+            return slack
+        return max(slack, join_window(self.step_time, self._read_time.value, run.sync_every, OPEN_ROUND_POLL,
+                                      POLL_INTERVAL))
 
     def _namespace(self) -> str:
         """Where progress records, round registrations and open rounds live. The ``split_side``/``split_until``
@@ -523,7 +529,9 @@ class Syncer:
         while True:
             await asyncio.sleep(OPEN_ROUND_POLL)
             try:
+                t0 = time.monotonic()
                 entry = await self.dht.get(open_rounds_key(self._namespace()), latest=True, return_future=True)
+                self._read_time.update(time.monotonic() - t0)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the next poll tries again

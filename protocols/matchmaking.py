@@ -31,6 +31,7 @@ from .records import parse_round_record, round_key, unwrap_subkeys
 logger = logging.getLogger("atoll")
 MAX_GROUP = 1024
 DECISION_LIFETIME_FACTOR = 3  # a group decision older than this many gather timeouts is stale
+POLL_INTERVAL = 0.2  # seconds between a registrant's reads of the round's registrations and decisions
 
 
 def group_key(run_id: str, fragment: int, version: int, base: str = "") -> str:
@@ -83,7 +84,7 @@ async def form_group(
     abort: Callable[[], bool],
     quorum: int | None = None,
     grace: Callable[[], float] = lambda: 0.0,
-    poll_interval: float = 0.2,
+    poll_interval: float = POLL_INTERVAL,
     on_reject: Callable[..., None] = lambda kind, source=None: None,
     max_group: int = MAX_GROUP,
     excluded: Callable[[str], bool] = lambda peer: False,

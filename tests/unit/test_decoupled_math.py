@@ -9,6 +9,7 @@ from atoll.models.fragments import make_fragments, partition
 from atoll.models.outer import (
     NesterovOuter,
     grace_window,
+    join_window,
     radial_directional_average,
     token_weight,
     weighted_mean,
@@ -86,6 +87,15 @@ def test_grace_window():
     assert grace_window(0.0, 8, 1.0, 0.0, 0.0) == 0.0
     with pytest.raises(ValueError):
         grace_window(1.0, 2, 1.0, 0.0, 0.0)
+
+
+def test_join_window_covers_a_peers_way_into_the_round_up_to_a_quarter_of_h():
+    # 0.3 s steps, 50 ms DHT reads: open-rounds poll 0.5 + group poll 0.2 + two steps 0.6 + three reads 0.15.
+    assert join_window(0.3, 0.05, sync_every=40, open_poll=0.5, group_poll=0.2) == pytest.approx(1.45)
+    # A short H caps it at H/4 steps: 8 steps of 0.3 s → 0.6 s.
+    assert join_window(0.3, 0.05, sync_every=8, open_poll=0.5, group_poll=0.2) == pytest.approx(0.6)
+    # Before the learner has timed a step there is nothing to weigh the wait against: no wait.
+    assert join_window(0.0, 0.05, sync_every=40, open_poll=0.5, group_poll=0.2) == 0.0
 
 
 def test_local_state_counts_and_restarts():
