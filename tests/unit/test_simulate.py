@@ -1,4 +1,4 @@
-"""Unit tests of scripts/simulate.py.
+"""Unit tests of the simulator models in scripts/sim and of the scripts/simulate.py CLI.
 
 The event logic is checked on cases with closed-form answers (renewal processes, ring
 all-reduce arithmetic); the calibrated model is checked against the paper's Table 1 at full
@@ -7,41 +7,26 @@ scale (it takes about two seconds). No test asserts on wall-clock time.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import pathlib
-import sys
-from types import ModuleType
 
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def _load() -> ModuleType:
-    # scripts/ is not a package; load the file under a private name. It must be registered
-    # in sys.modules before execution because dataclasses resolve annotations through it.
-    spec = importlib.util.spec_from_file_location("atoll_scripts_simulate", ROOT / "scripts" / "simulate.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-sim = _load()
+# scripts/ is on sys.path (tests/conftest.py), as when the CLI runs.
+import simulate
+from sim import bandwidth, goodput, paper
 
 N_CHIPS = 1000
 
 
-def _fm(mtbf_s: float, **kw: float) -> "sim.FailureModel":
+def _fm(mtbf_s: float, **kw: float) -> "goodput.FailureModel":
     """A failure model whose N_CHIPS-chip group has the given MTBF, with no extras."""
     base = dict(mtbi_chip_s=mtbf_s * N_CHIPS, host_chips=1, step_s=0.0, speed_cv=0.0,
                 readmit_window_s=0.0, upscale_s=0.0)
     base.update(kw)
-    return sim.FailureModel(**base)
+    return goodput.FailureModel(**base)
 
 
 # ------------------------------------------------------------------ goodput, closed forms
@@ -50,7 +35,7 @@ def test_dp_single_group_exponential_failures_fixed_repair(mtbf: float, repair: 
     """Alternating renewal: goodput = MTBF / (MTBF + repair)."""
     fm = _fm(mtbf, repair_s=repair)
     horizon = 4000.0 * (mtbf + repair)
-    res = [sim.simulate(N_CHIPS, "dp", fm=fm, horizon_s=horizon, seed=s) for s in range(3)]
+    res = [goodput.simulate(N_CHIPS, "dp", fm=fm, horizon_s=horizon, seed=s) for s in range(3)]
     g = float(np.mean([r.goodput for r in res]))
     assert g == pytest.approx(mtbf / (mtbf + repair), abs=0.006)
     assert res[0].uptime == pytest.approx(res[0].goodput, abs=1e-3)
@@ -61,7 +46,7 @@ def test_dp_step_coalescing_closed_form() -> None:
     mtbf, repair, step = 100.0, 50.0, 10.0
     fm = _fm(mtbf, repair_s=repair, step_s=step)
     horizon = 3e6
-    g = float(np.mean([sim.simulate(N_CHIPS, "dp", fm=fm, horizon_s=horizon, seed=s).goodput
+    g = float(np.mean([goodput.simulate(N_CHIPS, "dp", fm=fm, horizon_s=horizon, seed=s).goodput
                        for s in range(3)]))
     expected = step / (step + repair * (1.0 - math.exp(-step / mtbf)))
     assert g == pytest.approx(expected, abs=0.006)
@@ -71,7 +56,7 @@ def test_elastic_downscale_only_closed_form() -> None:
     """With free upscales the elastic group is a renewal with pause = downscale_s."""
     mtbf, down = 100.0, 20.0
     fm = _fm(mtbf, downscale_s=down, repair_s=30.0)
-    g = float(np.mean([sim.simulate(N_CHIPS, "elastic", fm=fm, horizon_s=2e6, seed=s).goodput
+    g = float(np.mean([goodput.simulate(N_CHIPS, "elastic", fm=fm, horizon_s=2e6, seed=s).goodput
                        for s in range(3)]))
     # Each failure also removes 1 of N_CHIPS chips for ~repair_s: a 3e-4 relative loss.
     assert g == pytest.approx(mtbf / (mtbf + down) * (1 - 30.0 / mtbf / N_CHIPS), abs=0.006)
@@ -82,61 +67,61 @@ def test_elastic_upscale_rides_along_within_window() -> None:
     mtbf = 20.0
     eager = _fm(mtbf, downscale_s=5.0, upscale_s=5.0, repair_s=60.0, readmit_window_s=0.0)
     lazy = replace_fm(eager, readmit_window_s=600.0)
-    ge = sim.simulate(N_CHIPS, "elastic", fm=eager, horizon_s=2e5, seed=0)
-    gl = sim.simulate(N_CHIPS, "elastic", fm=lazy, horizon_s=2e5, seed=0)
+    ge = goodput.simulate(N_CHIPS, "elastic", fm=eager, horizon_s=2e5, seed=0)
+    gl = goodput.simulate(N_CHIPS, "elastic", fm=lazy, horizon_s=2e5, seed=0)
     assert gl.goodput > ge.goodput
     # Lazy re-admission costs about one downscale per failure: 1/(1 + 5/20).
     assert gl.goodput == pytest.approx(mtbf / (mtbf + 5.0), abs=0.02)
 
 
-def replace_fm(fm: "sim.FailureModel", **kw: float) -> "sim.FailureModel":
+def replace_fm(fm: "goodput.FailureModel", **kw: float) -> "goodput.FailureModel":
     from dataclasses import replace
     return replace(fm, **kw)
 
 
 def test_straggler_efficiency() -> None:
-    assert sim.straggler_efficiency(1, 0.05) == 1.0
+    assert goodput.straggler_efficiency(1, 0.05) == 1.0
     rng = np.random.default_rng(0)
     mc = float(rng.standard_normal((2000, 1000)).max(axis=1).mean())
-    assert sim.expected_max_normal(1000) == pytest.approx(mc, rel=0.02)
-    assert sim.straggler_efficiency(1000, 0.01) == pytest.approx(1 / (1 + 0.01 * mc), rel=1e-3)
+    assert goodput.expected_max_normal(1000) == pytest.approx(mc, rel=0.02)
+    assert goodput.straggler_efficiency(1000, 0.01) == pytest.approx(1 / (1 + 0.01 * mc), rel=1e-3)
 
 
 def test_fraction_running_at_least_hand_example() -> None:
     """Two groups over [0, 10): A paused [1,4), B paused [3,6); blocker down [8,9)."""
-    def grp(starts: list[float], ends: list[float]) -> "sim.GroupRun":
-        return sim.GroupRun(1.0, np.array(starts), np.array(ends), 0.0, 0.0, 0)
+    def grp(starts: list[float], ends: list[float]) -> "goodput.GroupRun":
+        return goodput.GroupRun(1.0, np.array(starts), np.array(ends), 0.0, 0.0, 0)
     a, b = grp([1.0], [4.0]), grp([3.0], [6.0])
-    assert sim.fraction_running_at_least([a, b], 1, 10.0) == pytest.approx(0.9)   # both down 3..4
-    assert sim.fraction_running_at_least([a, b], 2, 10.0) == pytest.approx(0.5)   # down 1..6
+    assert goodput.fraction_running_at_least([a, b], 1, 10.0) == pytest.approx(0.9)   # both down 3..4
+    assert goodput.fraction_running_at_least([a, b], 2, 10.0) == pytest.approx(0.5)   # down 1..6
     blk = [(np.array([8.0]), np.array([9.0]))]
-    assert sim.fraction_running_at_least([a, b], 1, 10.0, blk) == pytest.approx(0.8)
+    assert goodput.fraction_running_at_least([a, b], 1, 10.0, blk) == pytest.approx(0.8)
 
 
 def test_pause_measure() -> None:
     starts, ends = np.array([1.0, 5.0]), np.array([2.0, 8.0])
     x = np.array([0.0, 1.5, 3.0, 6.0, 9.0])
-    assert sim._pause_measure(x, starts, ends).tolist() == pytest.approx([0, 0.5, 1, 2, 4])
+    assert goodput._pause_measure(x, starts, ends).tolist() == pytest.approx([0, 0.5, 1, 2, 4])
 
 
 def test_uptime_independent_learners() -> None:
     """Two independent elastic learners: P(>=1 runs) = 1-(1-u)^2, P(both run) = u^2."""
     mtbf_group = 100.0
-    fm = sim.FailureModel(mtbi_chip_s=mtbf_group * N_CHIPS / 2, host_chips=1, step_s=0.0,
-                          speed_cv=0.0, downscale_s=50.0, upscale_s=0.0, readmit_window_s=0.0,
-                          repair_s=10.0)
+    fm = goodput.FailureModel(mtbi_chip_s=mtbf_group * N_CHIPS / 2, host_chips=1, step_s=0.0,
+                              speed_cv=0.0, downscale_s=50.0, upscale_s=0.0,
+                              readmit_window_s=0.0, repair_s=10.0)
     u = mtbf_group / (mtbf_group + 50.0)
-    k1 = sim.simulate(N_CHIPS, "atoll", 2, 1, fm, 1e6, 0)
-    k2 = sim.simulate(N_CHIPS, "atoll", 2, 2, fm, 1e6, 0)
+    k1 = goodput.simulate(N_CHIPS, "atoll", 2, 1, fm, 1e6, 0)
+    k2 = goodput.simulate(N_CHIPS, "atoll", 2, 2, fm, 1e6, 0)
     assert k1.uptime == pytest.approx(1 - (1 - u) ** 2, abs=0.01)
     assert k2.uptime == pytest.approx(u * u, abs=0.01)
     assert k1.goodput == pytest.approx(k2.goodput)     # learners never block on the quorum
 
 
 def test_central_syncer_costs_uptime_not_goodput() -> None:
-    fm = sim.FailureModel(syncer_mtbi_s=3600.0, syncer_repair_s=600.0)
-    cen = sim.simulate(100_000, "decoupled", 8, 1, fm, 2 * sim.DAY_S, 3)
-    ato = sim.simulate(100_000, "atoll", 8, 1, fm, 2 * sim.DAY_S, 3)
+    fm = goodput.FailureModel(syncer_mtbi_s=3600.0, syncer_repair_s=600.0)
+    cen = goodput.simulate(100_000, "decoupled", 8, 1, fm, 2 * goodput.DAY_S, 3)
+    ato = goodput.simulate(100_000, "atoll", 8, 1, fm, 2 * goodput.DAY_S, 3)
     assert cen.goodput == ato.goodput
     assert ato.uptime > 0.999
     # 8 shards, each down 600 s per hour-long MTBI: the global model stalls most of the time.
@@ -144,22 +129,23 @@ def test_central_syncer_costs_uptime_not_goodput() -> None:
 
 
 def test_determinism_and_validation() -> None:
-    a = sim.simulate(300_000, "elastic", seed=5, horizon_s=sim.DAY_S)
-    b = sim.simulate(300_000, "elastic", seed=5, horizon_s=sim.DAY_S)
-    c = sim.simulate(300_000, "elastic", seed=6, horizon_s=sim.DAY_S)
+    a = goodput.simulate(300_000, "elastic", seed=5, horizon_s=goodput.DAY_S)
+    b = goodput.simulate(300_000, "elastic", seed=5, horizon_s=goodput.DAY_S)
+    c = goodput.simulate(300_000, "elastic", seed=6, horizon_s=goodput.DAY_S)
     assert a == b and a != c
     with pytest.raises(ValueError):
-        sim.simulate(1000, "nope")
+        goodput.simulate(1000, "nope")
     with pytest.raises(ValueError):
-        sim.FailureModel(step_s=-1.0).validate()
+        goodput.FailureModel(step_s=-1.0).validate()
     with pytest.raises(ValueError):
-        sim.simulate(10, "atoll", learners=20)
+        goodput.simulate(10, "atoll", learners=20)
 
 
 def test_reproduces_table1_within_3_points() -> None:
     """The calibrated defaults reproduce every Table 1 cell within +-3 points (full scale)."""
-    tab = sim.run_table(sim.table1_rows(), sim.PAPER_CHIPS, sim.FailureModel(), sim.WEEK_S, [0, 1, 2])
-    errs = sim.table1_errors(tab)
+    tab = goodput.run_table(goodput.table1_rows(), paper.PAPER_CHIPS, goodput.FailureModel(),
+                            goodput.WEEK_S, [0, 1, 2])
+    errs = goodput.table1_errors(tab)
     flat = [e for row in errs.values() for e in row]
     assert len(flat) == 30
     assert max(abs(e) for e in flat) <= 3.0, errs
@@ -171,73 +157,75 @@ def test_reproduces_table1_within_3_points() -> None:
 
 # ------------------------------------------------------------------ bandwidth, closed forms
 def test_allreduce_formula() -> None:
-    net = sim.Network(islands=4, gbps=10.0, latency_s=0.01)
+    net = bandwidth.Network(islands=4, gbps=10.0, latency_s=0.01)
     # 2(M-1)/M * bits / bandwidth + 2(M-1) latency-bound hops.
-    assert sim.allreduce_s(16e9, net) == pytest.approx(1.5 * 16e9 / 10e9 + 6 * 0.01)
-    assert sim.allreduce_s(16e9, sim.Network(1, 10.0, 0.01)) == 0.0
+    assert bandwidth.allreduce_s(16e9, net) == pytest.approx(1.5 * 16e9 / 10e9 + 6 * 0.01)
+    assert bandwidth.allreduce_s(16e9, bandwidth.Network(1, 10.0, 0.01)) == 0.0
 
 
 def test_ddp_link_bound_step_time() -> None:
-    net = sim.Network(islands=4, gbps=10.0, latency_s=0.01)
+    net = bandwidth.Network(islands=4, gbps=10.0, latency_s=0.01)
     t_comm = 1.5 * 1e9 * 16 / 10e9 + 6 * 0.01
-    r = sim.step_schedule(1e9, 0.3, net, sim.Method("ddp", bits=16))
+    r = bandwidth.step_schedule(1e9, 0.3, net, bandwidth.Method("ddp", bits=16))
     assert r.step_wall_s == pytest.approx(0.1 + t_comm)           # forward + all-reduce
     assert r.utilization == pytest.approx(0.3 / (0.1 + t_comm))
-    fast = sim.step_schedule(1e9, 0.3, sim.Network(4, 1e6, 0.0), sim.Method("ddp", bits=16))
+    fast = bandwidth.step_schedule(1e9, 0.3, bandwidth.Network(4, 1e6, 0.0),
+                                   bandwidth.Method("ddp", bits=16))
     assert fast.step_wall_s == pytest.approx(0.3)                  # hidden behind backward
 
 
 def test_diloco_and_blocking_streaming_need_the_same_bits() -> None:
-    net = sim.Network(2, 5.0, 0.0)
-    t_whole = sim.allreduce_s(1e9 * 16, net)
-    d = sim.step_schedule(1e9, 1.0, net, sim.Method("diloco", sync_every=100, bits=16))
-    s = sim.step_schedule(1e9, 1.0, net, sim.Method("streaming", sync_every=100, fragments=10,
-                                                    overlap_steps=0, bits=16))
+    net = bandwidth.Network(2, 5.0, 0.0)
+    t_whole = bandwidth.allreduce_s(1e9 * 16, net)
+    d = bandwidth.step_schedule(1e9, 1.0, net, bandwidth.Method("diloco", sync_every=100, bits=16))
+    s = bandwidth.step_schedule(1e9, 1.0, net, bandwidth.Method("streaming", sync_every=100,
+                                                                fragments=10, overlap_steps=0,
+                                                                bits=16))
     assert d.step_wall_s == pytest.approx(1.0 + t_whole / 100)
     assert s.step_wall_s == pytest.approx(d.step_wall_s, rel=1e-9)
 
 
 def test_streaming_overlap_hides_a_fragment_that_fits() -> None:
-    net = sim.Network(2, 4.0, 0.0)
-    m = sim.Method("streaming", sync_every=100, fragments=10, overlap_steps=1, bits=4)
-    t_frag = sim.allreduce_s(1e9 / 10 * 4, net)
+    net = bandwidth.Network(2, 4.0, 0.0)
+    m = bandwidth.Method("streaming", sync_every=100, fragments=10, overlap_steps=1, bits=4)
+    t_frag = bandwidth.allreduce_s(1e9 / 10 * 4, net)
     assert t_frag < 1.0
-    assert sim.step_schedule(1e9, 1.0, net, m).utilization == pytest.approx(1.0)
+    assert bandwidth.step_schedule(1e9, 1.0, net, m).utilization == pytest.approx(1.0)
 
 
 def test_decoupled_never_blocks_and_stretches_h_on_a_slow_link() -> None:
-    net = sim.Network(4, 0.5, 0.03)
-    m = sim.Method("decoupled", sync_every=24, fragments=24, overlap_steps=2, bits=4)
-    r = sim.step_schedule(12e9, 1.0, net, m)
+    net = bandwidth.Network(4, 0.5, 0.03)
+    m = bandwidth.Method("decoupled", sync_every=24, fragments=24, overlap_steps=2, bits=4)
+    r = bandwidth.step_schedule(12e9, 1.0, net, m)
     assert r.utilization == pytest.approx(1.0)
     assert r.step_wall_s == pytest.approx(1.0)
-    t_frag = sim.allreduce_s(12e9 / 24 * 4, net)
+    t_frag = bandwidth.allreduce_s(12e9 / 24 * 4, net)
     # The link carries one fragment per t_frag; 24 are due per 24 s of compute.
     assert r.effective_sync_every == pytest.approx(24 * t_frag / 1.0, rel=0.1)
 
 
 def test_required_gbps_inverts_inferred_step_time() -> None:
-    comp = sim.infer_compute_s(1e9, 100.0)
-    need = sim.required_gbps(0.95, 1e9, comp, 2, sim.Method("ddp", bits=16))
+    comp = bandwidth.infer_compute_s(1e9, 100.0)
+    need = bandwidth.required_gbps(0.95, 1e9, comp, 2, bandwidth.Method("ddp", bits=16))
     assert need == pytest.approx(100.0, rel=1e-6)
 
 
 # ------------------------------------------------------------------ CLI
 def test_cli_writes_json_and_png(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "res"
-    assert sim.main(["bandwidth", "--quick", "--out", str(out)]) == 0
+    assert simulate.main(["bandwidth", "--quick", "--out", str(out)]) == 0
     data = json.loads((out / "simulate_bandwidth.json").read_text())
     for row in data["headline"]:
         assert row["gbps_for_95pct"]["streaming+overlap+fp4"] < 5.0
     assert (out / "simulate_bandwidth.png").stat().st_size > 10_000
-    assert sim.main(["goodput", "--quick", "--chips", "150000,300000", "--learners", "2,8",
-                     "--out", str(out)]) == 0
+    assert simulate.main(["goodput", "--quick", "--chips", "150000,300000", "--learners", "2,8",
+                          "--out", str(out)]) == 0
     g = json.loads((out / "simulate_goodput.json").read_text())
-    assert set(g["table1"]["difference"]) == set(sim.PAPER_TABLE1)
+    assert set(g["table1"]["difference"]) == set(paper.PAPER_TABLE1)
     assert "atoll M=8" in g["extension"]["simulated"]
     assert (out / "simulate_goodput.png").stat().st_size > 10_000
 
 
 def test_cli_rejects_bad_values(capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path) -> None:
-    assert sim.main(["goodput", "--step-s", "-1", "--out", str(tmp_path)]) == 2
+    assert simulate.main(["goodput", "--step-s", "-1", "--out", str(tmp_path)]) == 2
     assert "error" in capsys.readouterr().err
