@@ -3,14 +3,38 @@
 The split is derived from the model alone (tensor sizes in parameter order), so every daemon computes the same
 assignment without negotiating it: longest-processing-time bin packing, largest tensor first (ties by index),
 each into the lightest bin (ties by bin index).
+
+``flatten`` and ``copy_into`` are the one way parameters (or their gradients) become a flat fp32 host tensor
+and go back: a fragment, the whole model and the learner's gradients all go through them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+
+def flatten(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` concatenated into one flat fp32 CPU tensor (a copy, whatever their device and dtype)."""
+    return torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
+
+
+def copy_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy ``flat`` into ``tensors`` in place, in ``flatten`` order, converted to each one's device and dtype.
+
+    In place, so the tensors an optimizer holds stay the same objects. Raises ``ValueError`` when ``flat`` does
+    not hold exactly as many values as ``tensors``."""
+    needed = sum(t.numel() for t in tensors)
+    if needed != flat.numel():
+        raise ValueError(f"flat tensor has {flat.numel()} elements, the tensors need {needed}")
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[offset : offset + n].view_as(t).to(t.device, t.dtype))
+            offset += n
 
 
 def partition(sizes: Sequence[int], parts: int) -> list[list[int]]:
@@ -40,18 +64,13 @@ class Fragment:
 
     def gather(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
         """This fragment's parameters as one flat fp32 host tensor (a copy)."""
-        return torch.cat([params[i].detach().reshape(-1).to("cpu", torch.float32) for i in self.params])
+        return flatten(params[i] for i in self.params)
 
     def scatter(self, flat: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
         """Copy ``flat`` into this fragment's parameters in place (any device/dtype)."""
         if flat.numel() != self.numel:
             raise ValueError(f"fragment {self.index} has {self.numel} values, got {flat.numel()}")
-        offset = 0
-        with torch.no_grad():
-            for i in self.params:
-                p = params[i]
-                p.copy_(flat[offset : offset + p.numel()].view_as(p).to(p.device, p.dtype))
-                offset += p.numel()
+        copy_into(flat, [params[i] for i in self.params])
 
     def due(self, step: int, period: int) -> bool:
         """True at the steps where this fragment starts a round: (step − offset) mod H == 0, step > 0."""

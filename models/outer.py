@@ -18,24 +18,6 @@ from collections.abc import Sequence
 import torch
 
 
-def flatten_params(params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Concatenate parameters into one flat fp32 CPU tensor (a copy)."""
-    return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params])
-
-
-def unflatten_into(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
-    """Copy ``flat`` into ``params`` in place (any device/dtype), in ``flatten_params`` order."""
-    needed = sum(p.numel() for p in params)
-    if needed != flat.numel():
-        raise ValueError(f"flat tensor has {flat.numel()} elements, parameters need {needed}")
-    offset = 0
-    with torch.no_grad():
-        for p in params:
-            n = p.numel()
-            p.copy_(flat[offset : offset + n].view_as(p).to(p.device, p.dtype))
-            offset += n
-
-
 def pseudo_gradient(global_params: torch.Tensor, local_params: torch.Tensor) -> torch.Tensor:
     """Δ = Θ − θ in float64: the direction the outer optimizer descends along."""
     return global_params.double() - local_params.double()
@@ -115,27 +97,16 @@ def rda_finish(mean_direction: torch.Tensor, norm: float) -> torch.Tensor:
     return mean_direction.double() * (norm / length)
 
 
+def merged_delta(shards: Sequence[torch.Tensor], rda_norm: float | None) -> torch.Tensor:
+    """A round's merged delta from its decoded reduced shards (member order): concatenated in float64 and, for
+    ``rda``, rescaled to the round's norm. Every member and every replay computes it with this one function."""
+    merged = torch.cat([s.double() for s in shards])
+    return merged if rda_norm is None else rda_finish(merged, rda_norm)
+
+
 def token_weight(tokens: int, steps: int) -> float:
     """Decoupled DiLoCo's contribution weight c_tokens² / c_steps (tokens since the fragment was last received,
     times tokens per step): a daemon that did more, larger steps since its last merge counts more."""
     if tokens <= 0 or steps <= 0:
         raise ValueError(f"need positive tokens and steps, got {tokens}, {steps}")
     return float(tokens) * float(tokens) / float(steps)
-
-
-def grace_window(gamma: float, overlap_steps: int, step_time: float, quorum_time: float, sync_time: float) -> float:
-    """How long a round may wait for more members after quorum without costing compute:
-    γ·(τ·step_time − quorum_time − sync_time), never negative (the merge is due τ steps after the snapshot)."""
-    if not 0 <= gamma < 1:
-        raise ValueError(f"gamma must be in [0, 1), got {gamma}")
-    return max(0.0, gamma * (overlap_steps * step_time - quorum_time - sync_time))
-
-
-def join_window(step_time: float, read_time: float, sync_every: int, open_poll: float, group_poll: float) -> float:
-    """How long a live peer at the same version needs to join a round that another daemon opened: it reads the open
-    rounds every ``open_poll`` s, contributes at its next step boundary (≤ one step, and one more for the snapshot),
-    registers (a DHT store), and the coordinator sees it on its next read, every ``group_poll`` s; ``read_time`` is
-    one DHT read or store. Capped at H/4 steps: waiting costs every member the steps it trains on the fragment
-    before the merge lands (α = 0 overwrites them), a quarter of what a peer left out of the round loses (its H
-    steps on the fragment since its last round)."""
-    return min(open_poll + group_poll + 2 * step_time + 3 * read_time, sync_every * step_time / 4)

@@ -6,70 +6,99 @@ Bad configuration: one line on stderr, exit code 2, no traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
+from typing import Any
 
-from .config import DEVICES, ConfigError, load_config
+from .config import ConfigError, NodeConfig, RunConfig, load_config
+
+_RUN_ID = NodeConfig().run_id  # default of ``atoll status`` and ``atoll token`` too
+
+
+class _BoolFlag(argparse.Action):
+    """``--flag true|false`` (argparse checks the choice) stored as a bool."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[override]
+        setattr(namespace, self.dest, values == "true")
+
+
+def config_fields() -> list[dataclasses.Field]:
+    """The fields behind ``atoll start``'s flags and the TOML keys: every ``RunConfig`` and ``NodeConfig`` field
+    but ``NodeConfig.run``."""
+    return [*dataclasses.fields(RunConfig), *(f for f in dataclasses.fields(NodeConfig) if f.name != "run")]
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+
+
+def show_default(value: Any) -> str:
+    """A field default as ``--help`` shows it."""
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple):
+        return " ".join(value) if value else "none"
+    return str(value)
+
+
+def field_help(f: dataclasses.Field) -> str:
+    if f.metadata.get("hidden"):
+        return argparse.SUPPRESS
+    known = f.metadata.get("known")
+    tail = f"one of {', '.join(known)}; " if known else ""
+    return f"{f.metadata['help']} ({tail}default: {show_default(f.default)})".replace("%", "%%")
+
+
+def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
+    kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": field_help(f)}
+    default = f.default
+    if f.metadata.get("switch"):
+        kwargs.update(action="store_const", const=True)
+    elif isinstance(default, bool):
+        kwargs.update(action=_BoolFlag, choices=("true", "false"))
+    else:
+        if isinstance(default, tuple) and f.metadata.get("repeat"):
+            kwargs.update(action="append")
+        elif isinstance(default, tuple):
+            kwargs.update(nargs="+")
+        elif isinstance(default, (int, float)):
+            kwargs.update(type=type(default))
+        if "metavar" in f.metadata:
+            kwargs.update(metavar=f.metadata["metavar"])
+    group.add_argument(flag_of(f), **kwargs)
 
 
 def _start_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("start", help="start a daemon: join a run, or start a new one when no peers are given")
-    p.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="multiaddrs of daemons already in the run")
-    p.add_argument("--config", metavar="TOML", help="config file (keys: the long flag names with underscores)")
-    p.add_argument("--run-id", help="name of the run (default: atoll)")
-    p.add_argument("--device", help=f"one of {', '.join(DEVICES)} (default: auto)")
-    p.add_argument("--host-maddrs", nargs="+", metavar="MADDR", help="listen on (default: /ip4/0.0.0.0/tcp/0)")
-    p.add_argument("--announce-maddrs", nargs="+", metavar="MADDR", help="addresses to tell other peers")
-    p.add_argument("--identity", metavar="PATH", help="private key file; keeps the peer id stable across restarts")
-    p.add_argument("--checkpoint-dir", metavar="DIR", help="where checkpoints and metrics.jsonl are written")
-    p.add_argument("--data", help="'builtin', a text file or folder, or uint16 .bin shards")
-    p.add_argument("--model", help="named model shape (tiny, small, ...)")
-    p.add_argument("--algorithm", help="decoupled (default), streaming, diloco, or ddp (gradient all-reduce per step)")
-    p.add_argument("--compression", help="codec of outer deltas: none, bf16, int8, int4 (default), fp4, int2")
-    p.add_argument("--error-feedback", choices=("true", "false"), help="keep what quantization dropped (default true)")
-    p.add_argument("--fragments", type=int, metavar="P", help="fragments (streaming, decoupled)")
-    p.add_argument("--overlap", type=int, metavar="TAU", help="inner steps between a fragment's snapshot and merge")
-    p.add_argument("--quorum", type=int, metavar="K",
-                   help="minimum round size (decoupled); ddp: daemons that start together")
-    p.add_argument("--max-group", type=int, metavar="N", help="round-size cap; more ready daemons form several groups")
-    p.add_argument("--grace-gamma", type=float, metavar="G", help="share of the overlap's slack a round may wait (0.5)")
-    p.add_argument("--join-window", choices=("true", "false"),
-                   help="a round waits at least as long as a peer needs to join it (decoupled; default true)")
-    p.add_argument("--rda", choices=("true", "false"), help="radial-directional averaging (decoupled; default true)")
-    p.add_argument("--stale-contributions", choices=("true", "false"),
-                   help="keep work a round missed for the next one (decoupled; default false)")
-    p.add_argument("--sync-every", type=int, metavar="H", help="inner steps between outer rounds")
-    p.add_argument("--inner-lr", type=float, metavar="LR", help="AdamW learning rate of the inner steps (default 1e-3)")
-    p.add_argument("--outer-lr", type=float, metavar="LR", help="outer step size (default 0.7)")
-    p.add_argument("--outer-momentum", type=float, metavar="MU", help="outer Nesterov momentum (default 0.9; 0: plain "
-                                                                       "averaging when --outer-lr is 1)")
-    p.add_argument("--seed", type=int, help="seed of the initial model and of the data order (default: 0)")
-    p.add_argument("--batch-size", type=int, help="sequences per inner step on this daemon")
-    p.add_argument("--max-steps", type=int, help="stop after this many inner steps (default: run until stopped)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: 1)")
-    p.add_argument("--heartbeat", type=float, help="seconds between progress records (default: 2)")
-    p.add_argument("--gather-timeout", type=float, help="seconds a round waits for expected members")
-    p.add_argument("--round-timeout", type=float, help="seconds a reducer waits for missing parts")
-    p.add_argument("--clip-factor", type=float, metavar="F",
-                   help="scale contributions above F x the round's median norm to the median (0: off; default 4)")
-    p.add_argument("--peer-cooldown", type=float, metavar="S",
-                   help="seconds a peer whose message was rejected is left out of rounds (default 120)")
-    p.add_argument("--eval-budget", type=float, metavar="SHARE",
-                   help="share of wall time the held-out evaluation may take (default 0.01; 1: after every merge)")
-    p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
-    p.add_argument("--join-token", metavar="FILE", help="membership of a private run (issued with `atoll token`)")
-    p.add_argument("--run-key", metavar="FILE",
-                   help="run key of a private run (created when starting a new run; default <checkpoint-dir>/run.key)")
-    p.add_argument("--open", action="store_const", const=True,
-                   help="start an open run that any daemon may join (default: a new run is private)")
-    p.add_argument("--fault", dest="faults", action="append", metavar="NAME=VALUE", help=argparse.SUPPRESS)
+    p.add_argument("--config", metavar="TOML", help="config file (keys: the long flag names with underscores; run "
+                                                     "fields flat or under [run]); flags override it")
+    run = p.add_argument_group("run", "shared by every daemon of a run: a new run publishes them; a joiner adopts "
+                                      "the run's and refuses to start if one it was given disagrees")
+    for f in dataclasses.fields(RunConfig):
+        _add_field(run, f)
+    node = p.add_argument_group("daemon", "local to this daemon")
+    for f in dataclasses.fields(NodeConfig):
+        if f.name != "run":
+            _add_field(node, f)
+
+
+def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """``atoll start``'s flags as ``load_config`` overrides: every config field, None where the flag is unset."""
+    out: dict[str, Any] = {}
+    for f in config_fields():
+        value = getattr(args, f.name)
+        out[f.name] = tuple(value) if isinstance(value, list) else value
+    return out
 
 
 def _status_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="read a run's progress from the DHT")
     p.add_argument("--initial-peers", nargs="+", metavar="MADDR", required=True)
-    p.add_argument("--run-id", default="atoll")
+    p.add_argument("--run-id", default=_RUN_ID)
     p.add_argument("--json", action="store_true", help="print stable JSON (run_id, config, peers, totals)")
 
 
@@ -77,7 +106,7 @@ def _token_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("token", help="admit a daemon to a private run: write a join token signed by the run key")
     p.add_argument("--run-key", metavar="FILE", required=True, help="the run key (<checkpoint-dir>/run.key of the "
                                                                     "daemon that started the run)")
-    p.add_argument("--run-id", default="atoll")
+    p.add_argument("--run-id", default=_RUN_ID)
     p.add_argument("--out", metavar="FILE", required=True, help="where to write the token (readable by you only)")
     p.add_argument("--expires-in", type=float, metavar="HOURS", help="valid for this long (default: no expiry)")
 
@@ -116,8 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             from .daemon import run_daemon
             from .log import setup_logging
 
-            overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
-            cfg, explicit = load_config(overrides, args.config)
+            cfg, explicit = load_config(config_overrides(args), args.config)
             setup_logging(cfg.log_level)
             return run_daemon(cfg, explicit)
         if args.command == "token":

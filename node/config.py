@@ -11,6 +11,7 @@ import dataclasses
 import math
 import os
 import tomllib
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -20,12 +21,36 @@ from multiaddr import Multiaddr
 from atoll.models.configs import MODELS
 from atoll.protocols.codecs import CODECS
 
-ALGORITHMS = ("decoupled", "streaming", "diloco", "ddp")
+from .algorithm import AlgorithmName, algorithm
+from .faults import parse_faults
+
+ALGORITHMS = tuple(name.value for name in AlgorithmName)
 DEVICES = ("auto", "cpu", "cuda", "xla")
-FAULTS = {"kill_in_round": int, "step_delay": float, "corrupt_round": int, "split_side": int, "split_until": int,
-          "byzantine": str, "byzantine_from": int, "start_together": int, "kill_in_checkpoint": int,
-          "checkpoint_kill_signal": int}
-BYZANTINE = ("scale", "nan", "shape")
+
+
+def opt(default: Any, *, help: str, metavar: str | None = None, known: Iterable[str] | None = None,
+        switch: bool = False, repeat: bool = False, flag: str | None = None, hidden: bool = False) -> Any:
+    """A config field with its command-line documentation (``atoll start``'s flags are made from these).
+
+    ``help`` is the flag's help text (the default is appended from ``default``); ``known``: the accepted values,
+    listed in the help (``validate`` checks them); ``switch``: a bool set by a bare flag; ``repeat``: a tuple
+    given one value per (repeated) flag rather than several after one flag; ``flag``: the flag when it is not
+    ``--<name with '-' for '_'>``; ``hidden``: left out of ``--help``.
+    """
+    meta: dict[str, Any] = {"help": help}
+    if metavar is not None:
+        meta["metavar"] = metavar
+    if known is not None:
+        meta["known"] = tuple(known)
+    if switch:
+        meta["switch"] = True
+    if repeat:
+        meta["repeat"] = True
+    if flag is not None:
+        meta["flag"] = flag
+    if hidden:
+        meta["hidden"] = True
+    return field(default=default, metadata=meta)
 
 
 class ConfigError(ValueError):
@@ -36,44 +61,52 @@ class ConfigError(ValueError):
 class RunConfig:
     """Shared by every daemon of a run (published in the DHT by the daemon that starts the run)."""
 
-    model: str = "tiny"
-    algorithm: str = "decoupled"
-    data: str = "builtin"
-    sync_every: int = 50  # H: inner steps between outer rounds
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    inner_lr: float = 1e-3
-    weight_decay: float = 0.1
-    warmup_steps: int = 20
-    seed: int = 0
-    num_shards: int = 16
-    gather_timeout: float = 30.0  # seconds a round waits for expected members
-    round_timeout: float = 30.0  # seconds a reducer waits for missing parts
+    model: str = opt("tiny", help="named model shape", known=MODELS)
+    algorithm: str = opt("decoupled", help="outer algorithm; ddp is a gradient all-reduce every inner step",
+                         known=ALGORITHMS)
+    data: str = opt("builtin", help="'builtin', a text file or folder, or uint16 .bin shards", metavar="PATH")
+    sync_every: int = opt(50, help="inner steps between outer rounds", metavar="H")
+    outer_lr: float = opt(0.7, help="outer step size", metavar="LR")
+    outer_momentum: float = opt(0.9, help="outer Nesterov momentum, in [0, 1); 0 with --outer-lr 1 is plain "
+                                          "averaging", metavar="MU")
+    inner_lr: float = opt(1e-3, help="AdamW learning rate of the inner steps", metavar="LR")
+    weight_decay: float = opt(0.1, help="AdamW weight decay of the inner steps", metavar="WD")
+    warmup_steps: int = opt(20, help="inner steps of linear learning-rate warmup, 0 for none", metavar="N")
+    seed: int = opt(0, help="seed of the initial model and of the data order")
+    num_shards: int = opt(16, help="data shards the corpus is dealt into; a daemon reads the one its peer id "
+                                   "hashes to", metavar="N")
+    gather_timeout: float = opt(30.0, help="seconds a round waits for expected members", metavar="S")
+    round_timeout: float = opt(30.0, help="seconds a reducer waits for missing parts", metavar="S")
     # streaming / decoupled (diloco always uses one fragment, no overlap, every live member):
-    fragments: int = 4  # P
-    overlap: int = 2  # τ: inner steps between a fragment's snapshot and its merge
-    alpha: float = 0.0  # merge θ ← α·θ + (1−α)·Θ
-    quorum: int = 1  # K: minimum members before a round may close (decoupled); ddp: daemons that start together
-    max_group: int = 16  # round-size cap: more ready daemons form several groups (forks that consistency heals)
-    grace_gamma: float = 0.5  # γ < 1: share of the overlap's slack a round may wait for more members
-    # decoupled, γ > 0: the grace window is at least the time a peer needs to notice a round another daemon opened
-    # and register for it (atoll.models.outer.join_window); without it, at τ·step_time below a second, rounds close
+    fragments: int = opt(4, help="fragments streaming and decoupled synchronize the model in; diloco and ddp use one",
+                         metavar="P")
+    overlap: int = opt(2, help="inner steps (below --sync-every) between a fragment's snapshot and its merge, "
+                               "for streaming and decoupled", metavar="TAU")
+    alpha: float = opt(0.0, help="share of the local model kept at a merge, in [0, 1): local <- A*local + "
+                                 "(1-A)*merged", metavar="A")
+    quorum: int = opt(1, help="minimum members before a round may close (decoupled); ddp: daemons that start "
+                              "together", metavar="K")
+    max_group: int = opt(16, help="round-size cap: more ready daemons form several groups, forks that "
+                                  "consistency heals", metavar="N")
+    grace_gamma: float = opt(0.5, help="share of the overlap's slack a round may wait for more members, in [0, 1)",
+                             metavar="G")
+    # Without the join window (atoll.node.round_protocol.join_window), at τ·step_time below a second, rounds close
     # before a peer a few steps off its schedule has joined, and the peers left out drop their unmerged work.
-    join_window: bool = True
-    stale_contributions: bool = False  # decoupled: keep work a round missed and contribute it to the next one
-    rda: bool = True  # radial-directional averaging for non-embedding fragments (decoupled)
-    # Codec of outer deltas on the wire (atoll.protocols.codecs). int4 with error feedback measured at parity with
-    # fp32 (held-out loss 0.990x over three seeds) for 7.5x fewer bytes: docs/results/..._decoupled_h160.json.
-    compression: str = "int4"
-    error_feedback: bool = True  # keep what quantization dropped and add it to the next delta
-    codec_block: int = 256  # values per scale in the blockwise codecs
-    # Robust merging: a reducer treats every contribution (and declared weight or RDA norm) above clip_factor × the
-    # round's lower median as an outlier and scales it to the lower median (atoll.models.robust); 0 disables.
-    # Measured: honest shard contributions of a decoupled swarm with a 3× slower daemon were within 2× the lower
-    # median in 98% of cases, at most 4.7×, so 4 leaves honest spread alone; an attacker that stays just below it
-    # weighs at most 4 typical members (keep it small: cut to 4× rather than to the median, a ×1000 member of four
-    # cost the honest daemons up to 7% held-out loss, and 22% at 8×; unclipped, ×340).
-    clip_factor: float = 4.0
+    join_window: bool = opt(True, help="decoupled, with --grace-gamma > 0: a round waits at least as long as a "
+                                       "peer needs to notice and join it")
+    stale_contributions: bool = opt(False, help="decoupled: keep work a round missed and contribute it to the next "
+                                                "one")
+    rda: bool = opt(True, help="decoupled: radial-directional averaging for non-embedding fragments")
+    # int4 with error feedback is the default because it measured at parity with fp32 (docs/results.md).
+    compression: str = opt("int4", help="codec of outer deltas on the wire", known=CODECS)
+    error_feedback: bool = opt(True, help="keep what quantization dropped and add it to the next delta")
+    codec_block: int = opt(256, help="values per scale in the blockwise codecs, a multiple of 4", metavar="N")
+    # Robust merging (atoll.models.robust). 4 sits just above the spread of honest contributions measured in a
+    # swarm with a slow daemon, and keeps what an attacker just below it can weigh small (docs/security.md).
+    clip_factor: float = opt(4.0, help="robust merging: a reducer scales every contribution (and declared weight or "
+                                       "RDA norm) above F x the round's lower median to the lower median; 0 turns it "
+                                       "off",
+                             metavar="F")
 
     def validate(self) -> None:
         if self.model not in MODELS:
@@ -103,11 +136,11 @@ class RunConfig:
 
     @property
     def num_fragments(self) -> int:
-        return 1 if self.algorithm in ("diloco", "ddp") else self.fragments
+        return algorithm(self.algorithm).num_fragments(self.fragments)
 
     @property
     def overlap_steps(self) -> int:
-        return 0 if self.algorithm in ("diloco", "ddp") else self.overlap
+        return algorithm(self.algorithm).overlap_steps(self.overlap)
 
     def published(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -118,48 +151,42 @@ class NodeConfig:
     """Local to one daemon."""
 
     run: RunConfig = field(default_factory=RunConfig)
-    run_id: str = "atoll"
-    initial_peers: tuple[str, ...] = ()
-    host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
-    announce_maddrs: tuple[str, ...] = ()
-    identity: str | None = None
-    checkpoint_dir: str | None = None
-    device: str = "auto"
-    batch_size: int = 8
-    threads: int = 1
-    max_steps: int = 0  # 0: train until stopped
-    heartbeat: float = 2.0  # seconds between progress records
-    eval_batches: int = 8
-    # The share of wall time the held-out evaluation may take: it runs after a merge (and once at the end) only
-    # while the time spent on it so far is within this share, so it never costs training more than that.
-    # 1 evaluates after every merge.
-    eval_budget: float = 0.01
-    bootstrap_retries: int = 3
-    log_level: str = "INFO"
-    # Seconds a peer whose part, record or state this daemon rejected is left out: its progress record is ignored,
-    # so it is not counted live, expected, registered or a donor in rounds this daemon forms, and its parts are
-    # treated as missing in the shards this daemon reduces. Long enough to outlast a few rounds of a misbehaving
-    # peer, short enough that a peer that was wrongly suspected (or fixed) is back within minutes.
-    peer_cooldown: float = 120.0
-    # Access (see atoll.protocols.auth). A new run is private unless ``open``: its run key is created at ``run_key``
-    # (default <checkpoint_dir>/run.key); joiners of a private run present a ``join_token`` file.
-    open: bool = False
-    join_token: str | None = None
-    run_key: str | None = None
-    # Deterministic fault injection for tests: "kill_in_round=N" SIGKILLs this daemon's process group after the
-    # group of its N-th round formed; "step_delay=S" sleeps S seconds per inner step (a slow daemon);
-    # "corrupt_round=N" sends malformed parts (truncated, bad header, unknown codec, NaN; each until it has
-    # reached two completed rounds) from the N-th multi-member round on; "split_side=S" with "split_until=N"
-    # partitions the swarm: until step N a daemon sees and meets only daemons of the same side S (a split swarm
-    # whose halves meet again later);
-    # "byzantine=K" (scale, nan, shape) makes this daemon a hostile member from its multi-member round
-    # "byzantine_from=N" on (default 1): "scale" sends its delta ×1000, "nan" parts holding NaN, "shape" parts
-    # of the wrong size (it still reduces its own shard honestly); "start_together=N" holds the first step until N
-    # daemons train (a barrier: runs that must be compared step for step start in lockstep, whoever booted first);
-    # "kill_in_checkpoint=N" SIGKILLs the process group in the middle of its N-th checkpoint write (the tensors'
-    # temporary file half written); "checkpoint_kill_signal=1" makes SIGUSR1 arm the same crash for the next
-    # checkpoint write (scripts/chaos.py).
-    faults: tuple[str, ...] = ()
+    run_id: str = opt("atoll", help="name of the run: 1-64 letters, digits, '-' or '_'")
+    initial_peers: tuple[str, ...] = opt((), help="multiaddrs of daemons already in the run; none starts a new run",
+                                         metavar="MADDR")
+    host_maddrs: tuple[str, ...] = opt(("/ip4/0.0.0.0/tcp/0",), help="multiaddrs to listen on", metavar="MADDR")
+    announce_maddrs: tuple[str, ...] = opt((), help="addresses to tell other peers", metavar="MADDR")
+    identity: str | None = opt(None, help="private key file that keeps the peer id stable across restarts; unset: "
+                                          "<checkpoint-dir>/identity.key, or a new id without a checkpoint dir",
+                               metavar="PATH")
+    checkpoint_dir: str | None = opt(None, help="where checkpoints and metrics.jsonl are written", metavar="DIR")
+    device: str = opt("auto", help="device of the inner steps", known=DEVICES)
+    batch_size: int = opt(8, help="sequences per inner step on this daemon", metavar="N")
+    threads: int = opt(1, help="torch CPU threads", metavar="N")
+    max_steps: int = opt(0, help="stop after this many inner steps; 0 trains until stopped", metavar="N")
+    heartbeat: float = opt(2.0, help="seconds between progress records", metavar="S")
+    eval_batches: int = opt(8, help="held-out batches per evaluation", metavar="N")
+    eval_budget: float = opt(0.01, help="share of wall time the held-out evaluation may take, in (0, 1]: it runs "
+                                        "after a merge (and once at the end) only while the time spent on it so far "
+                                        "is within this share; 1 evaluates after every merge", metavar="SHARE")
+    bootstrap_retries: int = opt(3, help="attempts to start the DHT and reach an initial peer", metavar="N")
+    log_level: str = opt("INFO", help="DEBUG, INFO, WARNING or ERROR", metavar="LEVEL")
+    # Long enough to outlast a few rounds of a misbehaving peer, short enough that a peer that was wrongly suspected
+    # (or fixed) is back within minutes.
+    peer_cooldown: float = opt(120.0, help="seconds a peer whose part, record or state this daemon rejected is left "
+                                           "out: not counted live, expected, registered or a donor in rounds this "
+                                           "daemon forms, and its parts treated as missing in the shards it reduces",
+                               metavar="S")
+    # Access (see atoll.protocols.auth).
+    open: bool = opt(False, help="start an open run that any daemon may join; else a new run is private",
+                     switch=True)
+    join_token: str | None = opt(None, help="membership of a private run, issued with `atoll token`",
+                                 metavar="FILE")
+    run_key: str | None = opt(None, help="run key of a private run, created when starting a new run; unset: "
+                                         "<checkpoint-dir>/run.key", metavar="FILE")
+    # Deterministic fault injection for tests and scripts/chaos.py: the kinds are listed in atoll.node.faults.
+    faults: tuple[str, ...] = opt((), help="deterministic fault injection for tests", metavar="NAME=VALUE",
+                                  repeat=True, flag="--fault", hidden=True)
 
     def validate(self) -> None:
         self.run.validate()
@@ -194,18 +221,10 @@ class NodeConfig:
             raise ConfigError(f"log_level: unknown {self.log_level!r}")
 
     def parsed_faults(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for item in self.faults:
-            name, _, value = item.partition("=")
-            if name not in FAULTS or not value:
-                raise ConfigError(f"faults: unknown fault {item!r}; known: {', '.join(f'{k}=...' for k in FAULTS)}")
-            try:
-                out[name] = FAULTS[name](value)
-            except ValueError:
-                raise ConfigError(f"faults: bad value in {item!r}") from None
-            if name == "byzantine" and value not in BYZANTINE:
-                raise ConfigError(f"faults: unknown byzantine kind {value!r}; known: {', '.join(BYZANTINE)}")
-        return out
+        try:
+            return parse_faults(self.faults)
+        except ValueError as e:
+            raise ConfigError(f"faults: {e}") from None
 
     @property
     def run_key_path(self) -> str | None:

@@ -1,8 +1,9 @@
 """The learner: a plain synchronous training loop step on the device. It never touches the network.
 
 It owns the local model θ, the AdamW inner optimizer and the data position. Between steps the daemon may
-replace θ with a merged replica (``load_flat``, or ``scatter`` for one fragment) or read it out (``flat_params``,
-``gather``, ``snapshot``) for a pseudo-gradient.
+replace θ with a merged replica (``load_flat``, or ``Fragment.scatter`` into ``params`` for one fragment) or read
+it out (``flat_params``, or ``snapshot`` of one fragment) for a pseudo-gradient. Every flat tensor in or out goes
+through ``atoll.models.fragments.flatten``/``copy_into``.
 
 The same code runs on cpu, cuda and xla. What the xla path needs, and every device gets:
 
@@ -31,7 +32,7 @@ import torch
 from atoll.models.configs import get_model_config
 from atoll.models.data import Corpus
 from atoll.models.gpt import GPT
-from atoll.models.outer import unflatten_into
+from atoll.models.fragments import copy_into, flatten
 
 from .config import RunConfig
 from .device import PRECISIONS, Device
@@ -156,62 +157,47 @@ class Learner:
 
     def flat_grads(self) -> torch.Tensor:
         """The gradients as one flat fp32 host tensor (zeros for a parameter without a gradient)."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        return torch.cat([g.reshape(-1).float() for g in self.device.to_host(grads)])
+        return self._to_host_flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params])
 
     def load_flat_grads(self, flat: torch.Tensor) -> None:
         """Replace the gradients with ``flat`` (``flat_grads`` order), e.g. an all-reduced mean."""
-        needed = sum(p.numel() for p in self.params)
-        if flat.numel() != needed:
-            raise ValueError(f"flat gradient has {flat.numel()} elements, parameters need {needed}")
-        offset = 0
-        with torch.no_grad():
-            for p in self.params:
-                g = flat[offset : offset + p.numel()].view_as(p).to(p.device, p.dtype)
-                p.grad = g if p.grad is None else p.grad.copy_(g)
-                offset += p.numel()
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]  # None after a step
+        copy_into(flat, grads)
+        for p, g in zip(self.params, grads):
+            p.grad = g
         self.device.sync()
 
     # ---- parameters in and out ----------------------------------------------------------------------------------
+    def _to_host_flat(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        # ``Device.to_host`` moves them in one batched transfer; on xla, one by one would be a transfer each.
+        return flatten(self.device.to_host(tensors))
+
     def flat_params(self) -> torch.Tensor:
         """θ as one flat fp32 host tensor (a copy)."""
-        return self.gather(range(len(self.params)))
+        return self._to_host_flat(self.params)
 
     def load_flat(self, flat: torch.Tensor) -> None:
-        unflatten_into(flat, self.params)
-        self.device.sync()
-
-    def gather(self, indices: Sequence[int]) -> torch.Tensor:
-        """Parameters ``indices`` (a fragment's) as one flat fp32 host tensor: one batched transfer."""
-        host = self.device.to_host([self.params[i] for i in indices])
-        return torch.cat([t.reshape(-1).to(torch.float32) for t in host])
-
-    def scatter(self, indices: Sequence[int], flat: torch.Tensor) -> None:
-        """Copy ``flat`` into parameters ``indices`` in place (the tensors the optimizer holds stay the same)."""
-        unflatten_into(flat, [self.params[i] for i in indices])
+        """Copy ``flat`` (``flat_params`` order) into θ in place: the tensors the optimizer holds stay the same."""
+        copy_into(flat, self.params)
         self.device.sync()
 
     def snapshot(self, indices: Sequence[int]) -> concurrent.futures.Future:
-        """A future of ``gather(indices)`` as of now, which does not hold up training.
+        """A future of parameters ``indices`` (a fragment's) as one flat fp32 host tensor, as of now, which does
+        not hold up training.
 
         On an accelerator the parameters are first copied on the device (cheap), then moved to host memory by a
         background thread while the next steps run; on the CPU the copy is made right away.
         """
         if self.device.kind == "cpu":
             done: concurrent.futures.Future = concurrent.futures.Future()
-            done.set_result(self.gather(indices))
+            done.set_result(self._to_host_flat([self.params[i] for i in indices]))
             return done
         with torch.no_grad():
             copies = [self.params[i].detach().clone() for i in indices]
         self.device.sync()  # the copies materialise as their own small graph, never inside a step's graph
         if self._snapshots is None:
             self._snapshots = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="snapshot")
-        device = self.device
-
-        def to_host() -> torch.Tensor:
-            return torch.cat([t.reshape(-1).to(torch.float32) for t in device.to_host(copies)])
-
-        return self._snapshots.submit(to_host)
+        return self._snapshots.submit(self._to_host_flat, copies)
 
     @torch.no_grad()
     def evaluate(self, batches: list[torch.Tensor]) -> float:

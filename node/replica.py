@@ -19,9 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
-from atoll.models.outer import NesterovOuter, tensor_hash
+from atoll.models.outer import NesterovOuter, merged_delta, tensor_hash
 from atoll.protocols import codecs
-from atoll.protocols.averaging import merged_delta
 from atoll.protocols.state_sync import MAX_ANCESTORS, MAX_REPLAY_ROUNDS, Replay, ReplicaState, RoundDelta
 
 logger = logging.getLogger("atoll")
@@ -85,10 +84,6 @@ class Replica:
         """Sum of fragment versions: one number that grows with every merged round."""
         return sum(v for v, _, _ in self.identities())
 
-    def params_copy(self, p: int) -> tuple[torch.Tensor, int]:
-        with self._lock:
-            return self._frags[p].params.clone(), self._frags[p].version
-
     def params_and_id(self, p: int) -> tuple[torch.Tensor, tuple[int, str]]:
         """Θ_p and the (version, digest) it is, read together."""
         with self._lock:
@@ -101,10 +96,6 @@ class Replica:
             return ReplicaState(f.version, f.weight, f.digest, f.params.clone(), f.momentum.clone(),
                                 self.schedule_step, fragment=p, ancestors=tuple(f.ancestors))
 
-    def ancestors(self, p: int) -> list[str]:
-        with self._lock:
-            return list(self._frags[p].ancestors)
-
     def apply_outer_step(self, p: int, version: int, delta: torch.Tensor, weight: float,
                          outer: NesterovOuter, digest: str | None = None,
                          shards: Sequence[tuple[int, bytes]] | None = None,
@@ -112,7 +103,7 @@ class Replica:
         """Apply a round's merged delta if fragment ``p`` is still the replica the round started from (same
         version and, when given, the same digest: a heavier replica adopted at the same version does not count);
         returns the new replica's identity (the round's result), or None if it was not applied. ``shards`` and
-        ``rda_norm``: what ``delta`` was made of (``averaging.merged_delta``), kept so peers can replay the round."""
+        ``rda_norm``: what ``delta`` was made of (``merged_delta``), kept so peers can replay the round."""
         with self._lock:
             f = self._frags[p]
             if f.version != version or (digest is not None and f.digest != digest):

@@ -65,7 +65,7 @@ def render_table(doc: dict[str, Any]) -> None:
 
 
 def run_status(initial_peers: list[str], run_id: str, as_json: bool) -> int:
-    from .daemon import start_dht
+    from .join import start_dht
 
     logging.getLogger("hivemind").setLevel(logging.ERROR)
     cfg = NodeConfig(run_id=run_id, initial_peers=tuple(initial_peers), host_maddrs=("/ip4/127.0.0.1/tcp/0",))

@@ -35,7 +35,6 @@ import functools
 import hashlib
 import logging
 import math
-import struct
 from collections.abc import Callable
 from typing import Any, AsyncIterator  # hivemind detects streaming RPCs by typing.AsyncIterator hints
 from dataclasses import dataclass, field
@@ -44,11 +43,12 @@ import torch
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
-from atoll.models.outer import rda_finish, weighted_mean, weighted_norm
+from atoll.models.outer import merged_delta, weighted_mean, weighted_norm
 from atoll.models.robust import clip_contributions, clip_scalars, lower_median
 
 from . import codecs
 from .cooldown import Cooldown
+from .stats import TrafficStats
 from .wire import PART_BYTES, WireError, check_fields, pack_request, pack_response, unpack
 
 logger = logging.getLogger("atoll")
@@ -96,25 +96,6 @@ class GroupSpec:
 
     def bounds(self) -> list[tuple[int, int]]:
         return shard_bounds(self.numel, len(self.members), self.block)
-
-
-@dataclass
-class TrafficStats:
-    """Counters the daemon publishes; only touched from the protocol event loop. ``on_offence`` (if set) hears
-    of every rejection whose sender is known (an authenticated peer id or record key)."""
-
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    rejected: int = 0
-    rejected_by_kind: dict[str, int] = field(default_factory=dict)
-    clipped: int = 0  # contributions (or declared weights/norms) scaled down by robust merging
-    on_offence: Callable[[str | bytes, str], Any] | None = None
-
-    def reject(self, kind: str, offender: str | bytes | None = None) -> None:
-        self.rejected += 1
-        self.rejected_by_kind[kind] = self.rejected_by_kind.get(kind, 0) + 1
-        if offender is not None and self.on_offence is not None:
-            self.on_offence(offender, kind)
 
 
 @dataclass
@@ -457,38 +438,26 @@ class AllreduceResult:
     rda_norm: float | None = None
 
 
-def merged_delta(shards: list[torch.Tensor], rda_norm: float | None) -> torch.Tensor:
-    """A round's merged delta from its decoded reduced shards (member order): concatenated in float64 and, for
-    ``rda``, rescaled to the round's norm. Every member and every replay computes it with this one function."""
-    merged = torch.cat([s.double() for s in shards])
-    return merged if rda_norm is None else rda_finish(merged, rda_norm)
+class Tamper:
+    """How this member's contribution leaves it. The base class is the honest member and changes nothing; fault
+    injection (``atoll.node.faults``) subclasses it to play a buggy or hostile one, so the protocol never looks at
+    which fault is injected.
+
+    ``delta`` is the delta this member claims as its own (its norm and parts are taken from it); ``part`` is the
+    encoded bytes sent to the reducer of ``flat[lo:hi]``, given what an honest member would send; ``own`` is this
+    member's contribution as error feedback must see it (what quantization dropped of the honest delta)."""
+
+    def delta(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat
+
+    def part(self, payload: bytes, flat: torch.Tensor, lo: int, hi: int, spec: GroupSpec) -> bytes:
+        return payload
+
+    def own(self, sent: torch.Tensor) -> torch.Tensor:
+        return sent
 
 
-def corrupt_payload(payload: bytes, kind: str) -> bytes:
-    """Fault injection: a malformed variant of ``payload`` (what a buggy or hostile peer might send)."""
-    if kind == "truncated":
-        return payload[: len(payload) // 2]
-    if kind == "header":
-        return b"XXXX" + payload[4:]
-    if kind == "codec":
-        return payload[:5] + bytes([99]) + payload[6:]  # the codec id byte
-    if kind == "nan":
-        return payload[:20] + struct.pack("<f", float("nan")) + payload[24:]
-    raise ValueError(f"unknown corruption {kind!r}")
-
-
-BYZANTINE_SCALE = 1000.0
-
-
-def byzantine_payload(flat: torch.Tensor, lo: int, hi: int, codec: str, block: int, kind: str) -> bytes:
-    """Fault injection: what a hostile member sends as its part ``flat[lo:hi]`` (``nan``: NaN in the values or
-    scales; ``shape``: a well-formed payload one block short of the shard, under a header that claims the right
-    size). ``scale`` is applied to the whole delta (see ``allreduce``), so its parts are valid."""
-    if kind == "nan":
-        return corrupt_payload(codecs.encode(flat[lo:hi].float(), codec, block), "nan")
-    if kind == "shape":
-        return codecs.encode(flat[lo : max(lo, hi - block)].float(), codec, block)
-    raise ValueError(f"unknown byzantine kind {kind!r}")
+HONEST = Tamper()
 
 
 def _encode_parts(flat: torch.Tensor, bounds: list[tuple[int, int]], codec: str, block: int,
@@ -502,13 +471,12 @@ def _encode_parts(flat: torch.Tensor, bounds: list[tuple[int, int]], codec: str,
 
 async def allreduce(
     p2p: P2P, servicer: AveragingServicer, spec: GroupSpec, local_peer: str, flat: torch.Tensor, weight: float,
-    timeout: float, corrupt: str | None = None, byzantine: str | None = None,
+    timeout: float, tamper: Tamper = HONEST,
 ) -> AllreduceResult:
-    """Weighted merge of ``flat`` across ``spec.members``; see the module docstring for the protocol.
-    ``corrupt``/``byzantine``: fault injection (malformed parts; a hostile member, ``node/config.py``)."""
+    """Weighted merge of ``flat`` across ``spec.members``; see the module docstring for the protocol. ``tamper``
+    decides what of our contribution leaves us (honest unless a fault is injected)."""
     bounds = spec.bounds()
-    if byzantine == "scale":
-        flat = flat * BYZANTINE_SCALE
+    flat = tamper.delta(flat)
     norm = float(torch.linalg.vector_norm(flat.double()))
     me = spec.members.index(local_peer)
     solo = len(spec.members) == 1
@@ -521,9 +489,7 @@ async def allreduce(
     tasks: dict[str, asyncio.Future] = {}
     for j, peer in enumerate(spec.members):
         if j != me:
-            payload = payloads[j] if corrupt is None else corrupt_payload(payloads[j], corrupt)
-            if byzantine in ("nan", "shape"):
-                payload = byzantine_payload(flat, *bounds[j], spec.codec, spec.block, byzantine)
+            payload = tamper.part(payloads[j], flat, *bounds[j], spec)
             tasks[peer] = asyncio.ensure_future(
                 _exchange_retrying(p2p, servicer, spec, peer, payload, bounds[j][1] - bounds[j][0], weight, norm,
                                    timeout)
@@ -549,9 +515,5 @@ async def allreduce(
     merged = merged_delta([s.values for s in ordered], rda_norm)
     contributors = sorted({c for s in ordered for c in s.contributors})
     encoded = None if any(s.payload is None for s in ordered) else [(s.values.numel(), s.payload) for s in ordered]
-    ours = torch.cat(sent)
-    if byzantine == "scale":
-        # The fault is "x1000 of our delta, every round". Error feedback must keep only what quantization dropped;
-        # keeping the scaled remainder would turn the next rounds into large steps against our own progress.
-        ours = ours / BYZANTINE_SCALE
+    ours = tamper.own(torch.cat(sent))
     return AllreduceResult(merged, max(s.weight for s in ordered), contributors, [], [], ours, encoded, rda_norm)

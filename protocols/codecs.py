@@ -1,70 +1,44 @@
-"""Lossy/lossless codecs for the outer deltas that atoll daemons exchange.
+"""Lossy and lossless codecs for the outer deltas that atoll daemons exchange: ``encode`` a flat tensor into a
+self-describing payload, ``decode`` it back; everything needed to decode is inside the payload.
 
-Pure tensor code (torch + stdlib): no wire, no networking, no other atoll
-imports.  The network layer names the codec in every message and calls
-:func:`encode` / :func:`decode`; everything needed to decode is inside the
-payload itself.
+Pure tensor code (torch and the standard library): no wire, no networking, no other atoll imports. The network
+layer names the codec in every message.
 
-Codecs (``CODECS``)
--------------------
-``none``  fp32, bit-exact.
-``bf16``  bfloat16, round-to-nearest-even (``Tensor.to(torch.bfloat16)``).
-``int8``  blockwise absmax: scale = absmax/127, codes round(x/scale) in [-127, 127].
-``int4``  blockwise absmax: scale = absmax/7, codes in [-7, 7], two per byte.
-``fp4``   blockwise E2M1 grid ±{0, .5, 1, 1.5, 2, 3, 4, 6}·scale, scale = absmax/6, two per byte.
-``int2``  blockwise ternary: scale = absmax, codes in {-1, 0, 1}, four per byte (ablation only).
+The codecs (``CODECS``): ``none`` is fp32, bit-exact; ``bf16`` is bfloat16, round-to-nearest-even
+(``Tensor.to(torch.bfloat16)``); the block codecs quantize each block of ``block`` values with its own scale:
+``int8`` (scale = absmax/127, codes round(x/scale) in [-127, 127]), ``int4`` (scale = absmax/7, codes in [-7, 7],
+two per byte), ``fp4`` (the E2M1 grid ±{0, .5, 1, 1.5, 2, 3, 4, 6}·scale, scale = absmax/6, two per byte) and
+``int2`` (ternary: scale = absmax, codes in {-1, 0, 1}, four per byte; for ablations only).
 
-Wire format (all little-endian)
--------------------------------
-Header, ``HEADER_SIZE`` = 20 bytes, ``struct`` format ``<4sBBHQI``::
+Wire format, all little-endian. The header is ``HEADER_SIZE`` = 20 bytes, ``struct`` format ``<4sBBHQI``: magic
+``b"ATLC"``, version u8 (= 1), codec id u8, flags u16 (= 0), numel u64, block u32. Codec ids are the positions in
+``CODECS`` (none=0, bf16=1, int8=2, int4=3, fp4=4, int2=5) and are part of the wire format: never reorder
+``CODECS``. ``block`` is 0 for ``none`` and ``bf16``. The body of ``none`` is numel fp32 values, of ``bf16`` numel
+bf16 bit patterns. The body of a block codec is ``nblocks = ceil(numel/block)`` fp32 scales, then the codes of the
+flat tensor, ``ceil(numel*bits/8)`` bytes. int8 codes are two's complement int8. Sub-byte codes are stored as the
+unsigned index into the codec's grid (``code + 7`` for int4/fp4, ``code + 1`` for int2), element ``i`` of a byte
+in bits ``[bits*i, bits*(i+1))`` (the first element in the low bits). Grid index 15 (4-bit) or 3 (2-bit) is
+invalid and decodes to NaN, which ``decode`` rejects. ``block`` must be a multiple of 4, so that every block
+starts on a byte boundary for every codec. Bits of the last byte beyond ``numel`` (and the padded positions of a
+partial last block) are written as the code of 0 and ignored by the decoder.
 
-    magic b"ATLC" | version u8 (=1) | codec id u8 | flags u16 (=0) | numel u64 | block u32
+Scales are stored as fp32, not fp16: fp16 would overflow above 65504 and lose blocks whose absmax is below ~6e-8
+to underflow; at block 256 an fp32 scale costs 1.6 % of an int8 payload.
 
-Codec ids are the positions in ``CODECS`` (none=0, bf16=1, int8=2, int4=3,
-fp4=4, int2=5) and are part of the wire format: never reorder ``CODECS``.
-``block`` is 0 for ``none``/``bf16``.  Body:
+Error bounds, for ``s`` the block's stored scale and ``x`` an input element: ``none`` is exact; ``bf16`` keeps
+``|x - x̂| <= 2**-8 * |x|`` (or ``2**-134`` for bf16-subnormal magnitudes); ``int8``, ``int4`` and ``int2`` keep
+``|x - x̂| <= s/2``, i.e. absmax/254, absmax/14 and absmax/2; ``fp4`` keeps half the local grid step: ``s/4`` for
+``|x| <= 2s``, ``s/2`` for ``|x| <= 4s``, ``s`` above (so at most absmax/6). Each block bound holds up to
+``2**-20 * absmax`` (``x * (1/s)`` is rounded to fp32 before it is rounded to a code, so an element that close to
+a midpoint may land on either neighbour, deterministically) plus ``2**-140`` absolute for blocks whose scale is an
+fp32 subnormal (absmax below ~1e-36). ``tests/unit/test_codecs.py`` checks these bounds against float64.
 
-* ``none``: numel fp32; ``bf16``: numel bf16 bit patterns.
-* block codecs: ``nblocks = ceil(numel/block)`` fp32 scales, then the codes of
-  the flat tensor, ``ceil(numel*bits/8)`` bytes.  int8 codes are two's
-  complement int8.  Sub-byte codes are stored as the unsigned index into the
-  codec's grid (``code + 7`` for int4/fp4, ``code + 1`` for int2), element
-  ``i`` of a byte in bits ``[bits*i, bits*(i+1))`` (first element in the
-  low bits).  Grid index 15 (4-bit) / 3 (2-bit) is invalid and decodes to NaN,
-  which :func:`decode` rejects.  ``block`` must be a multiple of 4, so every
-  block starts on a byte boundary for every codec.  Bits of the last byte
-  beyond ``numel`` (and the padded positions of a partial last block) are
-  written as the code of 0 and ignored by the decoder.
+Determinism: only IEEE-exact operations touch the data (max/min, one correctly rounded multiply, round-half-even,
+exact integer arithmetic), and no sums or other order-dependent reductions, so the same input gives the same bytes
+on every machine and thread count (assuming the default: denormals not flushed, see ``torch.set_flush_denormal``).
+``-0.0`` scales are canonicalised to ``+0.0``.
 
-Scales are stored as fp32 (not fp16): fp16 would overflow above 65504 and
-lose blocks whose absmax is below ~6e-8 to underflow; at block 256 the fp32
-scale costs 1.6 % of an int8 payload.
-
-Error bounds (``s`` = the block's stored scale, ``x`` = input element)
-------------------------------------------------------------------------
-* ``none``: exact.  ``bf16``: ``|x - x̂| <= 2**-8 * |x|`` (or ``2**-134`` for
-  bf16-subnormal magnitudes).
-* ``int8``/``int4``/``int2``: ``|x - x̂| <= s/2`` i.e. absmax/254, absmax/14,
-  absmax/2.
-* ``fp4``: half the local grid step: ``s/4`` for ``|x| <= 2s``, ``s/2`` for
-  ``|x| <= 4s``, ``s`` above (so at most absmax/6).
-
-Each block bound holds up to ``2**-20 * absmax`` (``x * (1/s)`` is rounded
-to fp32 before it is rounded to a code, so an element that close to a
-midpoint may land on either neighbour, deterministically) plus ``2**-140``
-absolute for blocks whose scale is an fp32 subnormal (absmax below ~1e-36).
-``tests/unit/test_codecs.py`` checks these bounds against float64.
-
-Determinism
------------
-Only IEEE-exact operations touch the data (max/min, one correctly rounded
-multiply, round-half-even, exact integer arithmetic); no sums or other
-order-dependent reductions, so the same input gives the same bytes on every
-machine and thread count (assuming the default: denormals not flushed, see
-``torch.set_flush_denormal``).  ``-0.0`` scales are canonicalised to ``+0.0``.
-
-Error feedback: :class:`ErrorFeedback` keeps, per key (fragment), what
-quantization dropped and adds it to the next delta.
+``ErrorFeedback`` keeps, per key (fragment), what quantization dropped, to be added to the next delta.
 """
 
 from __future__ import annotations
@@ -101,18 +75,16 @@ _HEADER = struct.Struct("<4sBBHQI")
 HEADER_SIZE = _HEADER.size  # 20: keeps the fp32 scales 4-byte aligned
 MAX_BLOCK_SIZE = 1 << 30
 
-# Elements processed per step of the block codecs: the temporaries
-# (256 KiB each) stay in L2 and are reused, instead of a fresh 4·numel-byte
-# allocation per op (page faults dominated the unchunked version).
+# Elements per step of the block codecs: the temporaries (256 KiB each) stay in L2 and are reused, instead of a
+# fresh 4·numel-byte allocation per op (page faults dominated the unchunked version).
 _CHUNK = 1 << 16
 
 _FLT_MIN = 2.0**-126  # smallest normal fp32: 1/scale is finite for scales >= this
 # Smallest fp32 that rounds to +inf in bf16 (bit pattern 0x7F7F8000, ties-to-even).
 _BF16_OVERFLOW = struct.unpack("<f", struct.pack("<I", 0x7F7F8000))[0]
 
-# torch.frombuffer warns (once per process) that read-only buffers such as
-# `bytes` give non-writable tensors.  decode never writes into them; consume
-# the one-time warning here so that it does not reach the daemon's log.
+# torch.frombuffer warns (once per process) that read-only buffers such as ``bytes`` give non-writable tensors.
+# decode never writes into them; the one-time warning is consumed here so that it does not reach the daemon's log.
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     torch.frombuffer(b"\0", dtype=torch.uint8)
@@ -144,18 +116,18 @@ class _BlockSpec:
         self.per_byte = 8 // bits
         self.grid_max = float(max(grid))  # scale = absmax / grid_max
         self.offset = (len(grid) - 1) // 2  # grid index of 0; code = index - offset
-        # Adding `offset` to every element of a packed byte at once.
+        # One add turns a byte of packed signed codes into a byte of packed grid indices.
         self.packed_offset = sum(self.offset << (bits * j) for j in range(self.per_byte))
         self.table = None
         if bits < 8:
-            # Byte -> the `per_byte` fp32 values it holds, gathered as one wide
-            # element (a plain copy of the bits: the NaN of invalid codes survives).
+            # Byte -> the ``per_byte`` fp32 values it holds, gathered as one wide element (a plain copy of the bits,
+            # so the NaN of invalid codes survives).
             ext = grid + [float("nan")] * ((1 << bits) - len(grid))
             byte = torch.arange(256)
             cols = [torch.tensor(ext, dtype=torch.float32)[(byte >> (bits * j)) & ((1 << bits) - 1)]
                     for j in range(self.per_byte)]
-            # One 8-byte (4-bit codecs) or 16-byte (int2) element per byte
-            # value: index_select on a 1-D table is ~4x faster than on rows.
+            # One 8-byte (4-bit codecs) or 16-byte (int2) element per byte value: index_select on a 1-D table is
+            # ~4x faster than on rows.
             wide = torch.int64 if self.per_byte == 2 else torch.complex128
             self.table = torch.stack(cols, 1).contiguous().view(wide).reshape(256)
 
@@ -224,10 +196,9 @@ class _Scratch:
 def _y_to_codes(y: torch.Tensor, spec: _BlockSpec, codec: str, dst: torch.Tensor, scr: _Scratch) -> None:
     """Quantize ``y = x/scale`` (fp32, contiguous, clobbered) into packed codes written to ``dst`` (uint8)."""
     if codec == "fp4":
-        # Piecewise-linear map of the E2M1 grid onto consecutive integers,
-        # t(y) = y/2 + clamp(y,±2) + clamp(y,±4)/2 = 2y on |y|<=2, y±2 on
-        # |y|<=4, y/2±4 above: round(t) is the nearest grid point and exact
-        # midpoints go to the even code (round-half-even).
+        # Piecewise-linear map of the E2M1 grid onto consecutive integers, t(y) = y/2 + clamp(y,±2) + clamp(y,±4)/2
+        # = 2y on |y|<=2, y±2 on |y|<=4, y/2±4 above: round(t) is the nearest grid point and exact midpoints go to
+        # the even code (round-half-even).
         c4 = torch.clamp(y, -4.0, 4.0, out=scr.aux[: y.numel()])
         c4.add_(y).mul_(0.5)
         y.clamp_(-2.0, 2.0).add_(c4)
@@ -246,16 +217,19 @@ def _y_to_codes(y: torch.Tensor, spec: _BlockSpec, codec: str, dst: torch.Tensor
     dst.copy_(scr.pki[: acc.numel()].copy_(acc))  # fp32->int32->uint8 is ~3x faster than fp32->uint8
 
 
-def _encode_rows(rows: torch.Tensor, spec: _BlockSpec, codec: str, scales_out: torch.Tensor, codes_out: torch.Tensor) -> None:
-    """Encode ``rows`` (m, B) fp32: per-row scale into ``scales_out`` (m,), codes into ``codes_out`` (m·B·bits/8 uint8)."""
+def _encode_rows(rows: torch.Tensor, spec: _BlockSpec, codec: str, scales_out: torch.Tensor,
+                 codes_out: torch.Tensor) -> None:
+    """Encode ``rows`` (m, B) fp32: the per-row scales into ``scales_out`` (m,), the codes into ``codes_out``
+    (m·B·bits/8 uint8)."""
     m, B = rows.shape
-    absmax = torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg_())  # amax/amin are fast row reductions, aminmax(dim) is not
+    # amax and amin are fast row reductions, aminmax(dim) is not.
+    absmax = torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg_())
     if not bool(torch.isfinite(absmax).all()):  # NaN propagates through amax/amin
         raise ValueError("cannot encode a tensor containing NaN or Inf")
     absmax.add_(0.0)  # canonicalise -0.0 (all -0.0 block) to +0.0 for byte-identical output
     scale = absmax / spec.grid_max
-    # Decoding computes code·scale in fp32: nudge scales whose grid_max·scale
-    # would round to inf (absmax within an ulp of FLT_MAX) down one ulp.
+    # Decoding computes code·scale in fp32: nudge scales whose grid_max·scale would round to inf (absmax within an
+    # ulp of FLT_MAX) down one ulp.
     for _ in range(4):
         over = torch.isinf(scale * spec.grid_max)
         if not bool(over.any()):
@@ -263,7 +237,8 @@ def _encode_rows(rows: torch.Tensor, spec: _BlockSpec, codec: str, scales_out: t
         scale = torch.where(over, torch.nextafter(scale, torch.zeros_like(scale)), scale)
     scales_out.copy_(scale)
     normal = scale >= _FLT_MIN
-    inv = torch.where(normal, 1.0 / scale, torch.zeros_like(scale))  # zero blocks (and tiny ones, redone below) -> code 0
+    # Zero blocks get code 0; so do tiny ones for now, redone below.
+    inv = torch.where(normal, 1.0 / scale, torch.zeros_like(scale))
 
     bytes_per_row = B * spec.bits // 8
     rows_per_chunk = max(1, _CHUNK // B)
@@ -275,8 +250,8 @@ def _encode_rows(rows: torch.Tensor, spec: _BlockSpec, codec: str, scales_out: t
         torch.mul(rows[r0:r1], inv[r0:r1, None], out=y.view(r1 - r0, B))
         _y_to_codes(y, spec, codec, codes_out[r0 * bytes_per_row : r1 * bytes_per_row], scr)
 
-    # Blocks whose scale is an fp32 subnormal (absmax < ~1e-36): 1/scale would
-    # overflow, so divide in float64 instead.  Rare; off the fast path.
+    # Blocks whose scale is an fp32 subnormal (absmax < ~1e-36): 1/scale would overflow, so divide in float64
+    # instead. Rare, and off the fast path.
     tiny = ((scale > 0) & ~normal).nonzero().flatten()
     if tiny.numel():
         y = (rows[tiny].double() / scale[tiny].double()[:, None]).clamp_(-spec.grid_max, spec.grid_max).float()
@@ -287,14 +262,12 @@ def _encode_rows(rows: torch.Tensor, spec: _BlockSpec, codec: str, scales_out: t
 
 
 def encode(tensor: torch.Tensor, codec: str, block_size: int = 256) -> bytes:
-    """Encode ``tensor`` (any shape, flattened; fp32 expected, other float dtypes are converted) with ``codec``.
+    """``tensor`` (any shape, flattened; fp32 expected, other float dtypes are converted) encoded with ``codec``:
+    a self-describing payload (header and body, see the module docstring) of exactly
+    ``encoded_size(tensor.numel(), codec, block_size)`` bytes. Identical input gives identical bytes.
 
-    Returns a self-describing payload (header + body, see the module doc) of
-    exactly ``encoded_size(tensor.numel(), codec, block_size)`` bytes;
-    identical input gives identical bytes.  ``block_size`` (a multiple of 4)
-    only matters for the block codecs.  Raises ``ValueError`` for an unknown
-    codec, a bad block size, a non-float tensor, NaN/Inf elements, or (bf16)
-    finite values that would round to Inf.
+    ``block_size`` (a multiple of 4) only matters for the block codecs. Raises ``ValueError`` for an unknown codec,
+    a bad block size, a non-float tensor, NaN/Inf elements, or (bf16) finite values that would round to Inf.
     """
     _check_codec(codec)
     x = _flat_fp32(tensor)
@@ -324,8 +297,8 @@ def encode(tensor: torch.Tensor, codec: str, block_size: int = 256) -> bytes:
     if nfull:
         _encode_rows(x[: nfull * B].view(nfull, B), spec, codec, scales[:nfull], codes[: nfull * row_bytes])
     if tail:
-        # The partial last block is zero-padded to a full block (zeros do not
-        # change its absmax); only the bytes that hold real elements are kept.
+        # The partial last block is zero-padded to a full block (zeros do not change its absmax); only the bytes
+        # that hold real elements are kept.
         padded = torch.zeros(1, B, dtype=torch.float32)
         padded[0, :tail] = x[nfull * B :]
         tail_codes = torch.empty(row_bytes, dtype=torch.uint8)
@@ -358,15 +331,13 @@ def _decode_rows(codes: torch.Tensor, scales: torch.Tensor, spec: _BlockSpec, B:
 
 
 def decode(payload: bytes, *, expected_numel: int | None = None, max_numel: int | None = None) -> torch.Tensor:
-    """Decode a payload produced by :func:`encode` into a new flat fp32 CPU tensor.
+    """A payload produced by ``encode``, decoded into a new flat fp32 CPU tensor.
 
-    ``payload`` may be any bytes-like object; it is not modified and the
-    result does not alias it.  Raises :class:`CodecError` (message says what
-    was wrong) for: a payload shorter than the header, bad magic/version/flags,
-    an unknown codec id, an invalid block size, ``numel`` above ``max_numel``
-    or different from ``expected_numel`` (both checked before anything is
-    allocated), a length different from what the header implies, negative or
-    non-finite scales, int8 code -128, or any NaN/Inf in the decoded values.
+    ``payload`` may be any bytes-like object; it is not modified and the result does not alias it. Raises
+    ``CodecError`` (its message says what was wrong) for a payload shorter than the header, bad magic, version or
+    flags, an unknown codec id, an invalid block size, ``numel`` above ``max_numel`` or different from
+    ``expected_numel`` (both checked before anything is allocated), a length different from what the header
+    implies, negative or non-finite scales, int8 code -128, or any NaN/Inf in the decoded values.
     """
     view = memoryview(payload)
     if view.format != "B" or view.ndim != 1:
@@ -445,38 +416,22 @@ def decode(payload: bytes, *, expected_numel: int | None = None, max_numel: int 
 class ErrorFeedback:
     """Per-key residual memory (keys like fragment ids) for error-feedback compression.
 
-    ``compress(key, delta, ...)`` encodes ``delta + residual[key]`` and keeps
-    ``(delta + residual) - decoded`` as the new residual, so what quantization
-    drops in one round is sent in later ones: the running sum of decoded
-    deltas differs from the running sum of true deltas by exactly the current
-    residual, which stays within one round's quantization error instead of
-    growing with the number of rounds.  Residuals are fp32 CPU tensors
-    (host memory); ``state_dict``/``load_state_dict`` are for checkpoints.
-    Not thread-safe: use one instance per thread or lock around it.
+    ``target(key, delta)`` is what to encode: ``delta`` plus the residual of ``key``; ``commit(key, target,
+    decoded)`` keeps what quantization dropped of it as the new residual. What one round drops is thus sent in
+    later ones: the running sum of decoded deltas differs from the running sum of true deltas by exactly the
+    current residual, which stays within one round's quantization error instead of growing with the number of
+    rounds. A target that was not used (its round failed, or encoding raised) is simply not committed, and the
+    residual stays as it was. Residuals are fp32 CPU tensors; ``state_dict`` and ``load_state_dict`` are for
+    checkpoints. Not thread-safe: use one instance per thread or lock around it.
     """
 
     def __init__(self) -> None:
         self._residuals: dict[str, torch.Tensor] = {}
 
-    def compress(self, key: str, delta: torch.Tensor, codec: str, block_size: int = 256) -> tuple[bytes, torch.Tensor]:
-        """Return ``(payload, decoded)`` for ``delta`` plus the stored residual and update the residual.
-
-        ``decoded`` is exactly what a receiver gets from ``decode(payload)``
-        (flat fp32).  If encoding raises (e.g. NaN in ``delta``), the stored
-        residual is left unchanged.  Raises ``ValueError`` when ``delta``'s
-        numel differs from the stored residual's.
-        """
-        target = self.target(key, delta)
-        payload = encode(target, codec, block_size)
-        decoded = decode(payload, expected_numel=target.numel())
-        self.commit(key, target, decoded)
-        return payload, decoded
-
     def target(self, key: str, delta: torch.Tensor) -> torch.Tensor:
-        """``delta`` plus the stored residual of ``key``: what to encode (a new tensor; ``delta`` is untouched).
+        """``delta`` plus the stored residual of ``key``, as a new flat fp32 tensor (``delta`` is untouched).
 
-        With ``commit`` this is the two-phase form of ``compress`` for callers that encode the target in several
-        parts (one per reducer) and keep the residual only if the contribution was actually used.
+        Raises ``ValueError`` when ``delta`` and the stored residual differ in size.
         """
         d = _flat_fp32(delta)
         res = self._residuals.get(key)
@@ -485,21 +440,10 @@ class ErrorFeedback:
         return d + res if res is not None else d.clone()
 
     def commit(self, key: str, target: torch.Tensor, decoded: torch.Tensor) -> None:
-        """Store ``target − decoded`` (what quantization dropped) as the residual of ``key``."""
+        """Store ``target − decoded`` (what quantization dropped) as the residual of ``key``; none when lossless."""
         residual = _flat_fp32(target) - _flat_fp32(decoded)
         if bool(torch.count_nonzero(residual)):
             self._residuals[key] = residual
-        else:
-            self._residuals.pop(key, None)  # lossless: nothing left over
-
-    def residual(self, key: str) -> torch.Tensor | None:
-        """The stored residual for ``key`` (not a copy), or None."""
-        return self._residuals.get(key)
-
-    def reset(self, key: str | None = None) -> None:
-        """Forget the residual of ``key``, or all residuals when ``key`` is None."""
-        if key is None:
-            self._residuals.clear()
         else:
             self._residuals.pop(key, None)
 

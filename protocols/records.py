@@ -8,6 +8,7 @@ them; round registrations are validated by the reader (``parse_round_record``).
 
 from __future__ import annotations
 
+import enum
 import math
 from typing import Any, Dict, List, Optional
 
@@ -18,7 +19,18 @@ from pydantic.v1 import StrictFloat, StrictStr, conint, constr
 
 from .auth import JoinToken, MembershipValidator
 
-STATUSES = ("joining", "training", "leaving")
+
+class Status(enum.StrEnum):
+    """A daemon's state as its progress record states it."""
+
+    JOINING = "joining"
+    TRAINING = "training"
+    LEAVING = "leaving"
+    STOPPED = "stopped"  # only in a daemon's final summary, never published
+
+
+STATUSES = (Status.JOINING.value, Status.TRAINING.value, Status.LEAVING.value)
+
 MAX_FRAGMENTS = 256
 MAX_ROUND_WEIGHT = 1e15
 MAX_REJECTION_KINDS = 32

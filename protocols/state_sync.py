@@ -30,7 +30,7 @@ from hivemind.proto import runtime_pb2
 
 from atoll.models.outer import tensor_hash
 
-from .averaging import TrafficStats
+from .stats import TrafficStats
 from .wire import PART_BYTES, WireError, check_fields, pack_request, pack_response, parts_to_tensor, unpack
 
 logger = logging.getLogger("atoll")
@@ -100,17 +100,16 @@ class StateServicer(ServicerBase):
 
     Request: ``fragment``, and optionally ``offset`` (bytes already received) with ``digest`` (the replica they
     belong to), or ``have`` (the digest of the replica the requester holds: answered by a replay when
-    ``replay(fragment, have)`` returns one). ``on_part(n)`` is called before the n+1-th part of a transfer is sent
-    (tests use it to make a donor fail mid-stream).
+    ``replay(fragment, have)`` returns one).
     """
 
     def __init__(self, snapshot: Callable[[int], ReplicaState | None], num_fragments: int,
-                 stats: TrafficStats, part_bytes: int = PART_BYTES, on_part: Callable[[int], None] | None = None,
+                 stats: TrafficStats, part_bytes: int = PART_BYTES,
                  authorize: Callable[[str], Awaitable[bool]] | None = None,
                  replay: Callable[[int, str], Replay | None] | None = None) -> None:
         assert part_bytes > 0 and part_bytes % 4 == 0
         self._snapshot, self.num_fragments, self.stats = snapshot, num_fragments, stats
-        self.part_bytes, self.on_part = part_bytes, on_part
+        self.part_bytes = part_bytes
         self._authorize = authorize  # private runs: serve members only
         self._replay = replay
 
@@ -150,10 +149,8 @@ class StateServicer(ServicerBase):
                              "sizes": [len(b) for _, b in r.shards]} for r in replay.rounds]}
             )
             data = b"".join(b for r in replay.rounds for _, b in r.shards)
-            for at in range(0, len(data), self.part_bytes):
-                part = data[at : at + self.part_bytes]
-                self.stats.bytes_sent += len(part)
-                yield pack_response({"data": part})
+            for n, at in enumerate(range(0, len(data), self.part_bytes)):
+                yield self._send_part(n, data[at : at + self.part_bytes])
             return
         # Copying Θ_p and its momentum is tensor work: keep it off the event loop.
         state = await asyncio.get_running_loop().run_in_executor(None, self._snapshot, fragment)
@@ -169,11 +166,13 @@ class StateServicer(ServicerBase):
              "ancestors": list(state.ancestors), "offset": start}
         )
         for n, at in enumerate(range(start, len(payload), self.part_bytes)):
-            if self.on_part is not None:
-                self.on_part(n)
-            part = payload[at : at + self.part_bytes]
-            self.stats.bytes_sent += len(part)
-            yield pack_response({"data": part})
+            yield self._send_part(n, payload[at : at + self.part_bytes])
+
+    def _send_part(self, n: int, part: bytes) -> runtime_pb2.ExpertResponse:
+        """The message that carries ``part``, the ``n``-th part of this answer (counted from where the transfer
+        starts), counted as sent. Every part of every answer goes through here."""
+        self.stats.bytes_sent += len(part)
+        return pack_response({"data": part})
 
 
 def _payload(state: ReplicaState) -> bytes:

@@ -36,7 +36,8 @@ import torch
 
 from atoll.models.configs import get_model_config
 from atoll.models.data import Corpus, load_corpus
-from atoll.models.outer import NesterovOuter, flatten_params, pseudo_gradient, unflatten_into, weighted_mean
+from atoll.models.fragments import copy_into, flatten
+from atoll.models.outer import NesterovOuter, pseudo_gradient, weighted_mean
 from atoll.node.config import RunConfig
 from atoll.node.device import resolve_device
 from atoll.node.learner import Learner
@@ -91,7 +92,7 @@ def diloco(ls: list[Learner], steps: int, sync_every: int, lr: float, momentum: 
            warm: tuple[int, int] = (0, 0)) -> torch.Tensor:
     """Train ``ls`` with DiLoCo for ``steps`` inner steps each; returns the final Θ (flat fp32), also loaded into
     every learner. ``warm`` = (H0, S0): rounds every H0 steps during the first S0 steps."""
-    theta = flatten_params(ls[0].params)
+    theta = flatten(ls[0].params)
     buf = torch.zeros_like(theta)
     outer = NesterovOuter(lr, momentum)
     last = 0
@@ -101,10 +102,10 @@ def diloco(ls: list[Learner], steps: int, sync_every: int, lr: float, momentum: 
         every = warm[0] if step <= warm[1] else sync_every
         if step - last >= every or step == steps:  # the last round: Θ holds every step taken
             last = step
-            deltas = [pseudo_gradient(theta, flatten_params(learner.params)) for learner in ls]
+            deltas = [pseudo_gradient(theta, flatten(learner.params)) for learner in ls]
             outer.step(theta, buf, weighted_mean(deltas, [1.0] * len(ls)))
             for learner in ls:
-                unflatten_into(theta, learner.params)
+                copy_into(theta, learner.params)
     return theta
 
 

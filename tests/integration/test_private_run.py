@@ -10,7 +10,7 @@ from hivemind.utils import get_dht_time
 from swarm import LocalSwarm, StatusReader
 from test_swarm import assert_replicas_agree, peer_id, wait_for
 
-from atoll.protocols.averaging import TrafficStats
+from atoll.protocols.stats import TrafficStats
 from atoll.protocols.records import make_validators, open_rounds_key, progress_key, round_key
 from atoll.models.configs import get_model_config
 from atoll.models.gpt import GPT

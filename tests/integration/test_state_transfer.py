@@ -8,8 +8,8 @@ import torch
 from hivemind.p2p import P2P
 
 from atoll.models.outer import tensor_hash
-from atoll.protocols.averaging import TrafficStats
 from atoll.protocols.state_sync import ReplicaState, StateServicer, download_state, p2p_opener
+from atoll.protocols.stats import TrafficStats
 
 pytestmark = pytest.mark.integration
 
@@ -20,26 +20,34 @@ class DonorDied(Exception):
     pass
 
 
+class DyingServicer(StateServicer):
+    """A donor whose stream breaks off before it sends part ``DIE_AFTER`` of a transfer."""
+
+    def _send_part(self, n, part):
+        if n == DIE_AFTER:
+            raise DonorDied
+        return super()._send_part(n, part)
+
+
+# hivemind registers a servicer's RPCs under its class's name: the receiver asks for StateServicer's.
+DyingServicer.__name__ = StateServicer.__name__
+
+
 async def transfer():
     g = torch.Generator().manual_seed(0)
     params, momentum = torch.randn(NUMEL, generator=g), torch.randn(NUMEL, generator=g)
     digest = tensor_hash(params, momentum)
     state = ReplicaState(9, 3.0, digest, params, momentum, 120, ancestors=(digest,))
 
-    def die(n):
-        if n == DIE_AFTER:
-            raise DonorDied
-
     receiver = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     peers, stats = [receiver], {}
     try:
-        for name, hook in (("dying", die), ("healthy", None)):
+        for name, servicer in (("dying", DyingServicer), ("healthy", StateServicer)):
             p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                                    initial_peers=await receiver.get_visible_maddrs())
             peers.append(p2p)
             stats[name] = TrafficStats()
-            await StateServicer(lambda _p: state, 1, stats[name], part_bytes=PART, on_part=hook).add_p2p_handlers(
-                p2p, namespace="run")
+            await servicer(lambda _p: state, 1, stats[name], part_bytes=PART).add_p2p_handlers(p2p, namespace="run")
         ids = [p.peer_id.to_base58() for p in peers[1:]]
         got = await download_state(p2p_opener(receiver, "run"), ids, 0, NUMEL, 10.0, TrafficStats())
         return state, got, stats, ids

@@ -7,7 +7,8 @@ import msgpack
 import pytest
 import torch
 
-from atoll.protocols.averaging import AveragingServicer, GroupSpec, TrafficStats, shard_bounds
+from atoll.protocols.averaging import AveragingServicer, GroupSpec, shard_bounds
+from atoll.protocols.stats import TrafficStats
 from atoll.protocols.wire import WireError, pack_request, parts_to_tensor, tensor_to_parts, unpack
 
 
@@ -120,7 +121,7 @@ def test_wire_roundtrip_and_rejections():
 @pytest.mark.parametrize("kind", ["truncated", "header", "codec", "nan"])
 def test_corrupted_parts_never_decode(kind):
     from atoll.protocols import codecs
-    from atoll.protocols.averaging import corrupt_payload
+    from atoll.node.faults import corrupt_payload
 
     for codec in ("none", "bf16", "int8", "int4"):
         payload = codecs.encode(torch.randn(1000), codec, 256)
@@ -180,7 +181,7 @@ def test_cooling_down_sender_is_treated_as_missing_and_still_gets_the_result():
 @pytest.mark.parametrize("codec", ["none", "int8", "int4"])
 def test_byzantine_payloads_are_refused_with_their_kind(codec):
     from atoll.protocols import codecs
-    from atoll.protocols.averaging import byzantine_payload
+    from atoll.node.faults import byzantine_payload
 
     flat = torch.randn(1000, dtype=torch.float64)
     for kind, expected in (("nan", "nonfinite"), ("shape", "shape")):

@@ -10,7 +10,7 @@ import torch
 
 from atoll.models.configs import get_model_config
 from atoll.models.data import Corpus, load_corpus
-from atoll.models.outer import flatten_params
+from atoll.models.fragments import flatten
 from atoll.node.config import RunConfig
 from atoll.node.device import resolve_device
 from atoll.node.learner import Learner
@@ -38,13 +38,13 @@ def naive(steps, sync_every, lr, momentum, round_steps=None):
     """The same rounds in float64, written out: Θ ← Θ − lr·(Δ + μ·b), b ← μ·b + Δ, Δ the mean of Θ − θᵢ.
     Rounds after every ``sync_every`` steps and the last, or at ``round_steps`` when given."""
     ls = make()
-    theta = flatten_params(ls[0].params).double()
+    theta = flatten(ls[0].params).double()
     buf = torch.zeros_like(theta)
     for step in range(1, steps + 1):
         for learner in ls:
             learner.train_step()
         if (step in round_steps) if round_steps is not None else (step % sync_every == 0 or step == steps):
-            delta = sum(theta - flatten_params(learner.params).double() for learner in ls) / len(ls)
+            delta = sum(theta - flatten(learner.params).double() for learner in ls) / len(ls)
             buf = momentum * buf + delta
             theta = theta - lr * (delta + momentum * buf)
             for learner in ls:
@@ -61,12 +61,12 @@ def test_diloco_rounds_match_the_naive_reference(bench, lr, momentum):
 
 def test_plain_averaging_is_the_mean_of_the_learners(bench):
     ls = make()
-    theta0 = flatten_params(ls[0].params)
+    theta0 = flatten(ls[0].params)
     trained = make()
     for learner in trained:
         for _ in range(3):
             learner.train_step()
-    mean = torch.stack([flatten_params(learner.params) for learner in trained]).double().mean(0)
+    mean = torch.stack([flatten(learner.params) for learner in trained]).double().mean(0)
     got = bench.diloco(ls, steps=3, sync_every=3, lr=1.0, momentum=0.0)
     assert not torch.equal(got, theta0)
     assert torch.allclose(got.double(), mean, atol=1e-6, rtol=0)

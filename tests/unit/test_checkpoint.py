@@ -5,10 +5,8 @@ import json
 import torch
 
 import threading
-from types import SimpleNamespace
 
 from atoll.node.checkpoint import CheckpointWriter, load_checkpoint, save_checkpoint
-from atoll.node.daemon import Daemon
 
 
 def test_roundtrip_and_keep_two(tmp_path):
@@ -102,28 +100,3 @@ def test_a_failed_background_write_is_counted_and_the_previous_checkpoint_stays(
     writer.wait()
     assert writer.failures == 1
     assert load_checkpoint(tmp_path)[1]["version"] == 1
-
-
-def test_held_out_evaluations_stay_within_their_share_of_wall_time(monkeypatch):
-    clock = [0.0]
-    monkeypatch.setattr("atoll.node.daemon.time.monotonic", lambda: clock[0])
-
-    def evaluate(_batches):
-        clock[0] += 1.0  # every evaluation takes a second
-        return 2.0
-
-    fake = SimpleNamespace(cfg=SimpleNamespace(eval_budget=0.1), held_out_loss=None, eval_seconds=0.0, started=0.0,
-                           held_out=[], held_out_step=None, learner=SimpleNamespace(evaluate=evaluate, step=0))
-    evaluations = 0
-    for _ in range(100):  # a merge every second of training
-        clock[0] += 1.0
-        before = fake.eval_seconds
-        Daemon._evaluate(fake)
-        evaluations += fake.eval_seconds > before
-    assert fake.held_out_loss == 2.0 and fake.held_out_step == 0
-    # At most the budget plus the one evaluation that crossed it; and not far below it either.
-    assert 0.1 * clock[0] - 2.0 <= fake.eval_seconds <= 0.1 * clock[0] + 1.0 and evaluations < 100
-    fake.cfg.eval_budget = 1.0  # every merge
-    before = fake.eval_seconds
-    Daemon._evaluate(fake)
-    assert fake.eval_seconds == before + 1.0

@@ -3,7 +3,7 @@
 import logging
 
 from atoll.protocols import cooldown as cooldown_module
-from atoll.protocols.averaging import TrafficStats
+from atoll.protocols.stats import TrafficStats
 from atoll.protocols.cooldown import Cooldown, describe
 
 

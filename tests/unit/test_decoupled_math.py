@@ -6,15 +6,9 @@ import pytest
 import torch
 
 from atoll.models.fragments import make_fragments, partition
-from atoll.models.outer import (
-    NesterovOuter,
-    grace_window,
-    join_window,
-    radial_directional_average,
-    token_weight,
-    weighted_mean,
-)
+from atoll.models.outer import NesterovOuter, radial_directional_average, token_weight, weighted_mean
 from atoll.node.local_state import LocalFragmentState
+from atoll.node.round_protocol import grace_window, join_window
 
 
 def test_partition_is_deterministic_balanced_and_complete():

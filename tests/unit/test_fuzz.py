@@ -22,12 +22,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from atoll.protocols import codecs, state_sync
-from atoll.protocols.averaging import AveragingServicer, GroupSpec, TrafficStats
+from atoll.protocols.averaging import AveragingServicer, GroupSpec
 from atoll.protocols.matchmaking import parse_group_record
 from atoll.protocols.records import (
     ProgressRecord, make_validators, parse_open_round, parse_progress, parse_round_record, parse_run_config,
     progress_key,
 )
+from atoll.protocols.stats import TrafficStats
 from atoll.protocols.wire import MAX_MESSAGE_BYTES, WireError, pack_request, pack_response, parts_to_tensor, unpack
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -293,9 +294,9 @@ def test_a_donor_streaming_empty_parts_forever_is_refused():
 
 # ---- catching up by replay: a donor whose replay is mutated ----------------------------------------------------------
 def _good_replay():
-    from atoll.models.outer import NesterovOuter
+    from atoll.models.outer import NesterovOuter, merged_delta
     from atoll.node.replica import Replica
-    from atoll.protocols.averaging import merged_delta, shard_bounds
+    from atoll.protocols.averaging import shard_bounds
 
     torch.manual_seed(1)
     theta = torch.randn(256)

@@ -6,6 +6,7 @@ import torch
 
 from atoll.models.configs import MODELS
 from atoll.models.data import Corpus, load_corpus
+from atoll.models.fragments import Fragment
 from atoll.node.config import RunConfig
 from atoll.node.device import Device, resolve_device
 from atoll.node.learner import Learner
@@ -54,7 +55,9 @@ def test_flat_grads_round_trip_and_loaded_grads_drive_the_step(corpus):
         c.load_flat_grads(g[:-1])
 
 
-def test_gather_scatter_snapshot_address_fragments_in_place(corpus):
+def test_fragments_and_snapshots_address_parameters_in_place(corpus):
+    """What the daemon does with one fragment between steps: read it (``Fragment.gather``, or a ``snapshot`` that
+    does not hold up training) and write merged values back into the learner's tensors (``Fragment.scatter``)."""
     learner = make(corpus)
     learner.train_step()
     flat = learner.flat_params()
@@ -62,15 +65,18 @@ def test_gather_scatter_snapshot_address_fragments_in_place(corpus):
     idx = [1, 3, 4]
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     expected = torch.cat([flat[offsets[i]: offsets[i] + sizes[i]] for i in idx])
-    assert torch.equal(learner.gather(idx), expected)
+    fragment = Fragment(0, tuple(idx), expected.numel(), has_embedding=False, offset=0)
+    assert torch.equal(fragment.gather(learner.params), expected)
     snap = learner.snapshot(idx)
     before = [p for p in learner.params]
-    learner.scatter(idx, torch.zeros(expected.numel()))
+    fragment.scatter(torch.zeros(expected.numel()), learner.params)
     assert all(a is b for a, b in zip(before, learner.params))  # the optimizer's tensors, changed in place
     assert torch.equal(snap.result(), expected)  # a snapshot is of the time it was taken
-    assert learner.gather(idx).abs().sum() == 0
+    assert fragment.gather(learner.params).abs().sum() == 0
+    assert learner.snapshot(idx).result().abs().sum() == 0
     other = [i for i in range(len(sizes)) if i not in idx]
-    assert torch.equal(learner.gather(other), torch.cat([flat[offsets[i]: offsets[i] + sizes[i]] for i in other]))
+    assert torch.equal(learner.snapshot(other).result(),
+                       torch.cat([flat[offsets[i]: offsets[i] + sizes[i]] for i in other]))
 
 
 def test_prefetched_batch_follows_position_changes(corpus):

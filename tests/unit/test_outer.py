@@ -7,7 +7,8 @@ import torch
 
 from atoll.models.configs import MODELS
 from atoll.models.data import Corpus, load_corpus
-from atoll.models.outer import NesterovOuter, flatten_params, pseudo_gradient, tensor_hash, unflatten_into, weighted_mean
+from atoll.models.fragments import copy_into, flatten
+from atoll.models.outer import NesterovOuter, pseudo_gradient, tensor_hash, weighted_mean
 from atoll.node.config import RunConfig
 from atoll.node.device import resolve_device
 from atoll.node.learner import Learner
@@ -71,12 +72,12 @@ def test_pseudo_gradient_and_flatten_roundtrip():
     a, b = torch.randn(10), torch.randn(10)
     assert torch.equal(pseudo_gradient(a, b), a.double() - b.double())
     params = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))]
-    flat = flatten_params(params)
+    flat = flatten(params)
     target = torch.randn(flat.numel())
-    unflatten_into(target, params)
-    assert torch.equal(flatten_params(params), target)
+    copy_into(target, params)
+    assert torch.equal(flatten(params), target)
     with pytest.raises(ValueError):
-        unflatten_into(torch.zeros(3), params)
+        copy_into(torch.zeros(3), params)
 
 
 def test_tensor_hash_is_content_hash():
@@ -102,10 +103,10 @@ def test_one_daemon_diloco_with_lr1_momentum0_equals_plain_training_bit_for_bit(
         for _ in range(run.sync_every):
             plain.train_step()
             diloco.train_step()
-        theta, version = replica.params_copy(0)
+        theta, (version, _) = replica.params_and_id(0)
         merged = weighted_mean([pseudo_gradient(theta, diloco.flat_params())], [float(diloco.tokens)])
         assert replica.apply_outer_step(0, version, merged, 1.0, outer)
-        diloco.load_flat(replica.params_copy(0)[0])
+        diloco.load_flat(replica.params_and_id(0)[0])
     assert torch.equal(plain.flat_params(), diloco.flat_params())
     assert replica.identity(0)[0] == 4
 

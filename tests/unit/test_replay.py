@@ -8,11 +8,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from atoll.models.outer import NesterovOuter, pseudo_gradient
+from atoll.models.outer import NesterovOuter, merged_delta, pseudo_gradient
 from atoll.node.replica import Replica
 from atoll.protocols import codecs
-from atoll.protocols.averaging import TrafficStats, merged_delta, shard_bounds
+from atoll.protocols.averaging import shard_bounds
 from atoll.protocols.state_sync import Replay, StateServicer, download_state
+from atoll.protocols.stats import TrafficStats
 from atoll.protocols.wire import pack_request
 
 NUMEL, BLOCK = 3000, 64
@@ -23,7 +24,7 @@ CONTEXT = SimpleNamespace(remote_id="QmRequester")
 def do_round(replica: Replica, seed: int, codec="int4", members=3, rda=False):
     """One merged round as ``allreduce`` produces it: every reduced shard encoded and decoded, then merged."""
     version, _, digest = replica.identity(0)
-    theta, _ = replica.params_copy(0)
+    theta = replica.snapshot(0).params
     g = torch.Generator().manual_seed(seed)
     local = theta + 0.01 * torch.randn(NUMEL, generator=g)
     delta = pseudo_gradient(theta, local)
@@ -56,7 +57,7 @@ def test_replaying_missed_rounds_gives_the_donors_replica_bit_for_bit(codec, mis
     assert state is not None and behind.adopt(state)
     assert behind.identity(0) == ahead.identity(0)
     assert torch.equal(behind.snapshot(0).momentum, ahead.snapshot(0).momentum)
-    assert behind.ancestors(0) == ahead.ancestors(0)
+    assert behind.snapshot(0).ancestors == ahead.snapshot(0).ancestors
     # The replayed rounds join the log: the caught-up replica can serve the same replay to others.
     assert behind.replay_from(0, replay.rounds[0].base).rounds == replay.rounds
 
@@ -87,7 +88,7 @@ def test_the_log_keeps_no_more_than_half_a_full_transfer():
     assert ahead.replay_from(0, behind.identity(0)[2]) is None
     for i in range(40):
         do_round(ahead, 10 + i, "int4")
-    longest = next(c for c in (ahead.replay_from(0, d) for d in ahead.ancestors(0)) if c is not None)
+    longest = next(c for c in (ahead.replay_from(0, d) for d in ahead.snapshot(0).ancestors) if c is not None)
     assert 0 < len(longest.rounds) <= 32 and sum(r.nbytes for r in longest.rounds) <= 4 * NUMEL
     assert len(longest.rounds) < 40  # older rounds were let go
 

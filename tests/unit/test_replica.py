@@ -8,6 +8,10 @@ from atoll.node.replica import Replica
 from atoll.protocols.state_sync import MAX_ANCESTORS
 
 
+def ancestors(replica: Replica, p: int = 0) -> list[str]:
+    return list(replica.snapshot(p).ancestors)
+
+
 def step(replica: Replica, value: float, p: int = 0) -> None:
     version, _, digest = replica.identity(p)
     assert replica.apply_outer_step(p, version, torch.full((8,), value, dtype=torch.float64), 1.0,
@@ -17,12 +21,12 @@ def step(replica: Replica, value: float, p: int = 0) -> None:
 def test_history_grows_with_each_step_and_is_bounded():
     r = Replica([torch.zeros(8)])
     first = r.identity(0)[2]
-    assert r.ancestors(0) == [first]
+    assert ancestors(r) == [first]
     for i in range(MAX_ANCESTORS + 5):
         step(r, 0.01 * (i + 1))
-        assert r.ancestors(0)[-1] == r.identity(0)[2]
-    assert len(r.ancestors(0)) == MAX_ANCESTORS
-    assert first not in r.ancestors(0)
+        assert ancestors(r)[-1] == r.identity(0)[2]
+    assert len(ancestors(r)) == MAX_ANCESTORS
+    assert first not in ancestors(r)
 
 
 def test_adopting_a_descendant_is_not_a_fork():
@@ -33,7 +37,7 @@ def test_adopting_a_descendant_is_not_a_fork():
     state = ahead.snapshot(0)
     assert behind.adopt(state)
     assert not state.forked
-    assert behind.identity(0) == ahead.identity(0) and behind.ancestors(0) == ahead.ancestors(0)
+    assert behind.identity(0) == ahead.identity(0) and ancestors(behind) == ancestors(ahead)
 
 
 def test_adopting_a_sibling_is_a_fork():
@@ -59,6 +63,6 @@ def test_replace_params_advances_only_the_expected_version():
     r = Replica([torch.zeros(8)])
     assert r.replace_params(0, 0, torch.ones(8), 4.0)
     assert r.identity(0)[0] == 1 and r.identity(0)[1] == 4.0
-    assert torch.equal(r.params_copy(0)[0], torch.ones(8))
+    assert torch.equal(r.snapshot(0).params, torch.ones(8))
     assert not r.replace_params(0, 0, torch.zeros(8), 4.0)  # stale: the replica moved on
-    assert len(r.ancestors(0)) == 2
+    assert len(ancestors(r)) == 2

@@ -1,7 +1,7 @@
 """State downloads resume where a dying donor stopped, never splice two replicas, and spread over donors.
 
 The donors are real ``StateServicer`` handlers called in-process (no sockets): the opener hands the request
-straight to the donor's handler, and a donor "dies" by raising from its ``on_part`` hook after k parts.
+straight to the donor's handler, and a donor "dies" by raising from its part-sending step after k parts.
 """
 
 import asyncio
@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import torch
 
 from atoll.models.outer import tensor_hash
-from atoll.node.syncer import donor_order
-from atoll.protocols.averaging import TrafficStats
+from atoll.node.catchup import donor_order
 from atoll.protocols.records import ProgressRecord
 from atoll.protocols.state_sync import ReplicaState, StateServicer, download_state
+from atoll.protocols.stats import TrafficStats
 from atoll.protocols.wire import pack_request, unpack
 
 CONTEXT = SimpleNamespace(remote_id="QmRequester")  # what the servicer reads of hivemind's P2PContext
@@ -24,6 +24,19 @@ PART = 1024
 
 class DonorDied(Exception):
     pass
+
+
+class DyingServicer(StateServicer):
+    """A donor whose stream breaks off before it sends part ``die_after`` of a transfer (never, when None)."""
+
+    def __init__(self, *args, die_after=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.die_after = die_after
+
+    def _send_part(self, n, part):
+        if n == self.die_after:
+            raise DonorDied
+        return super()._send_part(n, part)
 
 
 def replica(seed, version=3):
@@ -39,10 +52,6 @@ class Donor:
         self.requests = []
         self.state = state
 
-        def on_part(n):
-            if die_after is not None and n == die_after:
-                raise DonorDied
-
         def snapshot(_p):
             if not tamper:
                 return state
@@ -51,7 +60,7 @@ class Donor:
             return ReplicaState(state.version, state.weight, state.digest, bad, state.momentum, state.schedule_step,
                                 ancestors=state.ancestors)
 
-        self.servicer = StateServicer(snapshot, 1, self.stats, part_bytes=PART, on_part=on_part)
+        self.servicer = DyingServicer(snapshot, 1, self.stats, part_bytes=PART, die_after=die_after)
 
 
 def opener(donors):

@@ -3,6 +3,7 @@ without its network, only the task bookkeeping is exercised)."""
 
 import asyncio
 import warnings
+from types import SimpleNamespace
 
 from atoll.node.syncer import Syncer
 
@@ -10,7 +11,7 @@ from atoll.node.syncer import Syncer
 def bare_syncer() -> Syncer:
     syncer = Syncer.__new__(Syncer)
     syncer._tasks = set()
-    syncer._leaving = False
+    syncer.ctx = SimpleNamespace(leaving=False)
     return syncer
 
 
@@ -29,7 +30,7 @@ def test_spawn_runs_tasks_until_leaving_then_starts_none():
 
         # A round cancelled by the leave spawns a publish from its ``finally``: it must not run after the DHT is
         # shut down, and must not leave a never-awaited coroutine behind.
-        syncer._leaving = True
+        syncer.ctx.leaving = True
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # "coroutine ... was never awaited" would be a RuntimeWarning
             assert syncer._spawn(work("after")) is None

@@ -9,9 +9,21 @@ from xla_helpers import xla_only
 
 from atoll.models.configs import MODELS
 from atoll.models.data import Corpus, load_corpus
+from atoll.models.fragments import copy_into, flatten
 from atoll.node.config import RunConfig
 from atoll.node.device import resolve_device
 from atoll.node.learner import Learner
+
+
+def gather(learner: Learner, indices) -> torch.Tensor:
+    """The parameters ``indices`` as one flat fp32 host tensor."""
+    return flatten(learner.device.to_host([learner.params[i] for i in indices]))
+
+
+def scatter(learner: Learner, indices, flat: torch.Tensor) -> None:
+    copy_into(flat, [learner.params[i] for i in indices])
+    learner.device.sync()
+
 
 pytestmark = xla_only
 
@@ -100,7 +112,7 @@ def test_compilation_count_is_flat_after_warm_up(corpus, xla):
         learner.apply_step()
         snap = learner.snapshot(fragment)
         learner.train_step()
-        learner.scatter(fragment, snap.result())
+        scatter(learner, fragment, snap.result())
         learner.evaluate(held_out)
         learner.load_flat(learner.flat_params())
         learner.load_state_tensors(learner.state_tensors())  # as on restore; the next step is its own graph once
@@ -130,7 +142,7 @@ def test_snapshot_is_of_the_moment_it_was_taken(corpus, xla):
     learner = xla_learner(corpus, xla, "bf16")
     learner.train_step()
     fragment = [1, 2, 4]
-    expected = learner.gather(fragment)
+    expected = gather(learner, fragment)
     learner.snapshot([0]).result()
     gate = threading.Event()
     learner._snapshots.submit(gate.wait, 60)  # hold the transfer back until the steps below have run
@@ -140,7 +152,7 @@ def test_snapshot_is_of_the_moment_it_was_taken(corpus, xla):
     assert not snap.done()  # the steps did not wait for it
     gate.set()
     assert torch.equal(snap.result(timeout=60), expected)
-    assert not torch.equal(learner.gather(fragment), expected)
+    assert not torch.equal(gather(learner, fragment), expected)
 
 
 def test_merged_fragment_is_copied_in_place(corpus, xla):
@@ -149,12 +161,12 @@ def test_merged_fragment_is_copied_in_place(corpus, xla):
     tensors = list(learner.params)
     fragment = [0, 4]
     merged = torch.randn(sum(learner.params[i].numel() for i in fragment))
-    learner.scatter(fragment, merged)
+    scatter(learner, fragment, merged)
     assert all(a is b for a, b in zip(tensors, learner.params))
-    assert torch.equal(learner.gather(fragment), merged)
+    assert torch.equal(gather(learner, fragment), merged)
     assert learner.optimizer.param_groups[0]["params"][0] is learner.params[0]
     learner.train_step()  # and training goes on from the merged values
-    assert (learner.gather(fragment) - merged).abs().max() < 0.01
+    assert (gather(learner, fragment) - merged).abs().max() < 0.01
 
 
 def test_next_batch_is_prefetched_to_the_device(corpus, xla):

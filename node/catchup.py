@@ -1,0 +1,158 @@
+"""Keeping every fragment of the replica consistent with the swarm (on the syncer's event loop).
+
+When a live peer holds a heavier replica of a fragment (a round we missed, or the other side of a fork), the
+fragment is downloaded from it — by replaying the rounds from ours when the donor still holds them, else in
+full — adopted into the replica, and queued for the learner (``take_adopted``). Joiners download every fragment
+before their first step; a daemon restored from a checkpoint downloads the ones the swarm has moved past.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+from atoll.protocols.records import ProgressRecord, Status, heavier
+from atoll.protocols.state_sync import Replay, ReplicaState, download_state, p2p_opener
+
+from .context import SyncContext
+from .peers import PeerTable
+
+logger = logging.getLogger("atoll")
+
+
+class CatchUp:
+    def __init__(self, ctx: SyncContext, peers: PeerTable) -> None:
+        self.ctx, self.peers = ctx, peers
+        self._downloading: set[int] = set()
+        self._adopted: list[ReplicaState] = []
+        self._lock = threading.Lock()
+        self._open_stream = None
+
+    def start(self) -> None:
+        """On the event loop, once the P2P is up."""
+        self._open_stream = p2p_opener(self.ctx.p2p, self.ctx.cfg.run_id)
+
+    def heavier_peers(self, p: int) -> list[ProgressRecord]:
+        mine = self.ctx.replica.identity(p)
+        return [peer for peer in self.peers.training() if heavier(peer.fragment(p), mine)]
+
+    def behind(self, p: int) -> bool:
+        return bool(self.heavier_peers(p))
+
+    def take_adopted(self) -> list[ReplicaState]:
+        """Fragments adopted since the last call (the learner must reload them into θ); thread-safe."""
+        with self._lock:
+            states, self._adopted = self._adopted, []
+            return states
+
+    def _queue(self, states: list[ReplicaState]) -> None:
+        for state in states:
+            if state.forked:
+                self.ctx.counters.forks_healed += 1  # two groups merged from the same version: ours lost
+        with self._lock:
+            self._adopted.extend(states)
+
+    def maybe_catch_up(self) -> None:
+        """Start a download of every fragment a live peer holds a heavier replica of (none while joining)."""
+        ctx = self.ctx
+        if ctx.leaving or ctx.counters.status == Status.JOINING:
+            return
+        for p in range(ctx.replica.num_fragments):
+            if p in self._downloading or p in ctx.in_round:
+                continue
+            donors = donor_order(p, self.heavier_peers(p))
+            if donors:
+                self._downloading.add(p)
+                ctx.spawn(self._catch_up(p, donors))
+
+    async def _catch_up(self, p: int, donors: list[ProgressRecord]) -> None:
+        try:
+            mine = self.ctx.replica.identity(p)
+            logger.info("peer %s holds a heavier replica of fragment %d (v%d vs our v%d); downloading it",
+                        donors[0].peer_id[-8:], p, donors[0].fragment(p)[0], mine[0])
+            state = await self._download(p, [d.peer_id for d in donors])
+            if state is not None and await asyncio.get_running_loop().run_in_executor(
+                    None, self.ctx.replica.adopt, state):
+                self._queue([state])
+        finally:
+            self._downloading.discard(p)
+
+    async def _download_fragments(self, fragments: list[int], peers: list[ProgressRecord]) -> list[ReplicaState | None]:
+        """Download the heaviest replica of each of ``fragments`` at once, spread over the donors holding it (see
+        ``donor_order``), and adopt them into the replica; None for a fragment no donor could send."""
+        replica = self.ctx.replica
+
+        async def fetch(p: int) -> ReplicaState | None:
+            donors = donor_order(p, peers)
+            if donors and donors[0].fragment(p) == replica.identity(p):
+                # We hold that very replica already (a joiner of a young run holds Θ₀ from the shared seed):
+                # nothing to download; the donor's record still tells where the sync schedule is.
+                held = replica.snapshot(p)
+                held.schedule_step, held.donor = donors[0].schedule_step, donors[0].peer_id
+                return held
+            state = await self._download(p, [d.peer_id for d in donors])
+            if state is not None and not await asyncio.get_running_loop().run_in_executor(None, replica.adopt, state):
+                # Not heavier than ours: fine if it is ours (identical), else ours moved on meanwhile.
+                return state if state.digest == replica.identity(p)[2] else None
+            return state
+
+        return list(await asyncio.gather(*(fetch(p) for p in fragments)))
+
+    async def _download(self, p: int, donors: list[str]) -> ReplicaState | None:
+        """Fragment ``p``'s replica from the first of ``donors`` that delivers one: by replaying the rounds from
+        ours when a donor still holds them, else (or when a replay does not check out) in full."""
+        ctx, replica = self.ctx, self.ctx.replica
+        timeout = ctx.cfg.run.round_timeout
+        state = await download_state(self._open_stream, donors, p, replica.numel(p), timeout, ctx.stats,
+                                     have=replica.identity(p)[2])
+        if isinstance(state, Replay):
+            replayed = await asyncio.get_running_loop().run_in_executor(None, replica.replay, state, ctx.outer)
+            if replayed is not None:
+                return replayed
+            if replica.identity(p)[2] == state.rounds[0].base:  # it did not check out: the donor's fault
+                ctx.reject("replay", state.donor)
+            state = await download_state(self._open_stream, donors, p, replica.numel(p), timeout, ctx.stats)
+        return state
+
+    async def join(self) -> list[ReplicaState]:
+        """Joining: download every fragment's heaviest replica among live peers. Returns the fragments adopted, in
+        order, stopping at the first that could not be downloaded."""
+        await self.peers.publish()  # donors of a private run serve members only: be one of their peers first
+        peers = [peer for peer in (await self.peers.refresh()).values() if peer.status == Status.TRAINING]
+        if not peers:
+            return []
+        out = []
+        for state in await self._download_fragments(list(range(self.ctx.replica.num_fragments)), peers):
+            if state is None:
+                break
+            out.append(state)
+        return out
+
+    async def after_restore(self) -> list[ReplicaState]:
+        """Returning from a checkpoint: download every fragment a live peer holds a heavier replica of (all at once,
+        as a joiner does), so that the daemon does not merge rounds of a replica the swarm has moved past. The
+        adopted fragments are queued for the learner."""
+        replica = self.ctx.replica
+        await self.peers.publish()  # as a joiner does: donors of a private run serve the peers they know
+        peers = [peer for peer in (await self.peers.refresh()).values() if peer.status == Status.TRAINING]
+        behind = [p for p in range(replica.num_fragments)
+                  if any(heavier(peer.fragment(p), replica.identity(p)) for peer in peers)]
+        states = [s for s in await self._download_fragments(behind, peers) if s is not None]
+        self._queue(states)
+        return states
+
+
+def donor_order(p: int, peers: list[ProgressRecord]) -> list[ProgressRecord]:
+    """Whom to download fragment ``p`` from, best first: the peers holding its heaviest replica, rotated by ``p``
+    so that concurrent downloads of different fragments start at different donors (and a donor that fails
+    mid-transfer is followed by another holding the same replica, which can resume it), then the others,
+    heaviest first."""
+    if not peers:
+        return []
+    best = max(peer.fragment(p) for peer in peers)
+    holders = sorted((peer for peer in peers if peer.fragment(p) == best), key=lambda peer: peer.peer_id)
+    k = p % len(holders)
+    rest = sorted((peer for peer in peers if peer.fragment(p) != best), key=lambda peer: peer.fragment(p),
+                  reverse=True)
+    return holders[k:] + holders[:k] + rest

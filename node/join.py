@@ -1,0 +1,119 @@
+"""Getting into a run: this daemon's membership, the DHT, and agreement on the run's configuration.
+
+A private run admits daemons that hold a join token (or its run key); an open run admits anyone. The daemon that
+starts a run publishes its ``RunConfig``; joiners adopt it and refuse to start, with one line, if a field they set
+explicitly disagrees or their credentials do not match the run's access.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Any
+
+from hivemind import DHT
+from hivemind.utils import get_dht_time
+
+from atoll.protocols.auth import AuthError, JoinToken, RunKey, fingerprint
+from atoll.protocols.records import RunConfigRecord, config_key, parse_run_config, unwrap_subkeys
+
+from .config import ConfigError, NodeConfig, reconcile_run_config
+
+logger = logging.getLogger("atoll")
+CONFIG_TTL = 24 * 3600.0
+
+
+def start_dht(cfg: NodeConfig, validators: list, client_mode: bool = False) -> DHT:
+    """Start hivemind's DHT, retrying bootstrap; ``ConfigError`` if no initial peer answers."""
+    last_error: Exception | None = None
+    for attempt in range(cfg.bootstrap_retries):
+        try:
+            return DHT(
+                initial_peers=list(cfg.initial_peers), start=True, client_mode=client_mode,
+                host_maddrs=list(cfg.host_maddrs), announce_maddrs=list(cfg.announce_maddrs) or None,
+                identity_path=None if client_mode else cfg.identity_path, record_validators=validators,
+                startup_timeout=30,
+            )
+        except Exception as e:  # hivemind raises plain Exceptions for bootstrap failures
+            last_error = e
+            if attempt + 1 < cfg.bootstrap_retries:
+                logger.warning("DHT start failed (%s); retrying in %d s", e, 2 * (attempt + 1))
+                time.sleep(2 * (attempt + 1))
+    if cfg.initial_peers:
+        raise ConfigError(
+            f"initial_peers: could not reach any bootstrap peer after {cfg.bootstrap_retries} attempts ({last_error})"
+        )
+    raise RuntimeError(f"could not start the DHT: {last_error}")
+
+
+def membership(cfg: NodeConfig) -> JoinToken | None:
+    """This daemon's membership of a private run (None: an open run). A join token, or a certificate issued to
+    ourselves by the run key we hold; a new run without ``open`` creates its run key."""
+    if cfg.open:
+        return None
+    if cfg.join_token is not None:
+        try:
+            token = JoinToken.load(cfg.join_token)
+        except AuthError as e:
+            raise ConfigError(f"join_token: {e}") from None
+        if token.run_id != cfg.run_id:
+            raise ConfigError(f"join_token: the token is for run {token.run_id!r}, not {cfg.run_id!r}")
+        return token
+    path = cfg.run_key_path
+    if cfg.initial_peers and (path is None or (cfg.run_key is None and not os.path.exists(path))):
+        return None  # joining without credentials: fine for an open run; a private one refuses us clearly
+    if path is None:
+        raise ConfigError("run_key: a new run is private and needs a file for its run key: pass --checkpoint-dir "
+                          "or --run-key (or --open for an open run that anyone may join)")
+    try:
+        key, created = RunKey.load_or_create(path)
+    except AuthError as e:
+        raise ConfigError(f"run_key: {e}") from None
+    if created:
+        logger.info("created the run key %s at %s; admit daemons with: atoll token --run-key %s --run-id %s "
+                    "--out member.token", fingerprint(key.public_bytes), path, path, cfg.run_id)
+    return key.issue_token(cfg.run_id)
+
+
+def check_access(run_id: str, token: JoinToken | None, published: RunConfigRecord) -> None:
+    """Refuse, with one clear line, to take part in a run whose access our credentials do not match."""
+    if published.access == "private" and token is None:
+        raise ConfigError(f"join_token: run {run_id!r} is private (run key {published.run_key}); start with "
+                          f"--join-token FILE, issued by a holder of the run key with `atoll token`")
+    if published.access == "private" and fingerprint(token.run_public_key) != published.run_key:
+        raise ConfigError(f"join_token: the token is for run key {fingerprint(token.run_public_key)}, "
+                          f"run {run_id!r} uses {published.run_key}")
+    if published.access == "open" and token is not None:
+        raise ConfigError(f"join_token: run {run_id!r} is open; start without --join-token or --run-key")
+
+
+def agree_on_run_config(dht: DHT, cfg: NodeConfig, explicit: set[str], token: JoinToken | None,
+                        subkey: bytes) -> tuple[NodeConfig, dict[str, Any]]:
+    """Adopt the run's published config (joiners) or publish ours (the daemon that starts the run). Returns the
+    config to run with and the run's config record (which the syncer keeps re-publishing)."""
+    key = config_key(cfg.run_id)
+    published = None
+    if cfg.initial_peers:
+        for _ in range(5):
+            records = [r for r in map(parse_run_config, unwrap_subkeys(dht.get(key, latest=True)).values())
+                       if r is not None]
+            if records:
+                published = min(records, key=lambda r: r.started_at)
+                break
+            time.sleep(1)
+    if published is not None:
+        check_access(cfg.run_id, token, published)
+        cfg = dataclasses.replace(cfg, run=reconcile_run_config(cfg.run, explicit, published.fields))
+        record = published.dict()
+        logger.info("joined run %r started by %s", cfg.run_id, published.started_by[-8:])
+    else:
+        private = token is not None
+        record = RunConfigRecord(
+            fields=cfg.run.published(), started_by=str(dht.peer_id), started_at=float(get_dht_time()),
+            access="private" if private else "open", run_key=fingerprint(token.run_public_key) if private else None,
+        ).dict()
+        logger.info("starting a new %s run %r", "private" if private else "open", cfg.run_id)
+    dht.store(key, record, expiration_time=get_dht_time() + CONFIG_TTL, subkey=subkey)
+    return cfg, record

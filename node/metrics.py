@@ -1,0 +1,114 @@
+"""What a daemon counts about itself, and where it writes it down.
+
+``Counters`` is the one object behind the progress record the syncer publishes, the ``summary`` event a daemon
+writes when it stops (benchmarks read it) and ``atoll status``. Each field has one writer: the training loop
+(steps, tokens, losses, time, lost tokens, skipped rounds) or the syncer's event loop (rounds merged, forks
+healed); readers on the other thread see a value at most one update old. ``MetricsLog`` appends JSON events to
+``<checkpoint_dir>/metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from atoll.protocols.records import Status
+
+if TYPE_CHECKING:
+    from atoll.protocols.stats import TrafficStats
+
+
+@dataclass
+class Counters:
+    device: str = ""
+    algorithm: str = ""
+    status: Status = Status.JOINING
+    step: int = 0
+    tokens: int = 0
+    tokens_per_s: float = 0.0
+    loss: float | None = None
+    held_out_loss: float | None = None
+    held_out_step: int | None = None  # the step at which held_out_loss was measured
+    tokens_lost: int = 0  # tokens whose work no merge kept (overwritten, or lost with a fork or a missed round)
+    train_seconds: float = 0.0
+    blocked_seconds: float = 0.0  # time the loop waited on the network
+    eval_seconds: float = 0.0
+    step_time: float = 0.0  # seconds per inner step, a moving average (the grace window is sized from it)
+    rounds_done: int = 0
+    rounds_skipped: int = 0
+    forks_healed: int = 0
+    ddp_failed_steps: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    def stepped(self, seconds: float) -> None:
+        """One inner step took ``seconds``."""
+        self.step_time = seconds if not self.step_time else 0.9 * self.step_time + 0.1 * seconds
+
+    def progress(self) -> dict[str, Any]:
+        """This daemon's own fields of its progress record."""
+        wall = max(time.monotonic() - self.started, 1e-9)
+        return {
+            "status": self.status.value, "device": self.device, "algorithm": self.algorithm, "step": self.step,
+            "tokens": self.tokens, "tokens_per_s": float(self.tokens_per_s), "loss": _finite_or_none(self.loss),
+            "held_out_loss": _finite_or_none(self.held_out_loss), "tokens_lost": int(self.tokens_lost),
+            "goodput": float(min(1.0, self.train_seconds / wall)), "blocked_s": float(self.blocked_seconds),
+            "rounds": self.rounds_done, "rounds_skipped": self.rounds_skipped, "forks_healed": self.forks_healed,
+        }
+
+    def summary(self, traffic: TrafficStats, versions: list[int]) -> dict[str, Any]:
+        """What this daemon did over its lifetime: the last metrics event."""
+        return {**self.progress(), "status": Status.STOPPED.value, "version": sum(versions), "versions": versions,
+                "train_seconds": self.train_seconds, "wall_seconds": time.monotonic() - self.started,
+                "bytes_sent": traffic.bytes_sent, "bytes_received": traffic.bytes_received,
+                "rejected": traffic.rejected, "rejected_by_kind": dict(traffic.rejected_by_kind),
+                "clipped": traffic.clipped}
+
+
+class MetricsLog:
+    """JSON lines, one event each, flushed at once; a log without a path writes nothing. Thread-safe: events come
+    from the training loop and from the checkpoint writer."""
+
+    def __init__(self, path: Path | None) -> None:
+        self._file = open(path, "a") if path is not None else None
+        self._lock = threading.Lock()
+
+    def write(self, **fields: Any) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.write(json.dumps({"time": time.time(), **fields}) + "\n")
+                self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+class HeldOut:
+    """Held-out evaluations of θ, kept within ``budget`` of the wall time (the first one always runs): on a device
+    every evaluation is time not spent training. ``budget`` 1 evaluates whenever asked."""
+
+    def __init__(self, batches: list[torch.Tensor], budget: float, counters: Counters) -> None:
+        self.batches, self.budget, self.counters = batches, budget, counters
+
+    def evaluate(self, learner: Any) -> None:
+        c = self.counters
+        if self.budget < 1 and c.held_out_loss is not None and c.eval_seconds > self.budget * (
+                time.monotonic() - c.started):
+            return
+        t0 = time.monotonic()
+        c.held_out_loss = learner.evaluate(self.batches)
+        c.eval_seconds += time.monotonic() - t0
+        c.held_out_step = learner.step
+
+
+def _finite_or_none(x: float | None) -> float | None:
+    return float(x) if x is not None and math.isfinite(x) else None

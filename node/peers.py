@@ -1,0 +1,134 @@
+"""This daemon's progress record and its table of live peers, both through the DHT (on the syncer's event loop).
+
+Every daemon publishes one signed progress record per heartbeat under the run's progress key; reading that key
+gives the table of live peers. Malformed records are counted and cool their signing key down; the records of
+peers (or keys) cooling down are ignored, and so are leaving peers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Any
+
+from hivemind.utils import get_dht_time
+
+from atoll.protocols.records import ProgressRecord, Status, config_key, parse_progress, progress_key, unwrap_subkeys
+
+from .context import SyncContext
+
+logger = logging.getLogger("atoll")
+MEMBER_WAIT = 3.0  # seconds a private run's donor looks for an unknown requester among its peers
+CONFIG_REPUBLISH = 60.0  # seconds between re-publications of the run's config (so it outlives its first daemon)
+CONFIG_TTL = 600.0
+
+
+class PeerTable:
+    def __init__(self, ctx: SyncContext, config_record: dict[str, Any] | None = None) -> None:
+        self.ctx = ctx
+        self.config_record = config_record
+        self._config_published = 0.0
+        self._peers: dict[str, ProgressRecord] = {}
+        self._everyone: dict[str, ProgressRecord] = {}  # peers cooling down included (ddp's fixed membership)
+        self._lock = threading.Lock()
+        self._read: asyncio.Future | None = None  # the shared read of the table in flight, if any
+        self._read_at = 0.0
+
+    # ---- our record -----------------------------------------------------------------------------------------
+    def progress_record(self, status: Status) -> dict[str, Any]:
+        ctx, stats = self.ctx, self.ctx.stats
+        ids = ctx.replica.identities()
+        rec = ctx.counters.progress()
+        rec.update(
+            peer_id=ctx.peer_id, status=status.value, version=sum(v for v, _, _ in ids),
+            fragment_versions=[v for v, _, _ in ids], fragment_weights=[float(w) for _, w, _ in ids],
+            fragment_hashes=[d for _, _, d in ids], schedule_step=ctx.replica.schedule_step,
+            bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received, rejected=stats.rejected,
+            rejected_by_kind=dict(stats.rejected_by_kind), clipped=stats.clipped, time=float(get_dht_time()),
+        )
+        return rec
+
+    async def publish(self, status: Status | None = None, ttl: float | None = None) -> None:
+        ctx = self.ctx
+        rec = self.progress_record(status or ctx.counters.status)
+        ttl = ttl if ttl is not None else 3 * ctx.cfg.heartbeat
+        await ctx.dht.store(progress_key(ctx.namespace()), rec, expiration_time=get_dht_time() + ttl,
+                            subkey=ctx.subkey, return_future=True)
+
+    async def republish_config(self) -> None:
+        """The run's config, again every ``CONFIG_REPUBLISH`` seconds: the run outlives the daemon that started it."""
+        if self.config_record is None or time.monotonic() - self._config_published <= CONFIG_REPUBLISH:
+            return
+        await self.ctx.dht.store(config_key(self.ctx.cfg.run_id), self.config_record, subkey=self.ctx.subkey,
+                                 expiration_time=get_dht_time() + CONFIG_TTL, return_future=True)
+        self._config_published = time.monotonic()
+
+    # ---- the table ------------------------------------------------------------------------------------------
+    async def refresh(self, max_age: float = 0.0) -> dict[str, ProgressRecord]:
+        """Read the live peers' progress records.
+
+        ``max_age > 0``: a table whose read began less than ``max_age`` seconds ago is returned as it is, and a
+        read in flight is shared. Reads are not cheap: the progress key holds one signed record per peer, and each
+        DHT node asked checks every signature, so a swarm of N daemons polling it costs O(N^2) checks per poll."""
+        if max_age > 0:
+            if self._read is not None and not self._read.done():
+                return await asyncio.shield(self._read)
+            if time.monotonic() - self._read_at < max_age:
+                return self.peers()
+        self._read_at = time.monotonic()
+        read = asyncio.ensure_future(self._read_table())
+        if max_age > 0:
+            self._read = read
+        return await asyncio.shield(read)
+
+    async def _read_table(self) -> dict[str, ProgressRecord]:
+        ctx = self.ctx
+        entry = await ctx.dht.get(progress_key(ctx.namespace()), latest=True, return_future=True)
+        peers, everyone = {}, {}
+        for subkey, value in unwrap_subkeys(entry).items():
+            if ctx.cooldown.active(subkey):
+                continue
+            rec = parse_progress(value)
+            if rec is None or len(rec.fragment_versions) != ctx.replica.num_fragments:
+                ctx.reject("progress_record", subkey)
+                continue
+            if rec.peer_id != ctx.peer_id and rec.status != Status.LEAVING:
+                everyone[rec.peer_id] = rec
+                if not ctx.cooldown.active(rec.peer_id):
+                    peers[rec.peer_id] = rec
+        with self._lock:
+            self._peers, self._everyone = peers, everyone
+        return peers
+
+    def peers(self) -> dict[str, ProgressRecord]:
+        """The live peers as last read (thread-safe)."""
+        with self._lock:
+            return dict(self._peers)
+
+    def everyone(self) -> dict[str, ProgressRecord]:
+        """The live peers as last read, those cooling down included."""
+        with self._lock:
+            return dict(self._everyone)
+
+    def training(self) -> list[ProgressRecord]:
+        return [peer for peer in self.peers().values() if peer.status == Status.TRAINING]
+
+    async def is_member(self, peer_id: str) -> bool:
+        """Private runs: whether ``peer_id`` published a progress record (the DHT accepts those only from members).
+
+        A joiner asks for state right after publishing its first record, which may still be on its way to us: an
+        unknown peer is looked for again for up to ``MEMBER_WAIT`` seconds before it is refused. Concurrent askers
+        share one refresh at a time, at most two a second, so a flood of strangers costs the DHT little."""
+        deadline = time.monotonic() + MEMBER_WAIT
+        while peer_id not in self.peers():
+            if time.monotonic() > deadline:
+                return False
+            try:
+                await self.refresh(max_age=0.5)
+            except Exception as e:  # the DHT may fail a read; we look again or refuse
+                logger.debug("could not refresh peers: %r", e)
+            if peer_id not in self.peers():
+                await asyncio.sleep(0.25)
+        return True

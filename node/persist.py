@@ -1,0 +1,71 @@
+"""What a daemon's checkpoint holds, and how a restarted daemon takes it back.
+
+A checkpoint is consistent at one step: the learner (θ, optimizer, data position), the replica (Θ, outer momentum,
+versions, weights, digests and ancestry per fragment), each fragment's local state (base and token counters), the
+error-feedback residuals and the lost-token count. It is captured in host memory on the training loop and written
+by ``CheckpointWriter`` in the background (``checkpoint.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from atoll.models.fragments import Fragment
+
+from .config import ConfigError, NodeConfig
+from .learner import Learner
+from .local_state import LocalFragmentState
+from .replica import Replica
+
+
+def capture(cfg: NodeConfig, peer_id: str, learner: Learner, replica: Replica, local: list[LocalFragmentState],
+            error_feedback: dict[str, torch.Tensor], tokens_lost: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The tensors (host copies) and metadata of a checkpoint at this step."""
+    tensors = dict(learner.state_tensors())
+    tensors.update({f"ef.{k}": v for k, v in error_feedback.items()})
+    for p, state in enumerate(local):
+        tensors.update({k: v.clone() for k, v in state.state_tensors(f"local.{p}").items()})
+    versions, weights, digests, ancestors = [], [], [], []
+    for p in range(replica.num_fragments):
+        snap = replica.snapshot(p)
+        tensors[f"replica.{p}.params"], tensors[f"replica.{p}.momentum"] = snap.params, snap.momentum
+        versions.append(snap.version)
+        weights.append(snap.weight)
+        digests.append(snap.digest)
+        ancestors.append(list(snap.ancestors))
+    meta = {
+        "run_id": cfg.run_id, "peer_id": peer_id, "run": cfg.run.published(),
+        "version": sum(versions), "versions": versions, "weights": weights, "digests": digests,
+        "ancestors": ancestors,
+        "step": learner.step, "tokens": learner.tokens, "position": learner.position,
+        "schedule_step": replica.schedule_step, "counters": [lo.counters() for lo in local],
+        "tokens_lost": tokens_lost,
+    }
+    return tensors, meta
+
+
+def restore(cfg: NodeConfig, tensors: dict[str, torch.Tensor], meta: dict[str, Any], learner: Learner,
+            fragments: list[Fragment], local: list[LocalFragmentState]) -> tuple[Replica, dict[str, torch.Tensor]]:
+    """Load a checkpoint into ``learner`` and ``local``; returns the restored replica and error-feedback state.
+    ``ConfigError`` if the checkpoint belongs to another run config or does not match its own hashes."""
+    if meta.get("run") != cfg.run.published():
+        raise ConfigError(f"checkpoint_dir: {cfg.checkpoint_dir!r} holds a checkpoint of a different run config")
+    n = len(fragments)
+    replica = Replica([tensors[f"replica.{p}.params"] for p in range(n)],
+                      [tensors[f"replica.{p}.momentum"] for p in range(n)], meta["versions"], meta["weights"],
+                      meta.get("ancestors"))
+    if [d for _, _, d in replica.identities()] != meta["digests"]:
+        raise ConfigError("checkpoint_dir: the checkpoint's replica does not match its recorded hashes")
+    learner.load_state_tensors(tensors)
+    learner.step, learner.tokens, learner.position = meta["step"], meta["tokens"], meta["position"]
+    replica.schedule_step = meta["schedule_step"]
+    for p, counters in enumerate(meta["counters"]):
+        state = local[p]
+        state.load(tensors, f"local.{p}", counters)
+        theta_p, state.base_id = replica.params_and_id(p)
+        if not torch.equal(state.base, theta_p):  # a merge was still pending: restart from the replica
+            state.restart(theta_p, state.base_id)
+            fragments[p].scatter(theta_p, learner.params)
+    return replica, {k[3:]: v for k, v in tensors.items() if k.startswith("ef.")}

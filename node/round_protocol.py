@@ -1,0 +1,279 @@
+"""One outer round of one fragment, on the syncer's event loop: matchmaking, the group's all-reduce, the outer step.
+
+A round (p, v) is formed among the live daemons holding fragment p at version v with the same replica
+(``protocols/matchmaking.py``); the group all-reduces its members' compressed deltas (``protocols/averaging.py``),
+retrying without reducers that failed, and each member applies the outer step to its replica. Decoupled rounds
+close at a quorum plus a grace window, and are announced so that peers a few steps off their schedule join them
+(``watch_open_rounds``). ddp's per-step gradient all-reduce runs through the same all-reduce.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from hivemind.utils import get_dht_time
+
+from atoll.protocols.averaging import HONEST, AllreduceResult, AveragingServicer, GroupSpec, Tamper, allreduce
+from atoll.protocols.matchmaking import POLL_INTERVAL, form_group
+from atoll.protocols.records import ProgressRecord, Status, open_rounds_key, parse_open_round, unwrap_subkeys
+
+from .catchup import CatchUp
+from .context import SyncContext
+from .peers import PeerTable
+
+logger = logging.getLogger("atoll")
+MAX_ATTEMPTS = 3
+OPEN_ROUND_POLL = 0.5  # seconds between reads of the rounds others opened (decoupled)
+PEERS_MAX_AGE = 1.0  # seconds a peer table read may be reused while forming a group (it is polled)
+
+
+class Outcome(enum.Enum):
+    MERGED = "merged"  # the replica advanced
+    BEHIND = "behind"  # a heavier replica exists: catch up instead
+    FAILED = "failed"  # no group, or its all-reduce did not complete: keep the local progress
+
+
+@dataclass
+class RoundOutcome:
+    """``MERGED``: the replica advanced to ``version`` with ``digest`` and total ``weight`` (the round's result,
+    which the replica may have replaced by a heavier download before the learner merges)."""
+
+    kind: Outcome
+    version: int
+    members: list[str] = field(default_factory=list)
+    contributors: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    digest: str = ""
+    weight: float = 0.0
+
+
+def grace_window(gamma: float, overlap_steps: int, step_time: float, quorum_time: float, sync_time: float) -> float:
+    """How long a round may wait for more members after quorum without costing compute:
+    γ·(τ·step_time − quorum_time − sync_time), never negative (the merge is due τ steps after the snapshot)."""
+    if not 0 <= gamma < 1:
+        raise ValueError(f"gamma must be in [0, 1), got {gamma}")
+    return max(0.0, gamma * (overlap_steps * step_time - quorum_time - sync_time))
+
+
+def join_window(step_time: float, read_time: float, sync_every: int, open_poll: float, group_poll: float) -> float:
+    """How long a live peer at the same version needs to join a round that another daemon opened: it reads the open
+    rounds every ``open_poll`` s, contributes at its next step boundary (≤ one step, and one more for the snapshot),
+    registers (a DHT store), and the coordinator sees it on its next read, every ``group_poll`` s; ``read_time`` is
+    one DHT read or store. Capped at H/4 steps: waiting costs every member the steps it trains on the fragment
+    before the merge lands (α = 0 overwrites them), a quarter of what a peer left out of the round loses (its H
+    steps on the fragment since its last round)."""
+    return min(open_poll + group_poll + 2 * step_time + 3 * read_time, sync_every * step_time / 4)
+
+
+class EMA:
+    """Exponential moving average of a duration; 0 until the first sample."""
+
+    def __init__(self, beta: float = 0.7) -> None:
+        self.beta, self.value, self._seen = beta, 0.0, False
+
+    def update(self, x: float) -> None:
+        self.value = x if not self._seen else self.beta * self.value + (1 - self.beta) * x
+        self._seen = True
+
+
+class RoundProtocol:
+    def __init__(self, ctx: SyncContext, peers: PeerTable, catch_up: CatchUp) -> None:
+        self.ctx, self.peers, self.catch_up = ctx, peers, catch_up
+        self.averager: AveragingServicer | None = None  # set once the event loop has started
+        self.last_group: list[str] | None = None  # ddp: the members of the last completed all-reduce
+        self.sync_time = EMA()
+        self.quorum_time = EMA()
+        self.read_time = EMA()  # one read of the open rounds: the DHT's latency as this daemon sees it
+        self._open: set[int] = set()  # decoupled: fragments whose round at our version a peer opened
+        self._open_lock = threading.Lock()
+        self._last_round: dict[int, int] = {}  # fragment -> the version of the last round we registered for
+
+    def grace(self) -> float:
+        """The adaptive grace window (seconds) a decoupled round may wait for more members after quorum: the
+        overlap's slack, and with ``join_window`` at least the time a peer needs to join a round we opened."""
+        run, step_time = self.ctx.cfg.run, self.ctx.counters.step_time
+        slack = grace_window(run.grace_gamma, run.overlap, step_time, self.quorum_time.value, self.sync_time.value)
+        if run.grace_gamma == 0 or not run.join_window:
+            return slack
+        return max(slack, join_window(step_time, self.read_time.value, run.sync_every, OPEN_ROUND_POLL,
+                                      POLL_INTERVAL))
+
+    # ---- an outer round ---------------------------------------------------------------------------------------
+    async def run(self, p: int, delta: torch.Tensor, weight: float, base: tuple[int, str]) -> RoundOutcome:
+        """An outer round of fragment ``p`` with our pseudo-gradient ``delta``, taken against the replica ``base``
+        = (version, digest)."""
+        ctx, run, algo = self.ctx, self.ctx.cfg.run, self.ctx.algorithm
+        started = time.monotonic()
+        version, digest = base
+        ctx.in_round.add(p)
+        behind = False
+        try:
+
+            async def live_peers() -> dict[str, int]:
+                peers = await self.peers.refresh(max_age=PEERS_MAX_AGE)
+                # A peer at our version with another replica (a fork) meets in another round: do not expect it.
+                return {peer.peer_id: peer.fragment_versions[p] for peer in peers.values()
+                        if peer.status == Status.TRAINING and not (peer.fragment_versions[p] == version
+                                                                   and peer.fragment_hashes[p] != digest)}
+
+            self._last_round[p] = version
+            if algo.joins_open_rounds:
+                ctx.spawn(self._announce(p, version))
+            members = await form_group(
+                ctx.dht, run_id=ctx.namespace(), fragment=p, version=version, peer_id=ctx.peer_id,
+                subkey=ctx.subkey, weight=weight, live_peers=live_peers, gather_timeout=run.gather_timeout,
+                abort=lambda: self.catch_up.behind(p), quorum=run.quorum if algo.quorum else None,
+                grace=self.grace, on_reject=ctx.reject, max_group=run.max_group, excluded=ctx.cooldown.active,
+                base=digest,
+            )
+            formed = time.monotonic()
+            if members is None:
+                behind = True
+                return RoundOutcome(Outcome.BEHIND, version, seconds=formed - started)
+            if not members:
+                return RoundOutcome(Outcome.FAILED, version, seconds=formed - started)
+            if run.quorum > 1:
+                self.quorum_time.update(formed - started)
+            ctx.faults.group_formed(ctx.counters.rounds_done, version)
+            rda = algo.rda and run.rda and not ctx.fragments[p].has_embedding
+            mode = "rda" if rda else "mean"
+            # A round merged alone is compressed too: every round of a compressed run is then replayable from its
+            # codec bytes (a peer that missed it catches up cheaply), and error feedback keeps what it dropped.
+            use_ef = run.compression != "none" and run.error_feedback
+            target = ctx.error_feedback.target(str(p), delta) if use_ef else delta
+            tamper = ctx.faults.tamper(len(members), p, version)
+            result, _ = await self.allreduce(p, version, members, target, weight, mode, run.compression, tamper,
+                                             base=digest)
+            ctx.faults.round_ended(tamper, result is not None)
+            if result is None:
+                return RoundOutcome(Outcome.FAILED, version, members, seconds=time.monotonic() - started)
+            self.sync_time.update(time.monotonic() - formed)
+            if use_ef and result.sent is not None:
+                ctx.error_feedback.commit(str(p), target, result.sent)
+            applied = await asyncio.get_running_loop().run_in_executor(
+                None, ctx.replica.apply_outer_step, p, version, result.merged, result.weight, ctx.outer, digest,
+                result.shards, result.rda_norm)
+            if applied is None:
+                behind = True
+                return RoundOutcome(Outcome.BEHIND, version, members, seconds=time.monotonic() - started)
+            ctx.counters.rounds_done += 1
+            return RoundOutcome(Outcome.MERGED, version + 1, members, result.contributors,
+                                time.monotonic() - started, digest=applied[2], weight=applied[1])
+        finally:
+            ctx.in_round.discard(p)
+            ctx.spawn(self.peers.publish())
+            if behind:
+                self.catch_up.maybe_catch_up()
+
+    async def allreduce(self, p: int, version: int, members: list[str], tensor: torch.Tensor, weight: float,
+                        mode: str, codec: str, tamper: Tamper = HONEST, first_attempt: int = 0,
+                        base: str = "") -> tuple[AllreduceResult | None, list[str]]:
+        """The group's all-reduce, retried without reducers that failed; (None, _) when it cannot complete.
+        Attempt numbers are part of the group id, so a caller that starts over passes a fresh ``first_attempt``."""
+        ctx = self.ctx
+        alive = list(members)
+        for attempt in range(first_attempt, first_attempt + MAX_ATTEMPTS):
+            spec = GroupSpec(ctx.cfg.run_id, p, version, attempt, tuple(alive), tensor.numel(), mode, codec,
+                             ctx.cfg.run.codec_block, base)
+            result = await allreduce(ctx.p2p, self.averager, spec, ctx.peer_id, tensor, weight,
+                                     ctx.cfg.run.round_timeout, tamper)
+            if result.merged is not None:
+                return result, alive
+            if result.refused:
+                # Live members disagree about the group. Merging without them would fork the replica;
+                # instead keep the local progress and let consistency catch us up to the heavier side.
+                logger.info("round f%d v%d: members %s disagree about the group; skipping this round", p,
+                            version, [r[-8:] for r in result.refused])
+                return None, alive
+            if ctx.peer_id in result.failed:  # our own shard failed: nothing to retry without
+                return None, alive
+            alive = [m for m in alive if m not in result.failed]
+            logger.info("round f%d v%d attempt %d failed (reducers %s); retrying with %d members", p, version,
+                        attempt, [f[-8:] for f in result.failed], len(alive))
+        return None, alive
+
+    # ---- decoupled: join rounds that others opened -----------------------------------------------------------
+    async def _announce(self, p: int, version: int) -> None:
+        ctx = self.ctx
+        record = {"peer_id": ctx.peer_id, "fragment": p, "version": version}
+        await ctx.dht.store(open_rounds_key(ctx.namespace()), record, subkey=ctx.subkey,
+                            expiration_time=get_dht_time() + ctx.cfg.run.gather_timeout, return_future=True)
+
+    async def watch_open_rounds(self) -> None:
+        """Daemons drift apart in their schedules (different speeds, joins, restarts). Whenever a live peer opens a
+        round of a fragment at the version we hold, note it for the learner, which contributes to it at its next
+        step boundary instead of at its own due step: rounds stay full without anyone waiting."""
+        ctx = self.ctx
+        while True:
+            await asyncio.sleep(OPEN_ROUND_POLL)
+            try:
+                t0 = time.monotonic()
+                entry = await ctx.dht.get(open_rounds_key(ctx.namespace()), latest=True, return_future=True)
+                self.read_time.update(time.monotonic() - t0)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the next poll tries again
+                logger.debug("could not read open rounds: %r", e)
+                continue
+            peers = self.peers.peers()
+            for subkey, value in unwrap_subkeys(entry).items():
+                parsed = parse_open_round(value) if not ctx.cooldown.active(subkey) else None
+                if parsed is None:
+                    if not ctx.cooldown.active(subkey):
+                        ctx.reject("open_round", subkey)
+                    continue
+                peer, p, version = parsed
+                if (peer == ctx.peer_id or peer not in peers or p >= ctx.replica.num_fragments
+                        or p in ctx.in_round or self._last_round.get(p) == version
+                        or version != ctx.replica.identity(p)[0] or self._forked_from(peers[peer], p)):
+                    continue
+                with self._open_lock:
+                    self._open.add(p)
+
+    def _forked_from(self, peer: ProgressRecord, p: int) -> bool:
+        """The peer holds another replica of fragment ``p`` at our version (its round is not ours to join)."""
+        version, _, digest = self.ctx.replica.identity(p)
+        return peer.fragment_versions[p] == version and peer.fragment_hashes[p] != digest
+
+    def take_open_rounds(self) -> set[int]:
+        """Fragments whose round at our version a peer has opened since the last call; thread-safe."""
+        with self._open_lock:
+            opened, self._open = self._open, set()
+            return opened
+
+    # ---- ddp: a gradient all-reduce every inner step -----------------------------------------------------------
+    async def gradient_allreduce(self, version: int, grads: torch.Tensor, weight: float) -> torch.Tensor | None:
+        """Average this step's gradients with every live ddp peer at the same ``version``; the token-weighted mean
+        (the same values on every member), or None if no group formed.
+
+        ddp's membership is fixed (its daemons start together), so its group needs no matchmaking: it is every
+        live training peer, as this daemon's table of peers shows it. Views that disagree, or a member that fails,
+        make the all-reduce fail for everyone; then each asks again with a freshly read table."""
+        ctx = self.ctx
+        for attempt in range(MAX_ATTEMPTS):
+            if attempt:
+                await self.peers.refresh()
+            # Every member must list the same group: an offender stays in it (its parts are still treated as
+            # missing in the shards we reduce).
+            peers = self.peers.everyone()
+            members = sorted([ctx.peer_id, *(p for p, rec in peers.items() if rec.status == Status.TRAINING)])
+            ctx.in_round.add(0)
+            try:
+                # Gradients travel in fp32: the codec is for outer deltas (ddp is the uncompressed baseline).
+                result, alive = await self.allreduce(0, version, members, grads, weight, "mean", "none",
+                                                     first_attempt=attempt * MAX_ATTEMPTS)
+            finally:
+                ctx.in_round.discard(0)
+            if result is not None:
+                self.last_group = alive
+                ctx.counters.rounds_done += 1
+                return result.merged
+            logger.info("ddp step v%d: all-reduce failed (attempt %d); asking again", version, attempt)
+            await asyncio.sleep(0.2 * (attempt + 1))
+        return None

@@ -1,0 +1,249 @@
+"""A fragment round's life on the training loop's side: snapshot, contribution, merge — and adopted replicas.
+
+At a fragment's due step (or when a peer opened its round, decoupled) θ_p is copied to host memory without
+holding up the next steps; once there, the pseudo-gradient Θ_base − θ_p goes to the syncer as a round. τ steps
+later the round's result is merged into θ_p (the synchronous algorithms wait for it; decoupled merges whenever it
+lands). A replica the syncer adopted from a peer replaces θ_p at the next step boundary. Every token of work that
+no merge keeps is counted as lost: the steps a merge overwrites, unmerged work an adoption drops, and our part of
+rounds a fork lost.
+
+The loop calls ``before_step`` and ``after_step``, nothing else; neither awaits the network.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from atoll.models.fragments import Fragment
+from atoll.models.outer import pseudo_gradient
+from atoll.protocols.state_sync import MAX_ANCESTORS
+
+from .algorithm import Algorithm
+from .config import NodeConfig
+from .learner import Learner
+from .local_state import LocalFragmentState
+from .metrics import Counters, HeldOut, MetricsLog
+from .replica import Replica
+from .round_protocol import Outcome, RoundOutcome
+from .syncer import Syncer
+
+logger = logging.getLogger("atoll")
+
+
+@dataclass
+class _Pending:
+    future: concurrent.futures.Future
+    merge_at: int  # schedule step at which the result is merged in (due step + τ)
+    version: int
+    delta: torch.Tensor | None = None  # our contribution (Θ_base − θ at the snapshot), kept for stale contributions
+
+
+@dataclass
+class _Snapshot:
+    """A round about to start: θ_p on its way to host memory, and what the round is taken against."""
+
+    theta: concurrent.futures.Future  # flat fp32 host θ_p as of the due step
+    base: torch.Tensor  # Θ_base at that step (LocalFragmentState replaces, never mutates, its base)
+    base_id: tuple[int, str]
+    weight: float
+    merge_at: int
+
+
+@dataclass(eq=False)
+class _MergedRound:
+    """One of our recent merged rounds of a fragment, kept so that a fork that loses it can be detected (its
+    ``digest`` is not an ancestor of the replica that won) and its work counted or contributed again."""
+
+    digest: str  # the replica the round produced
+    counters: tuple[int, int]  # the tokens and steps behind our part
+    delta: torch.Tensor | None = None  # our part (Θ_base − θ at the snapshot), kept only for stale contributions
+
+
+class Rounds:
+    def __init__(self, cfg: NodeConfig, algorithm: Algorithm, learner: Learner, fragments: list[Fragment],
+                 replica: Replica, local: list[LocalFragmentState], syncer: Syncer, counters: Counters,
+                 metrics: MetricsLog, held_out: HeldOut, stop: threading.Event) -> None:
+        self.cfg, self.run, self.algorithm = cfg, cfg.run, algorithm
+        self.learner, self.fragments = learner, fragments
+        self.replica, self.local, self.syncer = replica, local, syncer
+        self.counters, self.metrics, self.held_out, self.stop = counters, metrics, held_out, stop
+        self.keep_stale = algorithm.stale_contributions and cfg.run.stale_contributions
+        self.pending: dict[int, _Pending] = {}
+        self.snapshots: dict[int, _Snapshot] = {}  # rounds whose θ_p snapshot is still on its way to the host
+        self.merged_rounds: dict[int, list[_MergedRound]] = {}  # per fragment, newest last
+
+    def before_step(self) -> None:
+        """Load the replicas the syncer adopted into θ."""
+        self._apply_adopted()
+
+    def after_step(self) -> bool:
+        """Start the rounds due at this step (or opened by peers), start those whose snapshot reached the host,
+        merge those due; True when the last fragment merged (a consistent point for a checkpoint)."""
+        step = self.replica.schedule_step
+        for fragment in self.fragments:
+            if fragment.due(step, self.run.sync_every):
+                self._start(fragment.index, own_schedule=True)
+        if self.algorithm.joins_open_rounds:
+            for p in sorted(self.syncer.take_open_rounds()):
+                self._start(p)
+        self._submit_snapshots()
+        return self._merge_due()
+
+    # ---- adopted replicas ---------------------------------------------------------------------------------
+    def _apply_adopted(self) -> None:
+        learner, counters = self.learner, self.counters
+        n = len(self.fragments)
+        for state in self.syncer.take_adopted():
+            p = state.fragment
+            new, base_id = self.replica.params_and_id(p)
+            local, fragment = self.local[p], self.fragments[p]
+            # Our merged rounds that the new replica does not descend from were lost with our side of a fork.
+            ours = self.merged_rounds.get(p, [])
+            lost_rounds = [r for r in ours if r.digest not in state.ancestors] if state.forked else []
+            self.merged_rounds[p] = [r for r in ours if r not in lost_rounds]
+            lost = sum(r.counters[0] for r in lost_rounds) // n
+            if self.keep_stale:
+                # Keep the work no round has merged yet: θ_p moves with the new Θ_p, and the unmerged progress
+                # rides along into our next contribution (a stale one, weighted by the tokens behind it). Our part
+                # of the lost rounds rides along too (Θ_base − θ_snapshot = delta, so its progress is −delta).
+                progress = fragment.gather(learner.params) - local.base
+                again = [r for r in lost_rounds if r.delta is not None]
+                for r in again:
+                    progress -= r.delta
+                    local.tokens += r.counters[0]
+                    local.steps += r.counters[1]
+                lost = sum(r.counters[0] for r in lost_rounds if r.delta is None) // n
+                local.rebase(new, base_id)
+                fragment.scatter(new + progress, learner.params)
+                what = "kept" + (" with our part of the lost round" if again else "")
+            else:
+                lost += local.restart(new, base_id) // n
+                fragment.scatter(new, learner.params)
+                what = "discarded"
+            counters.tokens_lost += lost
+            how = f" by replaying {len(state.rounds)} rounds" if state.rounds else ""
+            logger.info("adopted fragment %d v%d from %s%s%s; unmerged local work %s, %d tokens' work lost", p,
+                        state.version, state.donor[-8:], how, " (a fork: ours lost)" if state.forked else "", what,
+                        lost)
+            self.metrics.write(event="adopted", fragment=p, version=state.version, lost_tokens=lost,
+                               step=learner.step, forked=state.forked, hash=state.digest, donors=list(state.donors),
+                               replayed=len(state.rounds))
+
+    # ---- contributing ---------------------------------------------------------------------------------------
+    def _start(self, p: int, own_schedule: bool = False) -> None:
+        """Contribute fragment ``p`` to its next round: at its due step (``own_schedule``), or earlier when a peer
+        opened that round (decoupled)."""
+        if p in self.pending or p in self.snapshots:  # the previous round has not landed: do not queue another
+            if own_schedule:
+                self.counters.rounds_skipped += 1
+            return
+        if own_schedule and self.algorithm.joins_open_rounds and self.local[p].steps < self.run.sync_every // 2:
+            # We joined a round of p that a peer opened not long ago: opening another now would only split the
+            # swarm's work on p into smaller rounds.
+            return
+        self._apply_adopted()  # the pseudo-gradient must be taken against the replica the round will update
+        local = self.local[p]
+        version, _, digest = self.replica.identity(p)
+        if (version, digest) != local.base_id or local.steps == 0:
+            # An adoption is landing right now, or one just restarted this fragment: nothing of ours to merge yet.
+            self.counters.rounds_skipped += 1
+            return
+        # θ_p as of this step, copied to host memory without holding up the next steps (on an accelerator the copy
+        # lands a step or two later; the round starts then, against the base it was taken from).
+        self.snapshots[p] = _Snapshot(self.learner.snapshot(self.fragments[p].params), local.base, local.base_id,
+                                      self.algorithm.weight(local.tokens, local.steps),
+                                      self.replica.schedule_step + self.run.overlap_steps)
+        self._submit_snapshots()
+
+    def _submit_snapshots(self) -> None:
+        """Start the rounds whose fragment snapshots have reached host memory."""
+        for p, snap in list(self.snapshots.items()):
+            # A synchronous round merges at a fixed step: training past it on θ_p would be overwritten, so wait.
+            if not snap.theta.done() and not (self.algorithm.synchronous
+                                              and self.replica.schedule_step >= snap.merge_at):
+                continue
+            del self.snapshots[p]
+            delta = pseudo_gradient(snap.base, snap.theta.result())
+            future = self.syncer.submit_round(p, delta, snap.weight, snap.base_id)
+            self.pending[p] = _Pending(future, snap.merge_at, snap.base_id[0], delta.float() if self.keep_stale else None)
+
+    # ---- merging ----------------------------------------------------------------------------------------------
+    def _merge_due(self) -> bool:
+        last_merged = False
+        for p, pending in list(self.pending.items()):
+            if self.replica.schedule_step < pending.merge_at:
+                continue
+            if not pending.future.done():
+                if not self.algorithm.synchronous:
+                    continue  # never wait; merge whenever the round lands
+                if not self._wait(pending.future.done):
+                    return last_merged
+            del self.pending[p]
+            last_merged |= self._finish(p, pending)
+        return last_merged
+
+    def _wait(self, done, deadline: float | None = None) -> bool:
+        """Block the loop until ``done()`` (or ``deadline``); time counted as blocked. False if asked to stop."""
+        t0 = time.monotonic()
+        try:
+            while not done():
+                if deadline is not None and time.monotonic() >= deadline:
+                    return True
+                if self.stop.wait(0.02):
+                    return False
+            return True
+        finally:
+            self.counters.blocked_seconds += time.monotonic() - t0
+
+    def _finish(self, p: int, pending: _Pending) -> bool:
+        learner, run, counters = self.learner, self.run, self.counters
+        try:
+            outcome = pending.future.result()
+        except (concurrent.futures.CancelledError, Exception) as e:  # a round must never end the training loop
+            logger.warning("round f%d v%d ended with an error: %r", p, pending.version, e)
+            outcome = RoundOutcome(Outcome.FAILED, pending.version)
+        if outcome.kind is Outcome.BEHIND:
+            logger.info("round f%d v%d abandoned: a heavier replica exists; catching up", p, pending.version)
+            if self.algorithm.synchronous:
+                deadline = time.monotonic() + 2 * self.cfg.heartbeat + 2 * run.round_timeout
+                self._wait(lambda: self.syncer.replica_changed(p, pending.version), deadline)
+            return False
+        if outcome.kind is Outcome.FAILED:
+            logger.warning("round f%d v%d failed; continuing with local progress", p, pending.version)
+            return False
+        fragment = self.fragments[p]
+        merged, base_id = self.replica.params_and_id(p)
+        # Overwriting θ_p drops the steps trained on it since the snapshot (the paper's α = 0 choice): τ, or more
+        # when the round landed late (a grace window that waited for a joiner).
+        since = max(run.overlap_steps, self.replica.schedule_step - (pending.merge_at - run.overlap_steps))
+        counters.tokens_lost += since * learner.tokens_per_step // len(self.fragments)
+        tokens, steps = self.local[p].tokens, self.local[p].steps
+        self.local[p].restart(merged, base_id)
+        rounds = self.merged_rounds.setdefault(p, [])
+        for older in rounds:
+            older.delta = None  # memory: only the newest round can be contributed again
+        rounds.append(_MergedRound(base_id[1], (tokens, steps), pending.delta))
+        del rounds[:-MAX_ANCESTORS]
+        if run.alpha:
+            merged = run.alpha * fragment.gather(learner.params) + (1 - run.alpha) * merged
+        fragment.scatter(merged, learner.params)
+        # The round's own result: a heavier replica downloaded since (now in θ_p) is recorded as an adoption.
+        if p == 0:
+            self.held_out.evaluate(learner)
+        held_out = counters.held_out_loss
+        logger.info("round f%d v%d→v%d done in %.1fs: %d members, %d contributors, held-out loss %s, hash %s",
+                    p, pending.version, outcome.version, outcome.seconds, len(outcome.members),
+                    len(outcome.contributors), f"{held_out:.4f}" if held_out is not None else "-", outcome.digest)
+        stats = self.syncer.stats
+        self.metrics.write(event="round", fragment=p, version=outcome.version, hash=outcome.digest,
+                           weight=outcome.weight, members=outcome.members, contributors=outcome.contributors,
+                           step=learner.step, tokens=learner.tokens, held_out_loss=held_out,
+                           held_out_step=counters.held_out_step, seconds=outcome.seconds,
+                           bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received)
+        return p == len(self.fragments) - 1
