@@ -21,3 +21,58 @@ def test_start_seconds_measure_from_each_spawn_to_the_first_step_after_it():
     # d1 was restarted at 45 (first step after it at 50); j0 joined at 20; a start with no step yet is left out.
     spawned = [("d1", 45.0), ("j0", 20.0), ("d1", 60.0)]
     assert chaos.start_seconds(daemons, spawned) == [5.0, 10.5]
+
+
+def timeline(events):
+    """A daemon whose metrics.jsonl is ``events`` (a list of dicts) and whose rounds are its round events."""
+    return SimpleNamespace(metrics=lambda: list(events), rounds=lambda: [m for m in events if m.get("event") == "round"])
+
+
+def steps(times, first_tokens=0, per_step=10):
+    return [{"step": i, "tokens": first_tokens + per_step * i, "time": t} for i, t in enumerate(times)]
+
+
+def test_tokens_in_window_counts_increases_inside_it_and_not_a_restarts_drop():
+    # Steps every second from t=0 to t=9 (10 tokens each), a crash, then a restart from a checkpoint at 40 tokens
+    # whose steps run t=20..24; the window is [2, 22].
+    before = steps(range(10))
+    after = [{"step": 4 + i, "tokens": 40 + 10 * i, "time": 20.0 + i} for i in range(5)]
+    d = timeline(before + [{"event": "resumed", "time": 19.0}] + after)
+    # Inside [2, 22]: increases 2→3 ... 8→9 (7 of them: the 1→2 one starts before the window), then the restart's
+    # first record (tokens 40 < 90, not training), then 20→21 and 21→22 (2 increases).
+    assert chaos.tokens_in_window([d], 2.0, 22.0) == 10 * (7 + 2)
+    assert chaos.tokens_in_window([d, d], 2.0, 22.0) == 2 * 10 * 9
+    assert chaos.tokens_in_window([d], 30.0, 40.0) == 0
+
+
+def test_live_seconds_sum_each_process_lifetime_within_the_window():
+    d = timeline(steps([0.0, 1.0, 2.0, 3.0]) + [{"event": "resumed", "time": 9.0}] + steps([10.0, 12.0, 15.0]))
+    assert chaos.live_seconds([d], 0.0, 100.0) == 3.0 + 5.0
+    assert chaos.live_seconds([d], 1.0, 12.0) == 2.0 + 2.0  # clipped to the records inside the window
+    joined = timeline([{"event": "joined", "time": 4.0}] + steps([5.0, 8.0]))
+    assert chaos.live_seconds([d, joined], 0.0, 100.0) == 8.0 + 3.0
+
+
+def test_longest_gap_includes_the_window_edges():
+    assert chaos.longest_gap([2.0, 3.0, 7.0], 0.0, 8.0) == 4.0
+    assert chaos.longest_gap([1.0, 2.0], 0.0, 10.0) == 8.0  # no round after t=2: the gap runs to the window's end
+    assert chaos.longest_gap([], 0.0, 5.0) == 5.0
+
+
+def test_round_period_is_the_median_interval_per_fragment_and_daemon():
+    rounds = [{"event": "round", "fragment": p, "time": t} for p, t in
+              [(0, 0.0), (1, 2.5), (0, 10.0), (1, 12.5), (0, 19.0), (1, 23.5)]]
+    # Fragment 0: 10, 9; fragment 1: 10, 11; another daemon's fragment 0: 8.
+    other = [{"event": "round", "fragment": 0, "time": t} for t in (1.0, 9.0)]
+    assert chaos.round_period([timeline(rounds), timeline(other)]) == 10.0
+    assert chaos.round_period([timeline([])]) != chaos.round_period([timeline([])])  # NaN without rounds
+
+
+def test_crash_losses_are_the_tokens_trained_after_the_last_checkpoint_before_each_restart():
+    events = (steps([0.0, 1.0, 2.0]) + [{"event": "checkpoint", "tokens": 20, "time": 2.1}]
+              + [{"step": 3, "tokens": 30, "time": 3.0}, {"step": 4, "tokens": 40, "time": 4.0}]
+              + [{"event": "resumed", "time": 6.0}]  # killed at 40 tokens, checkpoint at 20: 20 lost
+              + [{"step": 3, "tokens": 20, "time": 7.0}, {"event": "checkpoint", "tokens": 20, "time": 7.1}]
+              + [{"event": "joined", "time": 9.0}]  # a fresh join is not a crash of this daemon's state
+              + [{"step": 0, "tokens": 0, "time": 10.0}])
+    assert chaos.crash_losses(timeline(events)) == 20
