@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hivemind import DHT
+from hivemind.utils import get_dht_time
 
 from atoll.models.fragments import Fragment
 from atoll.models.outer import NesterovOuter
@@ -40,6 +41,7 @@ class SyncContext:
     error_feedback: ErrorFeedback = field(default_factory=ErrorFeedback)  # touched on the event loop only
     in_round: set[int] = field(default_factory=set)  # fragments with a round of ours under way
     leaving: bool = False
+    started_at: float = field(default_factory=get_dht_time)  # DHT time this process's syncer was made
     p2p: Any = None  # hivemind's P2P, once the event loop has started
     spawn: Callable[[Coroutine], Any] = lambda coro: None  # start a background task on the event loop
 

@@ -130,7 +130,7 @@ class RoundProtocol:
                 subkey=ctx.subkey, weight=weight, live_peers=live_peers, gather_timeout=run.gather_timeout,
                 abort=lambda: self.catch_up.behind(p), quorum=run.quorum if algo.quorum else None,
                 grace=self.grace, on_reject=ctx.reject, max_group=run.max_group, excluded=ctx.cooldown.active,
-                base=digest,
+                base=digest, not_before=ctx.started_at,
             )
             formed = time.monotonic()
             if members is None:

@@ -89,6 +89,7 @@ async def form_group(
     max_group: int = MAX_GROUP,
     excluded: Callable[[str], bool] = lambda peer: False,
     base: str = "",
+    not_before: float = 0.0,
 ) -> list[str] | None:
     """Register for the round and return its sorted member list.
 
@@ -105,6 +106,10 @@ async def form_group(
     it; if some members followed that decision and others the honest coordinator's, they would disagree about
     the round. Every member that saw the offence ignores it; a daemon that never did may follow it and miss the
     round (it catches up by download), but no replica forks.
+    ``not_before``: the DHT time this daemon's process started. A decision made earlier was made without us:
+    a daemon restarted mid-round finds its previous life's registration listed in it, and following it would
+    run that round's all-reduce again, from reducers that answer with their results of the first run — a replica
+    none of the others holds.
     """
     # ``base``: the digest of the replica this round updates; only daemons holding that very replica meet.
     key, gkey = round_key(run_id, fragment, version, base), group_key(run_id, fragment, version, base)
@@ -128,7 +133,7 @@ async def form_group(
                 on_reject("round_record", source)
             elif rec["peer_id"] in peers and peers[rec["peer_id"]] <= version:
                 registered[rec["peer_id"]] = rec["time"]
-        groups = _first_decision(group_entry, gather_timeout, on_reject, excluded)
+        groups = _first_decision(group_entry, gather_timeout, on_reject, excluded, not_before)
         if groups is not None:
             return next((members for members in groups if peer_id in members), [])
         coordinator = min(registered, key=lambda p: (registered[p], p))
@@ -147,7 +152,7 @@ async def form_group(
                 # Another registrant whose view of the DHT lacked our registration may have decided first, taking
                 # itself for the coordinator: everyone follows the earliest decision, so we do too.
                 first = _first_decision(await dht.get(gkey, latest=True, return_future=True), gather_timeout,
-                                        on_reject, excluded)
+                                        on_reject, excluded, not_before)
                 return next((members for members in (first or groups) if peer_id in members), [])
         elif get_dht_time() > deadline + gather_timeout / 2 + 2:
             logger.warning("round v%d: no group was decided by coordinator %s in time", version, coordinator[-8:])
@@ -156,10 +161,10 @@ async def form_group(
 
 
 def _first_decision(group_entry: Any, gather_timeout: float, on_reject: Callable[..., None],
-                    excluded: Callable[[str], bool]) -> list[list[str]] | None:
+                    excluded: Callable[[str], bool], not_before: float = 0.0) -> list[list[str]] | None:
     """The earliest valid, recent group decision of a round (the one every daemon follows), or None."""
     decisions = []
-    stale_before = get_dht_time() - DECISION_LIFETIME_FACTOR * gather_timeout
+    stale_before = max(get_dht_time() - DECISION_LIFETIME_FACTOR * gather_timeout, not_before)
     for source, value in unwrap_subkeys(group_entry).items():
         groups = parse_group_record(value)
         if groups is None:

@@ -100,3 +100,29 @@ def test_a_coordinator_that_decided_after_another_follows_the_earlier_decision(m
                                      base="D"))
     assert {s: v["groups"] for s, v in shared[gkey].items()} == {b"a": [["a"]], b"b": [["a", "b"]]}  # b decided
     assert members == []  # and followed the earlier decision
+
+
+def test_a_restarted_daemon_does_not_follow_the_decision_its_previous_life_was_in(monkeypatch):
+    """c was in round (0, 13)'s group [a, c] when it crashed; restarted (its process started at 1500), it registers
+    for that round again. The old decision lists it, but was made without this life: following it would run the
+    old all-reduce again against reducers that answer with their first results. c decides a group of its own."""
+    from atoll.protocols.matchmaking import form_group, group_key, round_key
+
+    clock = iter(range(1600, 2600))
+    monkeypatch.setattr("atoll.protocols.matchmaking.get_dht_time", lambda: float(next(clock)))
+    key, gkey = round_key("run", 0, 13, "D"), group_key("run", 0, 13, "D")
+    shared = {key: {b"a": {"peer_id": "a", "weight": 1.0, "time": 1590.0}},
+              gkey: {b"a": {"groups": [["a", "c"]], "time": 1595.0}}}  # recent: not stale by age
+
+    async def live():
+        return {}  # a moved on to version 14: it is not expected in this round any more
+
+    def join(not_before):
+        return asyncio.run(form_group(FakeDHT(shared), run_id="run", fragment=0, version=13, peer_id="c",
+                                      subkey=b"c", weight=1.0, live_peers=live, gather_timeout=5.0,
+                                      abort=lambda: False, base="D", not_before=not_before))
+
+    assert join(not_before=1500.0) == ["a", "c"]  # the defect this guards against: the old group, followed
+    shared[gkey].pop(b"c", None)
+    assert join(not_before=1598.0) == ["c"]  # decided anew, alone: a solo round, healed like any fork
+    assert shared[gkey][b"c"]["groups"] == [["c"]]
