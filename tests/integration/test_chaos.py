@@ -7,6 +7,7 @@ Throughout, every live unfrozen daemon keeps training; at the end the survivors 
 import json
 import re
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -48,14 +49,17 @@ def replica_now(d):
 
 class Progress:
     """No survivor stalls: after each fault, every daemon expected to train must advance ``STEPS`` inner steps past
-    where it was when the fault hit (and past the previous mark) within the timeout."""
+    where it was when the fault hit, and meanwhile no two of its step records (one every 10 steps, about 0.5 s apart
+    here), nor the phase's start and its first record, may lie more than ``MAX_GAP`` seconds apart."""
 
     STEPS = 20
+    MAX_GAP = 10.0
 
     def __init__(self, swarm):
         self.swarm, self.last = swarm, {}
 
     def advance(self, names, phase, timeout=90):
+        started = time.time()
         since = {n: last_step(self.swarm.daemons[n]) for n in names}
         try:
             wait_for(lambda: all(last_step(self.swarm.daemons[n]) >= since[n] + self.STEPS for n in names), timeout,
@@ -63,6 +67,11 @@ class Progress:
         except AssertionError:
             now = {n: last_step(self.swarm.daemons[n]) for n in names}
             raise AssertionError(f"a daemon stalled during {phase}: steps {since} -> {now}") from None
+        for n in names:
+            times = [started] + [m["time"] for m in self.swarm.daemons[n].metrics()
+                                 if "step" in m and "event" not in m and m["time"] >= started]
+            gap = max(b - a for a, b in zip(times, times[1:]))
+            assert gap <= self.MAX_GAP, f"{n} stalled for {gap:.1f} s during {phase}"
 
 
 def test_kill_mid_checkpoint_freeze_join_leave(tmp_path):

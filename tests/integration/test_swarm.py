@@ -21,24 +21,26 @@ KILL_ROUND = 25
 
 
 def assert_replicas_agree(swarm, names):
-    """Every daemon that contributed to a round ends that round with the same Θ as the others in it."""
-    by_peer = {peer_id(swarm.daemons[n]): swarm.daemons[n] for n in names}
-    checked = 0
+    """Any two of ``names`` that recorded the same round (fragment, version and group) ended it with the same Θ
+    and the same contributors, and every one of them shared at least one such round with another."""
+    by_peer = {peer_id(swarm.daemons[n]): n for n in names}
+    shared = {n: 0 for n in names}
     for name in names:
         me = peer_id(swarm.daemons[name])
         for r in swarm.daemons[name].rounds():
-            # Not against our own records: two of them for one fragment, version and contributors are two lives of
-            # this daemon (a round it merged alone before a crash, lost with the crash, and the one after restart).
-            for other in set(r["contributors"]) & set(by_peer) - {me}:
+            group = set(r["members"])
+            # Not against our own records: two of them for one fragment, version and group are two lives of this
+            # daemon (a round it merged alone before a crash, lost with the crash, and the one after restart).
+            for other in group & set(by_peer) - {me}:
                 # The other daemon's record of the same round (a round's record holds its result, even if a
                 # heavier replica was downloaded before the learner merged it).
-                theirs = [o for o in by_peer[other].rounds() if o["version"] == r["version"]
-                          and o["fragment"] == r["fragment"] and set(o["contributors"]) == set(r["contributors"])]
-                if theirs:
-                    checked += 1
-                    assert all(o["hash"] == r["hash"] for o in theirs), (
-                        f"round f{r['fragment']} v{r['version']} ended with different replicas")
-    assert checked > 0
+                for o in swarm.daemons[by_peer[other]].rounds():
+                    if o["version"] == r["version"] and o["fragment"] == r["fragment"] and set(o["members"]) == group:
+                        shared[name] += 1
+                        assert (o["hash"], sorted(o["contributors"])) == (r["hash"], sorted(r["contributors"])), (
+                            f"round f{r['fragment']} v{r['version']}: {name} and {by_peer[other]} ended it apart")
+    assert all(shared.values()), f"daemons that shared no round with another: {shared}"
+
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):

@@ -91,10 +91,16 @@ def test_bf16_autocast_runs_bf16_matmuls_and_trains_like_fp32(corpus, xla):
         hlo[name] = torch_xla._XLAC._get_xla_tensors_hlo([loss])
         xla.sync()
     assert "bf16" in hlo["bf16"] and "bf16" not in hlo["fp32"]
+    start = c.flat_params()
     for _ in range(5):
         assert b16.train_step() == pytest.approx(c.train_step(), abs=0.05)
     assert all(p.dtype == torch.float32 for p in b16.params)  # fp32 master weights
-    assert 0 < (b16.flat_params() - c.flat_params()).abs().max() < 0.05
+    # bf16 matmuls perturb the five steps' update, not replace it: the parameters differ from fp32's by a small
+    # part of how far the five steps moved them (a fixed tolerance would not notice a wrong update of that size).
+    moved = (c.flat_params() - start).abs().max()
+    apart = (b16.flat_params() - c.flat_params()).abs().max()
+    print(f"bf16 vs fp32 after 5 steps: apart {float(apart):.3g}, moved {float(moved):.3g}")
+    assert 0 < apart < 0.5 * moved, (float(apart), float(moved))
 
 
 def test_compilation_count_is_flat_after_warm_up(corpus, xla):
