@@ -84,6 +84,7 @@ class Daemon:
         shard, held_out = self._build_model(peer_id)
         resumed, error_feedback = self._restore()
         learner, fragments, replica = self.learner, self.fragments, self.replica
+        self.counters.step, self.counters.tokens = learner.step, learner.tokens  # a restored daemon's, from the start
         self.syncer = syncer = Syncer(cfg, dht, subkey, replica, fragments, self.counters, self.faults,
                                       private=token is not None, config_record=config_record,
                                       error_feedback=error_feedback)

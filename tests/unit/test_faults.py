@@ -47,7 +47,7 @@ def test_byzantine_from_its_nth_multi_member_round_and_scale_undone_for_error_fe
     tamper = faults.tamper(2, 0, 1)
     assert isinstance(tamper, Scaled)
     delta = torch.randn(10)
-    assert torch.equal(tamper.own(tamper.delta(delta)), delta * 1000 / 1000)
+    assert torch.allclose(tamper.own(tamper.delta(delta)), delta) and torch.equal(tamper.delta(delta), delta * 1000)
     assert isinstance(Faults(["byzantine=shape"]).tamper(2, 0, 0), Hostile)
 
 
