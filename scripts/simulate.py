@@ -9,9 +9,11 @@ rewrites the committed results):
     Discrete-event simulation of N chips split into M learners under per-chip Poisson
     interruptions, for ``dp``, ``elastic``, ``decoupled`` (central syncer) and ``atoll``
     (no syncer). Writes ``simulate_goodput.{json,png}``: Table 1 of the Decoupled DiLoCo
-    paper reproduced with confidence intervals over seeds, its extension to 10M chips and
-    up to 1024 learners, a timing of 2.4M chips over one simulated week, and with
-    ``--calibrate`` the search of the parameters the paper does not state.
+    paper simulated with confidence intervals over seeds and compared with the paper, its
+    extension to 10M chips and up to 1024 learners, a timing of 2.4M chips over one
+    simulated week, and with ``--calibrate`` the fit of the parameters the paper does not
+    state to the Table 1 columns not held out (``--holdout-chips``), with the error on the
+    held-out columns and a leave-one-column-out cross-validation.
 
 ``bandwidth``
     Wall-clock and compute utilization of the ``ddp``, ``diloco``, ``streaming`` and
@@ -41,9 +43,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sim.bandwidth import bandwidth_study  # noqa: E402
 from sim.goodput import (  # noqa: E402
-    ABLATION_GRIDS, CALIBRATION_HORIZON_S, CALIBRATION_SEEDS, DAY_S, DEFAULT_CALIBRATION_GRID,
-    EXTENDED_CHIPS, EXTENDED_LEARNERS, WEEK_S, YEAR_S, FailureModel, RowSpec, calibrate,
-    fmt_chips, run_table, simulate, table1_errors, table1_rows, with_params)
+    ABLATION_GRIDS, CALIBRATION_DP_PREFILTER, CALIBRATION_HORIZON_S, CALIBRATION_SEEDS, DAY_S, DEFAULT_CALIBRATION_GRID,
+    DEFAULT_HOLDOUT_CHIPS, EXTENDED_CHIPS, EXTENDED_LEARNERS, WEEK_S, YEAR_S, FailureModel,
+    RowSpec, calibrate, cell_errors, cross_validate, error_summary, fmt_chips, run_table,
+    simulate, table1_cells, table1_errors, table1_rows, with_params)
 from sim.paper import PAPER_CHIPS, PAPER_TABLE1  # noqa: E402
 from sim.plots import plot_bandwidth, plot_goodput  # noqa: E402
 
@@ -64,9 +67,28 @@ def _write_json(path: str, data: dict[str, Any]) -> None:
         fh.write("\n")
 
 
-def _print_table1(table: dict[str, Any]) -> None:
+def _fmt_summary(s: dict[str, Any]) -> str:
+    if not s["n_cells"]:
+        return "no cells"
+    return f"max |difference| = {s['max_abs_err']:.2f} points, RMS = {s['rms_err']:.2f} ({s['n_cells']} cells)"
+
+
+def _table1_summary(table: dict[str, Any], holdout_chips: Sequence[int]) -> dict[str, Any]:
+    """Errors of a full Table 1 over all cells, the fitting cells and the held-out cells."""
+    held = table1_cells(holdout_chips)
+    fit = table1_cells() - held
+    return {"held_out_chips": list(holdout_chips),
+            "fit_chips": [n for n in PAPER_CHIPS if n not in holdout_chips],
+            "all_cells": error_summary(cell_errors(table, table1_cells())),
+            "fit_cells": error_summary(cell_errors(table, fit)),
+            "held_out_cells": error_summary(cell_errors(table, held))}
+
+
+def _print_table1(table: dict[str, Any], summary: dict[str, Any] | None) -> None:
     errs = table1_errors(table)
-    head = "config".ljust(16) + "".join(f"{fmt_chips(n):>22}" for n in PAPER_CHIPS)
+    held = set(summary["held_out_chips"]) if summary else set()
+    head = "config".ljust(16) + "".join(
+        f"{fmt_chips(n) + (' (held out)' if n in held else ''):>22}" for n in PAPER_CHIPS)
     print("Table 1 goodput %: simulated ±95% CI [paper] (difference)")
     print(head)
     for label, paper in PAPER_TABLE1.items():
@@ -76,8 +98,17 @@ def _print_table1(table: dict[str, Any]) -> None:
             c = row[str(n)]
             cells.append(f"{c['goodput_mean']:5.1f}±{c['goodput_ci95']:.1f} [{p}] ({e:+.1f})")
         print(label.ljust(16) + "".join(f"{x:>22}" for x in cells))
-    flat = [abs(e) for row in errs.values() for e in row]
-    print(f"max |difference| = {max(flat):.2f} points; RMS = {math.sqrt(sum(e * e for e in flat) / len(flat)):.2f}")
+    if summary is None:
+        flat = cell_errors(table, table1_cells())
+        print(f"all cells: {_fmt_summary(error_summary(flat))}; split unknown for these "
+              "parameters (not the defaults, no --calibrate)")
+        return
+    print(f"fitting cells ({', '.join(fmt_chips(n) for n in summary['fit_chips'])}): "
+          f"{_fmt_summary(summary['fit_cells'])}")
+    if summary["held_out_chips"]:
+        print(f"held-out cells ({', '.join(fmt_chips(n) for n in summary['held_out_chips'])}), "
+              f"out of sample: {_fmt_summary(summary['held_out_cells'])}")
+    print(f"all cells: {_fmt_summary(summary['all_cells'])}")
 
 
 def _print_extension(table: dict[str, Any], chips: Sequence[int]) -> None:
@@ -114,26 +145,61 @@ def cmd_goodput(args: argparse.Namespace) -> int:
     seeds = list(range(1 if args.quick else args.seeds))
     os.makedirs(args.out, exist_ok=True)
     result: dict[str, Any] = {"command": " ".join(sys.argv), "env": _env()}
-    calibration = None
+    # Which Table 1 cells the parameters in use were fitted on, when that is known.
+    split: list[int] | None = list(DEFAULT_HOLDOUT_CHIPS) if fm == FailureModel() else None
+    source = ("FailureModel defaults (fitted with " + _holdout_text(DEFAULT_HOLDOUT_CHIPS) + ")"
+              if split is not None else "command-line flags (not the fitted defaults)")
     if args.calibrate:
+        split = list(args.holdout_chips)
+        held = table1_cells(split)
+        cache: dict[Any, dict[str, Any]] = {}
         t0 = time.perf_counter()
         calibration = calibrate(DEFAULT_CALIBRATION_GRID, horizon_s=CALIBRATION_HORIZON_S,
-                                seeds=CALIBRATION_SEEDS, base=fm)
-        print(f"calibration search ({time.perf_counter() - t0:.0f} s), best first:")
+                                seeds=CALIBRATION_SEEDS, base=fm,
+                                dp_prefilter=CALIBRATION_DP_PREFILTER, holdout=held, cache=cache)
+        if not calibration:
+            print(f"error: no grid point has its fitting dp cells within "
+                  f"{CALIBRATION_DP_PREFILTER} points of the paper", file=sys.stderr)
+            return 1
+        print(f"calibration search, {_holdout_text(split)} ({time.perf_counter() - t0:.0f} s), "
+              "best first (in sample = the fitting cells; out of sample = the held-out cells):")
         for c in calibration[:10]:
-            print(f"  max|err|={c['max_abs_err']:.2f} rms={c['rms_err']:.2f} {c['params']}")
-        fm = with_params(fm, calibration[0]["params"])
+            print(f"  {_entry_text(c)} {c['params']}")
+        winner = calibration[0]
+        fm_flags, fm = fm, with_params(fm, winner["params"])
+        source = f"calibration winner ({_holdout_text(split)})"
+        print(f"  winner equals the parameters given (flags / defaults): {fm == fm_flags}")
+        cv = None
+        if not args.no_cv:
+            t0 = time.perf_counter()
+            cv = cross_validate(DEFAULT_CALIBRATION_GRID, [table1_cells([n]) for n in PAPER_CHIPS],
+                                CALIBRATION_HORIZON_S, CALIBRATION_SEEDS, base=fm_flags,
+                                dp_prefilter=CALIBRATION_DP_PREFILTER, cache=cache)
+            print(f"leave-one-column-out cross-validation ({time.perf_counter() - t0:.0f} s):")
+            for f in cv["folds"]:
+                w = f["winner"]
+                held_text = ", ".join(sorted({fmt_chips(c[1]) for c in f["holdout"]}))
+                print(f"  hold out {held_text:>5}: "
+                      + (f"{_entry_text(w)} {w['params']}" if w else "no point passed the prefilter"))
+            print(f"  pooled, each cell predicted by the fit that did not see it: "
+                  f"{_fmt_summary(cv['pooled'])}")
         ablation = {}
         for name, grid in ABLATION_GRIDS.items():
-            best_abl = calibrate(grid, CALIBRATION_HORIZON_S, CALIBRATION_SEEDS, base=fm,
-                                 dp_prefilter=math.inf, top=1)[0]
+            best_abl = calibrate(grid, CALIBRATION_HORIZON_S, CALIBRATION_SEEDS, base=fm_flags,
+                                 dp_prefilter=math.inf, top=1, holdout=held, cache=cache)[0]
             ablation[name] = best_abl
-            print(f"  ablation {name}: best max|err|={best_abl['max_abs_err']:.2f} {best_abl['params']}")
-        result["calibration"] = {"grid": DEFAULT_CALIBRATION_GRID, "ablation": ablation,
-                                 "horizon_s": CALIBRATION_HORIZON_S,
-                                 "seeds": list(CALIBRATION_SEEDS), "score": "max |sim - paper| over the 30 cells, "
-                                 "ties by RMS", "top": calibration}
-    result.update({"failure_model": asdict(fm), "horizon_s": horizon, "seeds": seeds,
+            print(f"  ablation {name}: best {_entry_text(best_abl)} {best_abl['params']}")
+        result["calibration"] = {
+            "grid": DEFAULT_CALIBRATION_GRID, "horizon_s": CALIBRATION_HORIZON_S,
+            "seeds": list(CALIBRATION_SEEDS), "held_out_chips": split,
+            "fit_chips": [n for n in PAPER_CHIPS if n not in split],
+            "score": "max |sim - paper| over the fitting cells (the Table 1 columns not held "
+                     "out), ties by RMS; held-out cells take no part in the ranking",
+            "winner": winner, "winner_equals_given_parameters": fm == fm_flags,
+            "given_parameters": asdict(fm_flags),
+            "top": calibration, "cross_validation": cv, "ablation": ablation}
+    result.update({"failure_model": asdict(fm), "failure_model_source": source,
+                   "horizon_s": horizon, "seeds": seeds,
                    "quorum": args.quorum})
 
     # Timing: 2.4M chips over one simulated week, one seed, one process.
@@ -155,7 +221,9 @@ def cmd_goodput(args: argparse.Namespace) -> int:
     result["table1"] = {"paper": {k: list(v) for k, v in PAPER_TABLE1.items()},
                         "chips": list(PAPER_CHIPS), "simulated": t1,
                         "difference": table1_errors(t1)}
-    _print_table1(t1)
+    summary = _table1_summary(t1, split) if split is not None else None
+    result["table1"]["summary"] = summary
+    _print_table1(t1, summary)
     print(f"(table 1: {time.perf_counter() - t0:.1f} s, {len(seeds)} seed(s) of {horizon / DAY_S:g} days)")
 
     chips = list(args.chips) if args.chips else list(EXTENDED_CHIPS)
@@ -217,6 +285,34 @@ def cmd_bandwidth(args: argparse.Namespace) -> int:
     return 0
 
 
+def _holdout_text(chips: Sequence[int]) -> str:
+    if not chips:
+        return "fitted on all 30 cells, none held out"
+    fit = [fmt_chips(n) for n in PAPER_CHIPS if n not in chips]
+    return f"fitted on {', '.join(fit)}; held out {', '.join(fmt_chips(n) for n in chips)}"
+
+
+def _entry_text(entry: dict[str, Any]) -> str:
+    ins, out = entry["in_sample"], entry["out_of_sample"]
+    text = f"in sample max|err|={ins['max_abs_err']:.2f} rms={ins['rms_err']:.2f}"
+    if out["n_cells"]:
+        text += f"; out of sample max|err|={out['max_abs_err']:.2f} rms={out['rms_err']:.2f}"
+    return text
+
+
+def _holdout_chips(text: str) -> list[int]:
+    """Chip counts of Table 1 columns to hold out; "none" holds out nothing."""
+    if text.strip().lower() == "none":
+        return []
+    vals = sorted(set(_int_list(text)))
+    bad = [v for v in vals if v not in PAPER_CHIPS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{bad} not among Table 1's chip counts {list(PAPER_CHIPS)}")
+    if len(vals) == len(PAPER_CHIPS):
+        raise argparse.ArgumentTypeError("holding out every column leaves nothing to fit on")
+    return vals
+
+
 def _int_list(text: str) -> list[int]:
     try:
         vals = [int(float(x)) for x in text.split(",") if x.strip()]
@@ -245,18 +341,24 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser(
         "goodput", help="failure simulation: goodput and uptime vs chips and learners",
         description="Discrete-event simulation of per-chip Poisson interruptions for dp, elastic "
-                    "dp, Decoupled DiLoCo (central syncer) and atoll (no syncer). Reproduces "
-                    "Table 1, then extends it to 10M chips and up to 1024 learners. Defaults "
-                    "are the calibrated values (docs/simulator.md).",
+                    "dp, Decoupled DiLoCo (central syncer) and atoll (no syncer). Compares with "
+                    "Table 1, then extends it to 10M chips and up to 1024 learners. Timing "
+                    "defaults are fitted to part of Table 1 (docs/simulator.md).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g.add_argument("--out", default=DEFAULT_OUT, help=OUT_HELP)
     g.add_argument("--seeds", type=int, default=3, help="seeds per cell (CI over seeds)")
     g.add_argument("--horizon-days", type=float, default=7.0, help="simulated time per run")
     g.add_argument("--quick", action="store_true", help="1 seed, 1 simulated day, fewer learner counts")
     g.add_argument("--calibrate", action="store_true",
-                   help="first run the grid search of unstated parameters against Table 1, "
-                        "and the same search with each mechanism switched off (~15 min on "
-                        "one core), and use its best point")
+                   help="first fit the unstated parameters to the Table 1 columns not held out "
+                        "(grid search), report the error on the held-out columns, run a "
+                        "leave-one-column-out cross-validation and the same search with each "
+                        "mechanism switched off (~15 min on one core), and use the fit's best point")
+    g.add_argument("--holdout-chips", type=_holdout_chips, default=list(DEFAULT_HOLDOUT_CHIPS),
+                   help="with --calibrate: comma-separated chip counts whose Table 1 columns take "
+                        "no part in the fit and measure its out-of-sample error ('none': fit on all 30)")
+    g.add_argument("--no-cv", action="store_true",
+                   help="with --calibrate: skip the leave-one-column-out cross-validation")
     g.add_argument("--quorum", type=int, default=1, help="K: learners needed for the global model to advance")
     g.add_argument("--chips", type=_int_list, default=None,
                    help="comma-separated chip counts for the extension table (default 150k..10M)")

@@ -1,4 +1,4 @@
-"""Reference values reported by the two papers the simulator reproduces.
+"""Reference values reported by the two papers the simulator is compared with.
 
 Kept apart from the models so that every number taken from a paper can be checked against
 it in one place. ``PAPER_TABLE1`` is only printed, plotted and used to score the

@@ -1,12 +1,16 @@
 """Unit tests of the simulator models in scripts/sim and of the scripts/simulate.py CLI.
 
 The event logic is checked on cases with closed-form answers (renewal processes, ring
-all-reduce arithmetic); the calibrated model is checked against the paper's Table 1 at full
-scale (it takes about two seconds). No test asserts on wall-clock time.
+all-reduce arithmetic). The calibration search is checked on a tiny grid: held-out cells take
+no part in the ranking, and its in- and out-of-sample errors match a naive recomputation. The
+fitted defaults are checked against the paper's Table 1 at full scale (about two seconds):
+a regression check of the fit and of the measured out-of-sample error, not a validation of
+the model. No test asserts on wall-clock time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -141,18 +145,193 @@ def test_determinism_and_validation() -> None:
         goodput.simulate(10, "atoll", learners=20)
 
 
-def test_reproduces_table1_within_3_points() -> None:
-    """The calibrated defaults reproduce every Table 1 cell within +-3 points (full scale)."""
+def test_fitted_defaults_stay_within_3_points_of_table1() -> None:
+    """Regression check of the fit (full scale, 3 seeds x 1 week): the defaults were fitted to
+    the 150k/600k/1.2M columns, so those 18 cells check the fit; the 300k/2.4M columns were
+    held out, and staying within 3 points there guards the measured out-of-sample error
+    (2.35 points when the defaults were chosen, docs/simulator.md). Neither is a validation."""
     tab = goodput.run_table(goodput.table1_rows(), paper.PAPER_CHIPS, goodput.FailureModel(),
                             goodput.WEEK_S, [0, 1, 2])
-    errs = goodput.table1_errors(tab)
-    flat = [e for row in errs.values() for e in row]
-    assert len(flat) == 30
-    assert max(abs(e) for e in flat) <= 3.0, errs
+    held = goodput.table1_cells(goodput.DEFAULT_HOLDOUT_CHIPS)
+    fit = goodput.cell_errors(tab, goodput.table1_cells() - held)
+    out = goodput.cell_errors(tab, held)
+    assert len(fit) == 18 and len(out) == 12
+    assert max(abs(e) for e in fit.values()) <= 3.0, fit
+    assert max(abs(e) for e in out.values()) <= 3.0, out
     # The paper's rule of thumb: M learners on N chips ~ elastic dp on N/M chips.
     m8 = tab["decoupled M=8"]["1200000"]["goodput_mean"]
     el = tab["elastic"]["150000"]["goodput_mean"]
     assert abs(m8 - el) < 1.5
+
+
+# ------------------------------------------------------------------ calibration split
+# A grid of 8 points and a 2-hour horizon: the whole search takes well under a second.
+TINY_GRID = {"step_s": [4.0, 6.0], "repair_s": [70.0, 90.0], "resize_s": [18.0, 26.0]}
+TINY_HORIZON = 2 * 3600.0
+HELD_CHIPS = (300_000, 2_400_000)
+
+
+def _tiny_calibrate(**kw: object) -> list[dict]:
+    args = dict(horizon_s=TINY_HORIZON, seeds=(0,), top=100,
+                holdout=goodput.table1_cells(HELD_CHIPS))
+    args.update(kw)
+    return goodput.calibrate(TINY_GRID, **args)
+
+
+def _paper_with(cells: set[tuple[str, int]], delta: float) -> dict[str, tuple[float, ...]]:
+    """Table 1 with ``delta`` added to the given cells."""
+    return {label: tuple(v + (delta if (label, n) in cells else 0.0)
+                         for n, v in zip(paper.PAPER_CHIPS, vals))
+            for label, vals in paper.PAPER_TABLE1.items()}
+
+
+def test_calibrate_ranking_ignores_held_out_cells() -> None:
+    """Moving the paper's held-out values changes the out-of-sample errors only: the
+    ranking, the in-sample errors and the DP prefilter (which would otherwise reject every
+    point: the held-out dp cells are 60 points off) see the fitting cells alone."""
+    held = set(goodput.table1_cells(HELD_CHIPS))
+    base = _tiny_calibrate(dp_prefilter=15.0)
+    moved = _tiny_calibrate(dp_prefilter=15.0, paper=_paper_with(held, 60.0))
+    assert len(base) > 1
+    assert [r["params"] for r in moved] == [r["params"] for r in base]
+    assert [r["in_sample"] for r in moved] == [r["in_sample"] for r in base]
+    for b, m in zip(base, moved):
+        assert b["in_sample"]["n_cells"] == 18 and b["out_of_sample"]["n_cells"] == 12
+        assert m["out_of_sample"]["max_abs_err"] > 50 > b["out_of_sample"]["max_abs_err"]
+    # Control: moving the fitting cells does change what the search sees (and reorders it),
+    # while each point's held-out errors stay as they were.
+    fit = set(goodput.table1_cells()) - held
+    plain = _tiny_calibrate(dp_prefilter=math.inf)
+    shifted = _tiny_calibrate(dp_prefilter=math.inf, paper=_paper_with(fit, 60.0))
+    assert all(r["in_sample"]["max_abs_err"] > 50 for r in shifted)
+    assert [r["params"] for r in shifted] != [r["params"] for r in plain]
+    key = lambda r: tuple(sorted(r["params"].items()))  # noqa: E731
+    assert {key(r): r["out_of_sample"] for r in shifted} == {key(r): r["out_of_sample"] for r in plain}
+
+
+def test_calibrate_prefilter_uses_fitting_dp_cells() -> None:
+    """A point is dropped exactly when its dp error on the fitting cells exceeds the prefilter."""
+    kept = _tiny_calibrate(dp_prefilter=math.inf)
+    fit_dp = [("dp", n) for n in paper.PAPER_CHIPS if n not in HELD_CHIPS]
+
+    def dp_fit_err(params: dict) -> float:
+        fm = goodput.with_params(goodput.FailureModel(), params)
+        tab = goodput.run_table(goodput.table1_rows()[:1], paper.PAPER_CHIPS, fm, TINY_HORIZON, [0])
+        return max(abs(e) for e in goodput.cell_errors(tab, fit_dp).values())
+
+    errs = sorted(dp_fit_err(r["params"]) for r in kept)
+    cut = (errs[0] + errs[-1]) / 2
+    assert errs[0] < cut < errs[-1]
+    pruned = _tiny_calibrate(dp_prefilter=cut)
+    assert {tuple(sorted(r["params"].items())) for r in pruned} == {
+        tuple(sorted(r["params"].items())) for r in kept if dp_fit_err(r["params"]) <= cut}
+
+
+def test_calibrate_errors_match_naive_reference() -> None:
+    """In- and out-of-sample errors recomputed cell by cell from simulate() and the paper."""
+    held = set(goodput.table1_cells(HELD_CHIPS))
+    results = _tiny_calibrate(dp_prefilter=math.inf)
+    assert len(results) == 8
+    keys = [(r["in_sample"]["max_abs_err"], r["in_sample"]["rms_err"]) for r in results]
+    assert keys == sorted(keys)
+    learners = {"dp": ("dp", 1), "elastic": ("elastic", 1)}
+    learners.update({f"decoupled M={m}": ("decoupled", m) for m in (2, 4, 8, 16)})
+    for r in results[:3]:
+        p = r["params"]
+        fm = goodput.FailureModel(step_s=p["step_s"], repair_s=p["repair_s"],
+                                  downscale_s=p["resize_s"], upscale_s=p["resize_s"])
+        err_in, err_out = [], {}
+        for label, vals in paper.PAPER_TABLE1.items():
+            regime, m = learners[label]
+            for n, v in zip(paper.PAPER_CHIPS, vals):
+                sim = 100 * goodput.simulate(n, regime, m, 1, fm, TINY_HORIZON, 0).goodput
+                if (label, n) in held:
+                    err_out[(label, n)] = sim - v
+                else:
+                    err_in.append(sim - v)
+        out = r["out_of_sample"]
+        assert len(err_in) == r["in_sample"]["n_cells"] == 18
+        assert r["in_sample"]["max_abs_err"] == pytest.approx(max(map(abs, err_in)), abs=2e-3)
+        assert r["in_sample"]["rms_err"] == pytest.approx(
+            math.sqrt(sum(e * e for e in err_in) / 18), abs=2e-3)
+        assert out["max_abs_err"] == pytest.approx(max(map(abs, err_out.values())), abs=2e-3)
+        assert out["rms_err"] == pytest.approx(
+            math.sqrt(sum(e * e for e in err_out.values()) / 12), abs=2e-3)
+        assert {(lb, int(n)) for lb, per in out["errors"].items() for n in per} == held
+        for (label, n), e in err_out.items():
+            assert out["errors"][label][str(n)] == pytest.approx(e, abs=2e-3)
+
+
+def test_calibrate_without_holdout_and_validation() -> None:
+    res = _tiny_calibrate(dp_prefilter=math.inf, holdout=())
+    assert res[0]["in_sample"]["n_cells"] == 30
+    assert res[0]["out_of_sample"] == {"n_cells": 0, "max_abs_err": None, "rms_err": None}
+    with pytest.raises(ValueError):
+        _tiny_calibrate(holdout=[("dp", 123)])
+    with pytest.raises(ValueError):
+        _tiny_calibrate(holdout=goodput.table1_cells())
+    with pytest.raises(ValueError):
+        goodput.table1_cells([1000])
+
+
+def test_cross_validate_pools_each_fold_winner() -> None:
+    """Leave-one-column-out: each fold is calibrate() with that column held out, a shared
+    cache changes nothing, and the pooled errors are the fold winners' held-out errors."""
+    folds = [goodput.table1_cells([n]) for n in paper.PAPER_CHIPS]
+    cache: dict = {}
+    cv = goodput.cross_validate(TINY_GRID, folds, TINY_HORIZON, (0,), dp_prefilter=math.inf,
+                                cache=cache)
+    assert cache
+    assert len(cv["folds"]) == 5 and cv["pooled"]["n_cells"] == 30
+    pooled = []
+    for fold, f in zip(folds, cv["folds"]):
+        alone = goodput.calibrate(TINY_GRID, TINY_HORIZON, (0,), dp_prefilter=math.inf, top=1,
+                                  holdout=fold)[0]
+        assert f["winner"] == alone
+        assert {(c[0], c[1]) for c in f["holdout"]} == set(fold)
+        pooled += [e for per in alone["out_of_sample"]["errors"].values() for e in per.values()]
+    assert cv["pooled"]["max_abs_err"] == pytest.approx(max(map(abs, pooled)), abs=1e-3)
+    assert cv["pooled"]["rms_err"] == pytest.approx(
+        math.sqrt(sum(e * e for e in pooled) / len(pooled)), abs=1e-3)
+
+
+def test_cli_calibrate_reports_both_errors(tmp_path: pathlib.Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """--calibrate with a tiny grid: the JSON states the split, both errors and the parameters
+    of its table."""
+    monkeypatch.setattr(simulate, "DEFAULT_CALIBRATION_GRID", TINY_GRID)
+    monkeypatch.setattr(simulate, "CALIBRATION_HORIZON_S", TINY_HORIZON)
+    monkeypatch.setattr(simulate, "CALIBRATION_SEEDS", (0,))
+    monkeypatch.setattr(simulate, "CALIBRATION_DP_PREFILTER", math.inf)
+    monkeypatch.setattr(simulate, "ABLATION_GRIDS", {"continuous": {**TINY_GRID, "step_s": [0.0]}})
+    out = tmp_path / "res"
+    assert simulate.main(["goodput", "--quick", "--calibrate", "--holdout-chips", "600000,2400000",
+                          "--chips", "150000", "--learners", "2", "--out", str(out)]) == 0
+    g = json.loads((out / "simulate_goodput.json").read_text())
+    cal = g["calibration"]
+    assert cal["held_out_chips"] == [600_000, 2_400_000]
+    assert cal["fit_chips"] == [150_000, 300_000, 1_200_000]
+    assert cal["winner"] == cal["top"][0]
+    assert cal["winner"]["out_of_sample"]["n_cells"] == 12
+    assert cal["cross_validation"]["pooled"]["n_cells"] == 30
+    assert cal["ablation"]["continuous"]["params"]["step_s"] == 0.0
+    fm = goodput.with_params(goodput.FailureModel(), cal["winner"]["params"])
+    assert g["failure_model"] == dataclasses.asdict(fm)
+    assert "calibration winner" in g["failure_model_source"]
+    summ = g["table1"]["summary"]
+    assert summ["held_out_chips"] == [600_000, 2_400_000]
+    assert summ["fit_cells"]["n_cells"] == 18 and summ["held_out_cells"]["n_cells"] == 12
+    assert summ["all_cells"]["n_cells"] == 30
+
+
+def test_cli_holdout_chips_parsing() -> None:
+    parse = simulate.build_parser().parse_args
+    assert parse(["goodput"]).holdout_chips == list(goodput.DEFAULT_HOLDOUT_CHIPS)
+    assert parse(["goodput", "--holdout-chips", "none"]).holdout_chips == []
+    assert parse(["goodput", "--holdout-chips", "2400000,150000"]).holdout_chips == [150_000, 2_400_000]
+    for bad in ("123", ",".join(str(n) for n in paper.PAPER_CHIPS)):
+        with pytest.raises(SystemExit):
+            parse(["goodput", "--holdout-chips", bad])
 
 
 # ------------------------------------------------------------------ bandwidth, closed forms
