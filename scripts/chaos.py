@@ -1,38 +1,36 @@
 #!/usr/bin/env python3
-"""Chaos run: a local swarm under a seeded random schedule of faults, against a fault-free run of the same length.
+"""Chaos run: a local swarm under a seeded schedule of faults, against a fault-free twin of the same length.
 
-    python scripts/chaos.py --algorithm decoupled [--daemons 6] [--duration 180] [--mtbf 15] [--seed 0]
+    python scripts/chaos.py --algorithm decoupled [--seeds 0 1 2] [--daemons 6] [--duration 420] [--faults-per-kind 11]
 
-Faults, drawn with a mean time between faults of ``--mtbf`` seconds (exponential gaps) from five kinds:
-``kill`` (SIGKILL of the daemon's process group, restarted later from its checkpoint directory), ``freeze``
-(SIGSTOP of the group for ``--freeze`` seconds, several round periods, then SIGCONT), ``leave`` (SIGTERM: a graceful
-leave, rejoining later from its checkpoint), ``join`` (a brand-new daemon) and ``checkpoint_kill`` (SIGUSR1 arms the
-daemon's ``checkpoint_kill_signal`` fault: it dies in the middle of its next checkpoint write and is restarted).
-At least ``--min-live`` daemons are kept training; a fault that would go below is skipped (and counted as such).
+Faults: ``--faults-per-kind`` of each of five kinds (55 by default), in a seeded random order at uniformly random
+times between 10% and 80% of the window. ``kill`` (SIGKILL of the daemon's process group, restarted after a
+``--rejoin`` delay from its checkpoint directory), ``freeze`` (SIGSTOP of the group for ``--freeze`` seconds, then
+SIGCONT), ``leave`` (SIGTERM: a graceful leave, rejoining after a ``--rejoin`` delay from its checkpoint), ``join``
+(a brand-new daemon that stays ``--visit`` seconds, then leaves for good) and ``checkpoint_kill`` (SIGUSR1 arms
+the daemon's ``checkpoint_kill_signal`` fault: it dies in the middle of its next checkpoint write and is
+restarted). A fault that would leave fewer than ``--min-live`` daemons training waits until it would not
+(``deferred_s`` in its log entry); one still waiting at the window's end is logged as ``not_injected``.
 
-The fault-free swarm and the chaos swarm run side by side, in the same window (``--sequential``: one after the
-other), so that the load of this shared machine weighs on both alike. Every daemon sleeps ``--step-delay``
+The fault-free twin gets the schedule's joins, at the same times and for the same visits, and nothing else: both
+swarms have the same daemons to count. The twins run side by side, in the same window (``--sequential``: one after
+the other), so that the load of this shared machine weighs on both alike. Every daemon sleeps ``--step-delay``
 seconds per inner step, so that it is less bound by the CPU: otherwise a killed daemon would hand its CPU to the
-others and the fault would look free. On a small machine, side by side saturates the CPU (two swarms, each daemon
-with its DHT process and p2pd; see ``scripts/swarm_cpu.py``), which stretches restarts from seconds to a minute;
-``--sequential`` with a larger ``--step-delay`` keeps the machine below saturation, closer to one machine per
-daemon. ``machine_cpu_busy`` in the results says how loaded each window was.
+others and the fault would look free. ``machine_cpu_busy`` in the results says how loaded each window was.
 
-Reported (JSON in ``docs/results/<name>.json``, by default ``chaos_<algorithm>``; plot ``docs/results/chaos.png``
-over every chaos_*.json there), all computed from the daemons' metrics.jsonl and checkpoints:
-faults by kind; goodput (tokens trained by live daemons / tokens the fault-free run trained in the same window)
-and the pace of the live daemons (tokens per daemon-second of a training process, chaos / fault-free: whether
-the faults slowed down the daemons they did not hit);
-global downtime (the longest interval in which no round completed on any daemon, and how far it exceeds one round
-period, the fault-free run's median interval between two rounds of one fragment on one daemon); held-out loss of
-the survivors' final checkpoints relative to the fault-free run's (side by side, both swarms are stopped at the same
-moment, once the chaos swarm's restarting daemons are back and its survivors hold identical replicas; so both
-trained for the same time, and the faults all fell in the window), and, noisier, each survivor's held-out loss
-as of its last round before the window's end; forks healed;
-work lost (to crashes: tokens
-trained after a daemon's last checkpoint; to adoptions: the ``lost_tokens`` of adopted events); and whether the
-survivors ended identical (a moment before the end when all held the same version and hash of every fragment)
-and on one history (their final checkpoints agree at each fragment's oldest final version).
+Reported per seed (``<out>/<name>_s<seed>.json``; ``<name>`` is ``chaos_<algorithm>`` unless ``--name``) and over
+the seeds (``<out>/<name>_summary.json``: mean, 95% interval, seeds meeting each goal); plot ``<out>/chaos.png``
+over every run there. All computed from the daemons' metrics.jsonl and checkpoints:
+faults injected by kind; goodput: tokens that reached the global model (trained in the window, less those thrown
+away by crashes, i.e. trained after a daemon's last checkpoint, and by adoptions, their ``lost_tokens``), chaos
+over fault-free twin; the same for tokens trained; the pace of the live daemons (tokens per daemon-second of a
+training process, chaos / twin: whether the faults slowed down the daemons they did not hit); the longest interval
+in which no round completed on any daemon, against the twin's own longest one; held-out loss of the survivors'
+final checkpoints relative to the twin's (side by side, both swarms are stopped at the same moment, once the chaos
+swarm's restarting daemons are back and its survivors hold identical replicas) and, noisier, as of each
+survivor's last round before the window's end; forks healed; and whether the survivors ended identical (a moment
+before the end when all held the same version and hash of every fragment) and on one history (their final
+checkpoints agree at each fragment's oldest final version).
 """
 
 from __future__ import annotations
@@ -69,14 +67,19 @@ def daemon_args(args: argparse.Namespace) -> list[str]:
             *args.daemon_args.split()]
 
 
-def schedule(rng: random.Random, duration: float, mtbf: float) -> list[tuple[float, str]]:
-    """Fault times (seconds after the start of the window) and kinds; none in the first 10% and last 20%."""
-    out, t = [], 0.1 * duration
-    while True:
-        t += rng.expovariate(1.0 / mtbf)
-        if t > 0.8 * duration:
-            return out
-        out.append((t, rng.choice(KINDS)))
+def schedule(rng: random.Random, duration: float, per_kind: int) -> list[tuple[float, str]]:
+    """Fault times (seconds after the start of the window) and kinds: ``per_kind`` of each of the five kinds, in a
+    random order, at uniformly random times between 10% and 80% of the window (the last 20% lets restarts finish)."""
+    kinds = [k for k in KINDS for _ in range(per_kind)]
+    rng.shuffle(kinds)
+    times = sorted(rng.uniform(0.1 * duration, 0.8 * duration) for _ in kinds)
+    return list(zip(times, kinds))
+
+
+def reference_schedule(faults: list[tuple[float, str]]) -> list[tuple[float, str]]:
+    """What the fault-free twin gets of a schedule: its joins, at the same times (a join adds a daemon for a
+    visit; both swarms get the same visitors, so that neither has more daemons to count)."""
+    return [(t, kind) for t, kind in faults if kind == "join"]
 
 
 class Chaos:
@@ -84,7 +87,7 @@ class Chaos:
 
     def __init__(self, swarm: LocalSwarm, args: argparse.Namespace, rng: random.Random) -> None:
         self.swarm, self.args, self.rng = swarm, args, rng
-        self.state: dict[str, str] = {}  # name -> live | frozen | down | starting
+        self.state: dict[str, str] = {}  # name -> live | frozen | down | starting | retired (a visit ended)
         self.expect_death: set[str] = set()  # checkpoint_kill armed: the death is the fault, restart it
         self.log: list[dict] = []
         self.joined = 0
@@ -97,13 +100,18 @@ class Chaos:
 
         def run() -> None:
             time.sleep(delay)
+            if self.state.get(name) == "retired":  # its visit ended while it was down
+                return
             # Several bootstrap peers: the one LocalSwarm would pick may be frozen or killed meanwhile.
             peers = [self.swarm.daemons[n].maddrs[0] for n in self.live()[:3] if self.swarm.daemons[n].maddrs]
             try:
                 extra = ["--initial-peers", *peers] if peers else []
                 self.spawned.append((name, time.time()))
                 self.swarm.start(name, daemon_args(self.args) + extra, join=not peers)
-                self.state[name] = "live"
+                if self.state.get(name) == "retired":
+                    self.swarm.stop(name, timeout=60)
+                else:
+                    self.state[name] = "live"
             except RuntimeError as e:
                 self.record(time.monotonic() - self.t0, "start_failed", name, error=str(e).splitlines()[0])
                 self.state[name] = "down"
@@ -118,20 +126,22 @@ class Chaos:
         self.log.append(entry)
         print(f"  t={t:6.1f}s {kind:16s} {target} {extra or ''}", flush=True)
 
-    def inject(self, t: float, kind: str) -> None:
+    def inject(self, t: float, kind: str) -> bool:
+        """Injects one fault now; False (nothing done) if it would leave fewer than ``min_live`` daemons training:
+        the caller retries it later."""
         live = self.live()
         removes = kind in ("kill", "leave", "freeze", "checkpoint_kill")
         if removes and len(live) <= self.args.min_live:
-            self.record(t, "skipped_" + kind, "-", live=len(live))
-            return
+            return False
         if kind == "join":
             name = f"j{self.joined}"
             self.joined += 1
             self.start(name)
-            self.record(t, kind, name)
-            return
+            threading.Timer(self.args.visit, self.retire, args=(name,)).start()
+            self.record(t, kind, name, visit_s=self.args.visit)
+            return True
         target = self.rng.choice(live)
-        rejoin = self.rng.uniform(3.0, 15.0)
+        rejoin = self.rng.uniform(*self.args.rejoin)
         if kind == "kill":
             self.swarm.kill(target)
             self.state[target] = "down"
@@ -154,7 +164,8 @@ class Chaos:
             def thaw() -> None:
                 time.sleep(self.args.freeze)
                 self.swarm.signal(target, signal.SIGCONT)
-                self.state[target] = "live"
+                if self.state.get(target) == "frozen":
+                    self.state[target] = "live"
 
             threading.Thread(target=thaw, daemon=True).start()
             self.record(t, kind, target, seconds=self.args.freeze)
@@ -162,6 +173,16 @@ class Chaos:
             os.kill(self.swarm.daemons[target].proc.pid, signal.SIGUSR1)  # the daemon alone: it arms the fault
             self.expect_death.add(target)
             self.record(t, kind, target)
+        return True
+
+    def retire(self, name: str) -> None:
+        """A visitor's visit is over: it leaves for good (gracefully, if it is running), in both swarms alike."""
+        previous, self.state[name] = self.state.get(name), "retired"
+        self.record(time.monotonic() - self.t0, "visit_ended", name, was=previous)
+        d = self.swarm.daemons.get(name)
+        if d is not None and d.alive():
+            self.swarm.signal(name, signal.SIGCONT)  # a frozen visitor must run to leave
+            self.swarm.stop(name, timeout=60)
 
     def reap(self, t: float) -> None:
         """Restart daemons that died in a checkpoint write (or unexpectedly: counted)."""
@@ -174,17 +195,24 @@ class Chaos:
                 self.state[name] = "down"
                 self.record(t, "died_in_checkpoint" if expected else "unexpected_exit", name,
                             code=d.proc.returncode)
-                self.start(name, delay=self.rng.uniform(3.0, 15.0))
+                self.start(name, delay=self.rng.uniform(*self.args.rejoin))
 
     def run(self, faults: list[tuple[float, str]], duration: float, t0: float) -> None:
+        """Injects each fault at its time, or as soon after as enough daemons are live (deferred, not dropped);
+        faults still pending when the window ends are recorded as ``not_injected``."""
         self.t0 = t0
         pending = list(faults)
         while time.monotonic() - t0 < duration:
             t = time.monotonic() - t0
-            while pending and pending[0][0] <= t:
-                self.inject(t, pending.pop(0)[1])
+            for due in [f for f in pending if f[0] <= t]:
+                if self.inject(t, due[1]):
+                    pending.remove(due)
+                    if t - due[0] > 0.5:
+                        self.log[-1]["deferred_s"] = round(t - due[0], 1)
             self.reap(t)
             time.sleep(0.2)
+        for when, kind in pending:
+            self.record(time.monotonic() - t0, "not_injected_" + kind, "-", due=round(when, 1))
 
 
 def cpu_times() -> tuple[int, int]:
@@ -263,6 +291,20 @@ def round_period(daemons) -> float:
     return statistics.median(gaps) if gaps else float("nan")
 
 
+def kept_tokens(trained: int, lost_to_crashes: int, lost_to_adoptions: int) -> int:
+    """Tokens of the window that reached the global model, as far as the daemons' own accounting tells: those
+    trained, less those a crash threw away (trained after the last checkpoint) and those an adoption overwrote."""
+    return trained - lost_to_crashes - lost_to_adoptions
+
+
+def downtime(chaos_gap: float, reference_gap: float) -> dict:
+    """The chaos swarm's longest interval with no round completed anywhere, judged against the fault-free twin's
+    own longest one (not against a round period: with staggered fragments rounds come far more often)."""
+    return {"longest_gap_s": chaos_gap, "reference_longest_gap_s": reference_gap,
+            "longest_gap_ratio": chaos_gap / reference_gap,
+            "downtime_beyond_fault_free_s": max(0.0, chaos_gap - reference_gap)}
+
+
 def crash_losses(d) -> int:
     """Tokens a daemon trained after its last checkpoint before each death (killed or died in a checkpoint)."""
     lost, last_ckpt, last_tokens = 0, None, None
@@ -329,7 +371,9 @@ def one_history(daemons, fragments: int) -> bool:
 def run_once(root: Path, args: argparse.Namespace, chaos: bool, barrier: threading.Barrier | None = None) -> dict:
     shutil.rmtree(root, ignore_errors=True)
     rng = random.Random(args.seed)
-    faults = schedule(rng, args.duration, args.mtbf) if chaos else []
+    faults = schedule(rng, args.duration, args.faults_per_kind)
+    if not chaos:
+        faults = reference_schedule(faults)
     with LocalSwarm(root, []) as swarm:
         c = Chaos(swarm, args, rng)
         swarm.start("d0", daemon_args(args), join=False)
@@ -345,7 +389,7 @@ def run_once(root: Path, args: argparse.Namespace, chaos: bool, barrier: threadi
         t0_mono, t0 = time.monotonic(), time.time()
         c.spawned.clear()  # the swarm's first starts are not restarts
         cpu0 = cpu_times()
-        print(f"  {'chaos' if chaos else 'fault-free'}: {len(faults)} faults scheduled; window starts", flush=True)
+        print(f"  {'chaos' if chaos else 'fault-free'}: {len(faults)} events scheduled; window starts", flush=True)
         c.run(faults, args.duration, t0_mono)
         t1 = time.time()
         cpu_busy = busy_share(cpu0, cpu_times())
@@ -369,11 +413,15 @@ def run_once(root: Path, args: argparse.Namespace, chaos: bool, barrier: threadi
     kinds: dict[str, int] = {}
     for f in c.log:
         kinds[f["kind"]] = kinds.get(f["kind"], 0) + 1
+    tokens = tokens_in_window(daemons, t0, t1)
+    lost_to_adoptions = sum(m["lost_tokens"] for m in adopted)
+    lost_to_crashes = sum(crash_losses(d) for d in daemons)
     return {
-        "faults": c.log, "faults_by_kind": {k: n for k, n in kinds.items() if k in KINDS},
+        "faults": c.log, "faults_by_kind": {k: kinds.get(k, 0) for k in KINDS},
+        "faults_deferred": sum(1 for f in c.log if "deferred_s" in f),
         "other_events": {k: n for k, n in kinds.items() if k not in KINDS}, "window_s": t1 - t0,
-        "tokens": tokens_in_window(daemons, t0, t1), "rounds": len(times),
-        "tokens_of_original_daemons": tokens_in_window([d for d in daemons if d.name.startswith("d")], t0, t1),
+        "tokens": tokens, "rounds": len(times),
+        "tokens_kept": kept_tokens(tokens, lost_to_crashes, lost_to_adoptions),
         "live_daemon_seconds": live_seconds(daemons, t0, t1),
         "longest_gap_s": longest_gap(times, t0, t1), "round_period_s": round_period(daemons),
         "held_out_loss_window_end": statistics.mean(window_end_loss(survivors, t1)),
@@ -384,49 +432,12 @@ def run_once(root: Path, args: argparse.Namespace, chaos: bool, barrier: threadi
         "machine_cpu_busy": cpu_busy, "start_to_first_step_s": start_seconds(swarm.daemons, c.spawned),
         "survivors": [d.name for d in survivors], "exit_codes": codes,
         "forks_healed": sum(1 for m in adopted if m.get("forked")),
-        "tokens_lost_to_adoptions": sum(m["lost_tokens"] for m in adopted),
-        "tokens_lost_to_crashes": sum(crash_losses(d) for d in daemons),
+        "tokens_lost_to_adoptions": lost_to_adoptions, "tokens_lost_to_crashes": lost_to_crashes,
         "identical_after_s": identical_after, "survivors_identical": identical_after is not None,
         "survivors_on_one_history": one_history(survivors, run.num_fragments),
         "timeline": {"rounds": times, "t0": t0,
                      "tokens": sorted((m["time"], m["tokens"], d.name) for d in daemons for m in step_lines(d))},
     }
-
-
-def rescore(path: Path, root: Path) -> None:
-    """Recompute the window-end held-out losses (and their ratio) from a run's JSON and metrics files."""
-    doc = json.loads(path.read_text())
-    for kind in ("reference", "chaos"):
-        r = doc[kind]
-        t0 = r["timeline"]["t0"]
-        t1 = t0 + r["window_s"]
-        daemons = [SimpleNamespace(rounds=_rounds_of(root / kind / name)) for name in r["survivors"]]
-        r["held_out_loss_window_end"] = statistics.mean(window_end_loss(daemons, t1))
-        every = [SimpleNamespace(metrics=_metrics_of(w)) for w in sorted((root / kind).iterdir()) if w.is_dir()]
-        r["live_daemon_seconds"] = live_seconds(every, t0, t1)
-        r.setdefault("held_out_loss_final_checkpoints", r.pop("held_out_loss_mean", None))
-    m = doc["metrics"]
-    m["loss_ratio"] = doc["chaos"]["held_out_loss_window_end"] / doc["reference"]["held_out_loss_window_end"]
-    m["pace_of_live_daemons"] = ((doc["chaos"]["tokens"] / doc["chaos"]["live_daemon_seconds"])
-                                 / (doc["reference"]["tokens"] / doc["reference"]["live_daemon_seconds"]))
-    m["loss_ratio_final_checkpoints"] = (doc["chaos"]["held_out_loss_final_checkpoints"]
-                                         / doc["reference"]["held_out_loss_final_checkpoints"])
-    path.write_text(json.dumps(doc, indent=1))
-    print(json.dumps({"algorithm": doc["algorithm"], **m}, indent=1))
-
-
-def _metrics_of(workdir: Path):
-    def metrics() -> list[dict]:
-        return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-
-    return metrics
-
-
-def _rounds_of(workdir: Path):
-    def rounds() -> list[dict]:
-        return [m for m in _metrics_of(workdir)() if m.get("event") == "round"]
-
-    return rounds
 
 
 def plot(out: Path) -> None:
@@ -436,27 +447,26 @@ def plot(out: Path) -> None:
     import matplotlib.pyplot as plt
 
     docs = [json.loads(p.read_text()) for p in sorted(out.glob("chaos_*.json"))]
+    docs = [d for d in docs if "reference" in d]  # per-run files, not the summaries
     if not docs:
         return
     colors = dict(zip(KINDS, ("tab:red", "tab:blue", "tab:orange", "tab:green", "tab:purple")))
-    fig, axes = plt.subplots(len(docs), 1, figsize=(10, 3.6 * len(docs)), squeeze=False)
+    fig, axes = plt.subplots(len(docs), 1, figsize=(10, 3.4 * len(docs)), squeeze=False)
     for ax, doc in zip(axes[:, 0], docs):
-        for label, r, style in (("fault-free", doc["reference"], "--"), ("chaos", doc["chaos"], "-")):
+        for label, r, style in (("fault-free twin", doc["reference"], "--"), ("chaos", doc["chaos"], "-")):
             t0 = r["timeline"]["t0"]
             times = [t - t0 for t in r["timeline"]["rounds"]]
             ax.plot(times, range(1, len(times) + 1), style, color="black" if label == "chaos" else "gray",
                     label=f"{label}: rounds completed (all daemons)")
         for f in doc["chaos"]["faults"]:
             if f["kind"] in colors:
-                ax.axvline(f["t"], color=colors[f["kind"]], alpha=0.6, lw=1)
+                ax.axvline(f["t"], color=colors[f["kind"]], alpha=0.5, lw=0.8)
         for kind, color in colors.items():
-            ax.plot([], [], color=color, label=kind)
+            ax.plot([], [], color=color, label=f"{kind} ({doc['chaos']['faults_by_kind'].get(kind, 0)})")
         m = doc["metrics"]
-        ax.set_title(f"{doc.get('name', doc['algorithm'])} (mtbf {doc['args']['mtbf']:.0f} s): goodput {m['goodput']:.3f}, "
-                     + (f"loss ratio {m['loss_ratio_final_checkpoints']:.3f} (window end {m['loss_ratio']:.3f}), "
-                        if m.get("stopped_together") else f"loss ratio at the window's end {m['loss_ratio']:.3f}, ")
-                     + f"downtime beyond a round {m['downtime_beyond_round_s']:.1f}s, "
-                     f"identical {doc['chaos']['survivors_identical']}", fontsize=9)
+        ax.set_title(f"{doc['name']}: {m['faults_injected']} faults; goodput {m['goodput']:.3f}; longest gap "
+                     f"{m['longest_gap_s']:.1f} s vs {m['reference_longest_gap_s']:.1f} s fault-free; held-out "
+                     f"{m['loss_ratio_final_checkpoints']:.3f}x; identical {m['survivors_identical']}", fontsize=9)
         ax.set_xlabel("seconds into the window")
         ax.set_ylabel("rounds completed")
         ax.legend(fontsize=7, ncol=2, loc="upper left")
@@ -464,71 +474,37 @@ def plot(out: Path) -> None:
     fig.savefig(out / "chaos.png", dpi=80)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--algorithm", default="decoupled", choices=("decoupled", "diloco", "streaming"))
-    parser.add_argument("--daemons", type=int, default=6)
-    parser.add_argument("--duration", type=float, default=180.0, help="seconds of the measured window")
-    parser.add_argument("--mtbf", type=float, default=15.0, help="mean seconds between faults")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--freeze", type=float, default=20.0, help="seconds a frozen daemon stays stopped")
-    parser.add_argument("--min-live", type=int, default=3)
-    parser.add_argument("--model", default="nano")
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--sync-every", type=int, default=40)
-    parser.add_argument("--step-delay", type=float, default=0.1)
-    parser.add_argument("--daemon-args", default="", help="extra flags for every daemon of both swarms")
-    parser.add_argument("--settle", type=float, default=60.0,
-                        help="seconds to wait at the end for the survivors to hold identical replicas")
-    parser.add_argument("--sequential", action="store_true",
-                        help="run the fault-free swarm first, then the chaos swarm (default: both at once)")
-    parser.add_argument("--name", help="results name (default chaos_<algorithm>): <out>/<name>.json, runs/chaos/<name>")
-    parser.add_argument("--out", default="docs/results")
-    parser.add_argument("--replot", action="store_true", help="only redraw chaos.png from the JSON files")
-    parser.add_argument("--rescore", action="store_true",
-                        help="recompute the window-end losses of the last run from its JSON and runs/chaos/")
-    args = parser.parse_args()
-    out = Path(args.out)
-    name = args.name or f"chaos_{args.algorithm}"
-    if not name.startswith("chaos_"):
-        parser.error("--name must start with chaos_ (the plot collects <out>/chaos_*.json)")
-    if args.replot:
-        plot(out)
-        return 0
-    if args.rescore:
-        rescore(out / f"{name}.json", Path("runs/chaos") / name.removeprefix("chaos_"))
-        plot(out)
-        return 0
-    command = "python scripts/chaos.py " + " ".join(sys.argv[1:])
+def run_seed(args: argparse.Namespace, name: str, out: Path) -> dict:
+    """One seed: the chaos swarm and its fault-free twin; writes ``<out>/<name>.json``."""
     root = Path("runs/chaos") / name.removeprefix("chaos_")
     if args.sequential:
-        print(f"{args.algorithm}: fault-free reference, {args.daemons} daemons, {args.duration:.0f} s", flush=True)
+        print(f"{name}: fault-free twin, {args.daemons} daemons, {args.duration:.0f} s", flush=True)
         reference = run_once(root / "reference", args, chaos=False)
-        print(f"{args.algorithm}: chaos, mean {args.mtbf:.0f} s between faults, seed {args.seed}", flush=True)
+        print(f"{name}: chaos swarm", flush=True)
         chaos = run_once(root / "chaos", args, chaos=True)
     else:
         # Side by side in the same window: the machine's load (shared CPU) weighs on both alike.
-        print(f"{args.algorithm}: a fault-free swarm and a chaos swarm (mean {args.mtbf:.0f} s between faults, "
-              f"seed {args.seed}) side by side, {args.daemons} daemons each, {args.duration:.0f} s", flush=True)
+        print(f"{name}: a fault-free twin and a chaos swarm ({5 * args.faults_per_kind} faults, seed {args.seed}) "
+              f"side by side, {args.daemons} daemons each, {args.duration:.0f} s", flush=True)
         barrier = threading.Barrier(2, timeout=600)
         with ThreadPoolExecutor(2) as pool:
             ref_future = pool.submit(run_once, root / "reference", args, False, barrier)
             chaos_future = pool.submit(run_once, root / "chaos", args, True, barrier)
             reference, chaos = ref_future.result(), chaos_future.result()
-    period = reference["round_period_s"]
     metrics = {
-        "goodput": chaos["tokens"] / reference["tokens"],
-        # The same without the joiners' tokens: what the original daemons kept of their fault-free twins' work.
-        "goodput_original_daemons": chaos["tokens_of_original_daemons"] / reference["tokens"],
+        # Both swarms had the same visitors; only tokens that reached the global model count.
+        "goodput": chaos["tokens_kept"] / reference["tokens_kept"],
+        "goodput_trained": chaos["tokens"] / reference["tokens"],
+        "faults_injected": sum(chaos["faults_by_kind"].values()),
+        "faults_by_kind": chaos["faults_by_kind"],
         "stopped_together": not args.sequential,
         "pace_of_live_daemons": (chaos["tokens"] / chaos["live_daemon_seconds"])
         / (reference["tokens"] / reference["live_daemon_seconds"]),
         "loss_ratio": chaos["held_out_loss_window_end"] / reference["held_out_loss_window_end"],
         "loss_ratio_final_checkpoints": chaos["held_out_loss_final_checkpoints"]
         / reference["held_out_loss_final_checkpoints"],
-        "global_downtime_s": chaos["longest_gap_s"], "round_period_s": period,
-        "downtime_beyond_round_s": max(0.0, chaos["longest_gap_s"] - period),
-        "reference_longest_gap_s": reference["longest_gap_s"],
+        **downtime(chaos["longest_gap_s"], reference["longest_gap_s"]),
+        "round_period_s": reference["round_period_s"],
         "forks_healed": chaos["forks_healed"],
         "tokens_lost": chaos["tokens_lost_to_adoptions"] + chaos["tokens_lost_to_crashes"],
         "tokens_lost_share": (chaos["tokens_lost_to_adoptions"] + chaos["tokens_lost_to_crashes"]) / chaos["tokens"],
@@ -539,12 +515,88 @@ def main() -> int:
         "machine_cpu_busy": {"reference": reference["machine_cpu_busy"], "chaos": chaos["machine_cpu_busy"]},
         "start_to_first_step_s": chaos["start_to_first_step_s"],
     }
-    doc = {"algorithm": args.algorithm, "name": name, "command": command, "args": vars(args), "metrics": metrics,
+    doc = {"algorithm": args.algorithm, "name": name, "seed": args.seed,
+           "command": "python scripts/chaos.py " + " ".join(sys.argv[1:]), "args": vars(args), "metrics": metrics,
            "reference": reference, "chaos": chaos}
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(doc, indent=1))
+    print(json.dumps({"name": name, **{k: v for k, v in metrics.items() if k != "start_to_first_step_s"}}, indent=1),
+          flush=True)
+    return doc
+
+
+def summarize(docs: list[dict]) -> dict:
+    """Mean and 95% interval over seeds of each headline figure, and in how many seeds each goal held."""
+    from stats import interval
+
+    keys = ("goodput", "goodput_trained", "loss_ratio_final_checkpoints", "longest_gap_s",
+            "reference_longest_gap_s", "longest_gap_ratio", "downtime_beyond_fault_free_s", "tokens_lost_share",
+            "faults_injected", "pace_of_live_daemons")
+    return {
+        "seeds": [d["seed"] for d in docs], "runs": [d["name"] for d in docs],
+        **{k: interval([d["metrics"][k] for d in docs]) for k in keys},
+        "faults_by_kind_min": {k: min(d["metrics"]["faults_by_kind"][k] for d in docs) for k in KINDS},
+        "seeds_goodput_at_least_0.95": sum(d["metrics"]["goodput"] >= 0.95 for d in docs),
+        "seeds_no_downtime_beyond_fault_free": sum(d["metrics"]["downtime_beyond_fault_free_s"] == 0 for d in docs),
+        "seeds_survivors_identical": sum(bool(d["metrics"]["survivors_identical"]) for d in docs),
+        "seeds_on_one_history": sum(bool(d["metrics"]["survivors_on_one_history"]) for d in docs),
+    }
+
+
+def rejoin_range(text: str) -> tuple[float, float]:
+    low, _, high = text.partition(",")
+    try:
+        pair = (float(low), float(high))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LOW,HIGH seconds, got {text!r}") from None
+    if not 0 <= pair[0] <= pair[1]:
+        raise argparse.ArgumentTypeError(f"expected 0 <= LOW <= HIGH, got {text!r}")
+    return pair
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--algorithm", default="decoupled", choices=("decoupled", "diloco", "streaming"))
+    parser.add_argument("--daemons", type=int, default=6)
+    parser.add_argument("--duration", type=float, default=420.0, help="seconds of the measured window")
+    parser.add_argument("--faults-per-kind", type=int, default=11,
+                        help="faults of each of the five kinds per run (55 in all by default)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run per seed, then a summary")
+    parser.add_argument("--freeze", type=float, default=10.0, help="seconds a frozen daemon stays stopped")
+    parser.add_argument("--rejoin", type=rejoin_range, default=(2.0, 8.0),
+                        help="LOW,HIGH: a killed or departed daemon restarts after a uniform delay in this range")
+    parser.add_argument("--visit", type=float, default=40.0, help="seconds a joiner stays (in both swarms)")
+    parser.add_argument("--min-live", type=int, default=2,
+                        help="a fault that would leave fewer daemons training waits until it would not")
+    parser.add_argument("--model", default="nano")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--sync-every", type=int, default=40)
+    parser.add_argument("--step-delay", type=float, default=0.1)
+    parser.add_argument("--daemon-args", default="", help="extra flags for every daemon of both swarms")
+    parser.add_argument("--settle", type=float, default=60.0,
+                        help="seconds to wait at the end for the survivors to hold identical replicas")
+    parser.add_argument("--sequential", action="store_true",
+                        help="run the fault-free swarm first, then the chaos swarm (default: both at once)")
+    parser.add_argument("--name", help="results name (default chaos_<algorithm>): <out>/<name>_s<seed>.json, "
+                                       "<out>/<name>_summary.json, runs/chaos/<name>_s<seed>")
+    parser.add_argument("--out", default="docs/results")
+    parser.add_argument("--replot", action="store_true", help="only redraw chaos.png from the JSON files")
+    args = parser.parse_args()
+    out = Path(args.out)
+    name = args.name or f"chaos_{args.algorithm}"
+    if not name.startswith("chaos_"):
+        parser.error("--name must start with chaos_ (the plot collects <out>/chaos_*.json)")
+    if args.replot:
+        plot(out)
+        return 0
+    docs = []
+    for seed in args.seeds:
+        args.seed = seed
+        docs.append(run_seed(args, f"{name}_s{seed}", out))
+    summary = {"command": "python scripts/chaos.py " + " ".join(sys.argv[1:]), **summarize(docs)}
+    (out / f"{name}_summary.json").write_text(json.dumps(summary, indent=1))
     plot(out)
-    print(json.dumps({"algorithm": args.algorithm, "faults_by_kind": chaos["faults_by_kind"], **metrics}, indent=1))
+    print(json.dumps(summary, indent=1))
     return 0
 
 

@@ -76,3 +76,60 @@ def test_crash_losses_are_the_tokens_trained_after_the_last_checkpoint_before_ea
               + [{"event": "joined", "time": 9.0}]  # a fresh join is not a crash of this daemon's state
               + [{"step": 0, "tokens": 0, "time": 10.0}])
     assert chaos.crash_losses(timeline(events)) == 20
+
+
+def test_schedule_has_the_same_number_of_each_kind_inside_the_window():
+    import random
+
+    faults = chaos.schedule(random.Random(3), 100.0, per_kind=4)
+    assert sorted(k for _, k in faults) == sorted(chaos.KINDS * 4)
+    times = [t for t, _ in faults]
+    assert times == sorted(times) and 10.0 <= times[0] and times[-1] <= 80.0
+    assert faults == chaos.schedule(random.Random(3), 100.0, per_kind=4)  # seeded: the same in both twins
+    assert faults != chaos.schedule(random.Random(4), 100.0, per_kind=4)
+
+
+def test_the_fault_free_twin_gets_the_joins_at_the_same_times_and_nothing_else():
+    faults = [(11.0, "kill"), (12.5, "join"), (20.0, "freeze"), (31.0, "join"), (40.0, "leave")]
+    assert chaos.reference_schedule(faults) == [(12.5, "join"), (31.0, "join")]
+
+
+def test_kept_tokens_leave_out_what_crashes_and_adoptions_threw_away():
+    assert chaos.kept_tokens(1000, 120, 30) == 850
+    assert chaos.kept_tokens(1000, 0, 0) == 1000
+
+
+def test_downtime_is_judged_against_the_fault_free_twins_own_longest_gap():
+    # The review's case: decoupled's longest gap 5.5 s against 2.5 s fault-free is 3 s of downtime, not 0.
+    d = chaos.downtime(5.5, 2.5)
+    assert d["downtime_beyond_fault_free_s"] == 3.0 and d["longest_gap_ratio"] == 2.2
+    assert chaos.downtime(2.0, 2.5)["downtime_beyond_fault_free_s"] == 0.0
+
+
+class FakeSwarm:
+    """Records the signals a Chaos sends; no processes."""
+
+    def __init__(self):
+        self.daemons, self.calls = {}, []
+
+    def kill(self, name):
+        self.calls.append(("kill", name))
+
+    def signal(self, name, sig):
+        self.calls.append(("signal", name, sig))
+
+
+def test_a_fault_that_would_leave_too_few_daemons_waits_and_is_logged_if_it_never_could():
+    import random
+    import time
+    from types import SimpleNamespace as NS
+
+    args = NS(min_live=2, rejoin=(100.0, 100.0), freeze=100.0, visit=100.0)
+    c = chaos.Chaos(FakeSwarm(), args, random.Random(0))
+    c.state = {"d0": "live", "d1": "live", "d2": "live"}
+    assert c.inject(0.0, "freeze")  # 3 live > 2: done
+    assert c.swarm.calls[0][0] == "signal" and c.state[c.swarm.calls[0][1]] == "frozen"
+    assert not c.inject(0.0, "kill")  # 2 live: it waits, nothing done, nothing logged
+    assert len(c.swarm.calls) == 1 and [f["kind"] for f in c.log] == ["freeze"]
+    c.run([(0.0, "kill")], duration=0.5, t0=time.monotonic())
+    assert [f["kind"] for f in c.log] == ["freeze", "not_injected_kill"]
