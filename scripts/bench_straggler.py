@@ -1,15 +1,24 @@
 #!/usr/bin/env python3
-"""A straggler: 4 daemons, one of them 3× slower, the same wall time; with and without it, side by side.
+"""A straggler: 4 daemons, one of them 3x slower, against all fast and against a CPU-load control; repeated.
 
-    python scripts/bench_straggler.py [--seconds 90] [--model tiny] [--sync-every 40]
+    python scripts/bench_straggler.py [--seconds 60] [--repeats 3] [--model tiny] [--sync-every 40]
 
-For each setting (diloco; decoupled with K = 1 and no grace window, K = 1 with the adaptive grace window, and
-K = M = 4) two fresh swarms run for ``--seconds`` of training: one where every daemon is fast, one where the
-last daemon sleeps long enough per step to be 3× slower. Steps are dominated by a fixed per-step delay (the
-same on every fast daemon) so that the comparison measures waiting, not the noise of four daemons sharing two
-cores. Reported: the fast daemons' tokens/s with the straggler relative to without it (goal for decoupled:
-≥ 0.97×), the straggler's share of merged rounds, and the held-out loss of each swarm's final global replica.
-Writes docs/results/bench_straggler.json and .png.
+For each setting (diloco; decoupled with every default; ``--settings`` adds decoupled with K = 1 and no grace
+window and decoupled with K = M = 4) and each repeat, three fresh swarms run for ``--seconds`` of training, in an
+order that rotates from repeat to repeat:
+
+- ``fast``: four daemons, every one fast;
+- ``straggler``: the fourth daemon sleeps long enough per step to be 3x slower, and is a member of the run;
+- ``control``: the same slow fourth daemon, but training alone in a run of its own: it loads the machine's CPU as
+  the straggler does (a slow daemon computes less per second and frees CPU for the others), yet nobody can wait
+  for it.
+
+Steps are dominated by a fixed per-step delay (the same on every fast daemon) so that the comparison measures
+waiting more than the noise of four daemons sharing two cores. Reported, per setting over the repeats (mean and
+95% interval): the fast daemons' seconds blocked on the network (the headline: a straggler must not make the
+others wait), their tokens/s with the straggler relative to the control of the same repeat (like-for-like CPU)
+and to all fast, the straggler's share of merged rounds, and the held-out loss of each swarm's final global
+replica. Writes docs/results/bench_straggler.json and .png.
 """
 
 from __future__ import annotations
@@ -28,96 +37,137 @@ from bench_parity import BATCH  # noqa: E402
 from swarm import LocalSwarm  # noqa: E402
 
 from atoll.node.config import RunConfig  # noqa: E402
+from stats import fmt, interval  # noqa: E402
 
 DAEMONS = 4
 FAST_DELAY = 0.15  # seconds per step on every daemon, on top of the compute
-SETTINGS = [
-    ("diloco", "diloco", []),
-    ("decoupled K=1", "decoupled", ["--quorum", "1", "--grace-gamma", "0"]),
-    ("decoupled K=1+grace", "decoupled", ["--quorum", "1", "--grace-gamma", "0.5"]),
-    ("decoupled K=M", "decoupled", ["--quorum", str(DAEMONS)]),
-]
+SETTINGS = {
+    "diloco": ("diloco", []),
+    "decoupled": ("decoupled", []),
+    "decoupled K=1 no grace": ("decoupled", ["--quorum", "1", "--grace-gamma", "0"]),
+    "decoupled K=M": ("decoupled", ["--quorum", str(DAEMONS)]),
+}
+VARIANTS = ("fast", "straggler", "control")
 
 
-def run_once(root: Path, algorithm: str, extra: list[str], straggler: bool, args: argparse.Namespace) -> dict:
+def run_once(root: Path, algorithm: str, extra: list[str], variant: str, args: argparse.Namespace) -> dict:
     common = ["--model", args.model, "--algorithm", algorithm, "--sync-every", str(args.sync_every),
               "--batch-size", str(BATCH), "--gather-timeout", "20", "--round-timeout", "20", "--threads", "1",
               "--overlap", str(args.overlap), *extra]
     shutil.rmtree(root, ignore_errors=True)
+    slow = f"d{DAEMONS - 1}"
     with LocalSwarm(root, common) as swarm:
         for i in range(DAEMONS):
-            slow = straggler and i == DAEMONS - 1
-            # 3× slower: three times the per-step delay plus twice an estimate of the compute it would also do.
-            delay = 3 * FAST_DELAY + 2 * args.compute_estimate if slow else FAST_DELAY
-            swarm.start(f"d{i}", ["--fault", f"step_delay={delay}"], join=i > 0)
+            name = f"d{i}"
+            # 3x slower: three times the per-step delay plus twice an estimate of the compute it would also do.
+            delay = 3 * FAST_DELAY + 2 * args.compute_estimate if variant != "fast" and name == slow else FAST_DELAY
+            if variant == "control" and name == slow:  # a run of its own: the same load, nobody to wait for it
+                swarm.start(name, ["--fault", f"step_delay={delay}", "--run-id", "control"], join=False)
+            else:
+                swarm.start(name, ["--fault", f"step_delay={delay}"], join=i > 0)
         time.sleep(args.seconds)
         swarm.stop_all(timeout=120)
     run = RunConfig(model=args.model, algorithm=algorithm, sync_every=args.sync_every)
-    s = summaries(swarm)
+    s = dict(zip(swarm.daemons, summaries(swarm)))
+    members = [n for n in swarm.daemons if not (variant == "control" and n == slow)]
     losses = evaluate_swarm(swarm, run)
-    fast = s[:-1] if straggler else s
-    slow_id = swarm.daemons[f"d{DAEMONS - 1}"].maddrs[0].rsplit("/", 1)[1]
-    rounds = [r for d in swarm.daemons.values() for r in d.rounds()]
-    return {"straggler": straggler, "fast_tokens_per_s": statistics.mean(x["tokens"] / x["wall_seconds"] for x in fast),
-            "tokens_per_s_per_daemon": [x["tokens"] / x["wall_seconds"] for x in s],
-            "blocked_s_mean": statistics.mean(x["blocked_s"] for x in s),
+    fast = [s[n] for n in swarm.daemons if n != slow]
+    slow_id = swarm.daemons[slow].maddrs[0].rsplit("/", 1)[1]
+    rounds = [r for n in members for r in swarm.daemons[n].rounds()]
+    return {"variant": variant,
+            "fast_tokens_per_s": statistics.mean(x["tokens"] / x["wall_seconds"] for x in fast),
+            "fast_blocked_s": statistics.mean(x["blocked_s"] for x in fast),
+            "tokens_per_s_per_daemon": {n: x["tokens"] / x["wall_seconds"] for n, x in s.items()},
+            "blocked_s_per_daemon": {n: x["blocked_s"] for n, x in s.items()},
             "rounds_with_last_daemon": sum(slow_id in r["contributors"] for r in rounds) / max(1, len(rounds)),
-            "held_out_loss_mean": statistics.mean(losses), "held_out_loss_per_daemon": losses}
+            "held_out_loss_mean": statistics.mean(losses[:len(members)]),
+            "held_out_loss_per_daemon": dict(zip(swarm.daemons, losses))}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=90)
+    parser.add_argument("--seconds", type=float, default=60)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--settings", nargs="+", default=["diloco", "decoupled"], choices=list(SETTINGS))
     parser.add_argument("--sync-every", type=int, default=40)
     parser.add_argument("--overlap", type=int, default=8)
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--compute-estimate", type=float, default=0.05, help="seconds of compute per step")
     parser.add_argument("--out", default="docs/results")
     args = parser.parse_args()
+    started = time.time()
+    runs: dict[str, list[dict]] = {label: [] for label in args.settings}
+    for rep in range(args.repeats):
+        for label in args.settings:
+            algorithm, extra = SETTINGS[label]
+            order = VARIANTS[rep % 3:] + VARIANTS[:rep % 3]
+            got = {}
+            for variant in order:
+                print(f"repeat {rep + 1}/{args.repeats} {label}: {variant} for {args.seconds:.0f} s ...", flush=True)
+                root = Path("runs/bench_straggler") / f"{label.replace(' ', '_').replace('=', '')}-{variant}"
+                got[variant] = run_once(root, algorithm, extra, variant, args)
+            got["ratio_to_control"] = got["straggler"]["fast_tokens_per_s"] / got["control"]["fast_tokens_per_s"]
+            got["ratio_to_fast"] = got["straggler"]["fast_tokens_per_s"] / got["fast"]["fast_tokens_per_s"]
+            got["control_over_fast"] = got["control"]["fast_tokens_per_s"] / got["fast"]["fast_tokens_per_s"]
+            runs[label].append(got)
+            print(f"    fast daemons blocked {got['straggler']['fast_blocked_s']:.1f} s with the straggler, "
+                  f"{got['control']['fast_blocked_s']:.1f} s in the control; tokens/s straggler/control "
+                  f"{got['ratio_to_control']:.3f}, straggler/fast {got['ratio_to_fast']:.3f}", flush=True)
     results = []
-    for label, algorithm, extra in SETTINGS:
-        row = {"setting": label, "algorithm": algorithm, "flags": extra}
-        for straggler in (False, True):
-            print(f"{label}: {'one 3x slower daemon' if straggler else 'all fast'} for {args.seconds:.0f} s ...",
-                  flush=True)
-            root = Path("runs/bench_straggler") / f"{label.replace(' ', '_').replace('=', '')}-{int(straggler)}"
-            row["with" if straggler else "without"] = run_once(root, algorithm, extra, straggler, args)
-        row["fast_tokens_per_s_ratio"] = row["with"]["fast_tokens_per_s"] / row["without"]["fast_tokens_per_s"]
+    for label in args.settings:
+        reps = runs[label]
+        row = {"setting": label, "algorithm": SETTINGS[label][0], "flags": SETTINGS[label][1], "repeats": reps}
+        for key in ("ratio_to_control", "ratio_to_fast", "control_over_fast"):
+            row[key] = interval([r[key] for r in reps])
+        for variant in VARIANTS:
+            row[f"fast_blocked_s_{variant}"] = interval([r[variant]["fast_blocked_s"] for r in reps])
+            row[f"held_out_loss_{variant}"] = interval([r[variant]["held_out_loss_mean"] for r in reps])
+        row["rounds_with_straggler"] = interval([r["straggler"]["rounds_with_last_daemon"] for r in reps])
         results.append(row)
-        print(f"    fast daemons' tokens/s with/without the straggler: {row['fast_tokens_per_s_ratio']:.3f}; "
-              f"held-out {row['without']['held_out_loss_mean']:.4f} / {row['with']['held_out_loss_mean']:.4f}",
-              flush=True)
+        print(f"{label:24s} blocked (fast daemons, s): straggler {fmt(row['fast_blocked_s_straggler'], 1)}, "
+              f"control {fmt(row['fast_blocked_s_control'], 1)}; tokens/s straggler/control "
+              f"{fmt(row['ratio_to_control'])}, /fast {fmt(row['ratio_to_fast'])}")
     doc = {"command": "python scripts/bench_straggler.py " + " ".join(sys.argv[1:]), "model": args.model,
-           "daemons": DAEMONS, "seconds": args.seconds, "sync_every": args.sync_every, "overlap": args.overlap,
-           "fast_step_delay": FAST_DELAY, "results": results}
+           "daemons": DAEMONS, "seconds": args.seconds, "repeats": args.repeats, "sync_every": args.sync_every,
+           "overlap": args.overlap, "fast_step_delay": FAST_DELAY, "minutes": (time.time() - started) / 60,
+           "results": results}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_straggler.json").write_text(json.dumps(doc, indent=1))
+    plot(doc, out / "bench_straggler.png")
+    return 0
+
+
+def plot(doc: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    results = doc["results"]
     labels = [r["setting"] for r in results]
-    ax1.bar(labels, [r["fast_tokens_per_s_ratio"] for r in results], color="tab:blue")
-    ax1.axhline(0.97, color="k", ls="--", lw=0.8)
-    ax1.set_ylim(0, 1.1)
-    ax1.set_ylabel("fast daemons' tokens/s: with / without straggler")
     x = range(len(results))
-    ax2.bar([i - 0.2 for i in x], [r["without"]["held_out_loss_mean"] for r in results], 0.4, label="all fast")
-    ax2.bar([i + 0.2 for i in x], [r["with"]["held_out_loss_mean"] for r in results], 0.4, label="one 3× slower")
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, variant in enumerate(VARIANTS):
+        key = f"fast_blocked_s_{variant}"
+        ax1.bar([j + (i - 1) * 0.27 for j in x], [r[key]["mean"] for r in results], 0.27,
+                yerr=[r[key]["ci95"] or 0 for r in results], capsize=4, label=variant)
+    ax1.set_xticks(list(x), labels)
+    ax1.set_ylabel(f"fast daemons' seconds blocked in {doc['seconds']:.0f} s")
+    ax1.legend(fontsize=8)
+    for i, key in enumerate(("ratio_to_control", "ratio_to_fast")):
+        ax2.bar([j + (i - 0.5) * 0.4 for j in x], [r[key]["mean"] for r in results], 0.4,
+                yerr=[r[key]["ci95"] or 0 for r in results], capsize=4,
+                label={"ratio_to_control": "straggler / control", "ratio_to_fast": "straggler / all fast"}[key])
+    ax2.axhline(0.97, color="k", ls="--", lw=0.8)
+    ax2.set_ylim(0, 1.15)
     ax2.set_xticks(list(x), labels)
-    lo = min(min(r["with"]["held_out_loss_mean"], r["without"]["held_out_loss_mean"]) for r in results)
-    ax2.set_ylim(lo * 0.95, None)
-    ax2.set_ylabel("held-out loss (final Θ)")
-    ax2.legend()
-    for ax in (ax1, ax2):
-        ax.tick_params(axis="x", labelsize=8)
-    fig.suptitle(f"{DAEMONS} daemons, {args.model}, {args.seconds:.0f} s each, H={args.sync_every}")
+    ax2.set_ylabel("fast daemons' tokens/s, ratio")
+    ax2.legend(fontsize=8, loc="lower right")
+    fig.suptitle(f"{doc['daemons']} daemons, {doc['model']}, {doc['seconds']:.0f} s each, H={doc['sync_every']}, "
+                 f"{doc['repeats']} repeats (mean, 95% interval)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(out / "bench_straggler.png", dpi=110)
-    return 0
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
