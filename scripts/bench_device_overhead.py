@@ -15,10 +15,12 @@ daemon, side by side on the same model and device, for cpu and for xla (torch_xl
   from its metrics.jsonl timestamps, over the same number of steps, after its first round (warm-up).
 
 The bare loop and both learners run in one process (one torch thread), alternating blocks of 10 steps in
-ABC CBA order, so that whatever else runs on the machine slows them alike; the daemon runs in its own processes
-before or after them (alternating). All use the same model, batch size and precision (the daemon's default:
+ABC CBA order, so that whatever else runs on the machine slows them alike. The daemon runs in its own processes,
+bracketed: pair, daemon, pair, daemon, ..., pair, and each daemon run is compared with the mean of the pair runs
+just before and just after it (a slow drift of the machine's load weighs on both sides alike). All use the same model, batch size and precision (the daemon's default:
 fp32 on cpu, bf16 autocast on xla); the first ``--warmup`` steps (graph compilation on xla) are excluded.
-Ratios to the bare loop are taken within each repetition; the median over repetitions is reported. torch_xla's
+Ratios to the bare loop are taken within each repetition; the mean with a 95% interval over repetitions, and the
+median, are reported. torch_xla's
 CPU runtime is held to one thread too (``XLA_FLAGS``, unless set). xla runs with the xla venv's interpreter
 (``make test-xla`` builds it) and this clone's code on PYTHONPATH.
 Writes docs/results/bench_device_overhead.{json,png}.
@@ -38,6 +40,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from stats import fmt, interval  # noqa: E402
 LOG_EVERY = 10
 KINDS = ("bare", "learner", "lagged", "daemon")
 # torch_xla's CPU runtime would use every core; one thread, like torch's, makes the xla runs comparable with the
@@ -288,15 +292,17 @@ def main() -> None:
     runs: dict[str, list[dict]] = {d: [] for d in devices}
     load_before = os.getloadavg()
     started = time.time()
-    for rep in range(args.repeats):
-        for device in devices:
-            if rep % 2 == 0:  # alternate which goes first
-                pair, daemon = run_pair(pythons[device], device, args), run_daemon(pythons[device], device, args)
-            else:
-                daemon, pair = run_daemon(pythons[device], device, args), run_pair(pythons[device], device, args)
-            r = {"bare": pair["bare"], "learner": pair["learner"], "lagged": pair["lagged"], "daemon": daemon,
-                 "compilations": pair["compilations"], "loadavg": os.getloadavg()}
+    for device in devices:
+        before = run_pair(pythons[device], device, args)
+        for rep in range(args.repeats):
+            daemon = run_daemon(pythons[device], device, args)
+            after = run_pair(pythons[device], device, args)
+            # The daemon run against the mean of the pair runs that bracket it.
+            r = {k: {"tokens_per_s": (before[k]["tokens_per_s"] + after[k]["tokens_per_s"]) / 2,
+                     "before": before[k]["tokens_per_s"], "after": after[k]["tokens_per_s"]} for k in KINDS[:3]}
+            r |= {"daemon": daemon, "compilations": after["compilations"], "loadavg": os.getloadavg()}
             runs[device].append(r)
+            before = after
             print(f"rep {rep + 1}/{args.repeats} {device:4s} " + "  ".join(
                 f"{k} {r[k]['tokens_per_s']:7.0f}" for k in KINDS) + " tokens/s", flush=True)
 
@@ -315,7 +321,8 @@ def main() -> None:
             d[kind] = {"tokens_per_s": values, "median_tokens_per_s": statistics.median(values)}
         for kind in KINDS[1:]:
             ratios = [r[kind]["tokens_per_s"] / r["bare"]["tokens_per_s"] for r in runs[device]]
-            d[f"ratio_{kind}"] = {"per_run": ratios, "median": statistics.median(ratios)}
+            d[f"ratio_{kind}"] = {"per_run": ratios, "median": statistics.median(ratios), **interval(ratios),
+                                  "runs_within_3pct": sum(x >= 0.97 for x in ratios)}
             d[f"overhead_{kind}_pct"] = 100 * (1 - statistics.median(ratios))
         between = [r["daemon"]["between_rounds_tokens_per_s"] / r["bare"]["tokens_per_s"] for r in runs[device]]
         cost = [r["daemon"]["round_cost_in_steps"] for r in runs[device] if r["daemon"]["round_cost_in_steps"]]
@@ -326,7 +333,8 @@ def main() -> None:
             d["ratio_daemon_derived"] = {str(h): b * h / (h + c) for h in (50, 100, 500)}
         result["devices"][device] = d
         print(f"{device}: bare {d['bare']['median_tokens_per_s']:.0f} tokens/s; learner "
-              f"{d['ratio_learner']['median']:.3f}x, lagged {d['ratio_lagged']['median']:.3f}x, daemon {d['ratio_daemon']['median']:.3f}x of bare (median per run); "
+              f"{fmt(d['ratio_learner'])}x, lagged {fmt(d['ratio_lagged'])}x, daemon {fmt(d['ratio_daemon'])}x of bare (mean per run, "
+              f"95% interval; daemon within 3% in {d['ratio_daemon']['runs_within_3pct']} of {args.repeats}); "
               f"daemon between rounds {d['ratio_daemon_between_rounds']['median']:.3f}x, a round costs "
               f"{d['round_cost_in_steps']['median'] or float('nan'):.1f} steps")
 
