@@ -170,6 +170,9 @@ class NodeConfig:
                                         "after a merge (and once at the end) only while the time spent on it so far "
                                         "is within this share; 1 evaluates after every merge", metavar="SHARE")
     bootstrap_retries: int = opt(3, help="attempts to start the DHT and reach an initial peer", metavar="N")
+    config_wait: float = opt(30.0, help="seconds a daemon given --initial-peers waits to read the run's config "
+                                        "before it gives up (it never starts a new run at someone else's peers)",
+                             metavar="SECONDS")
     log_level: str = opt("INFO", help="DEBUG, INFO, WARNING or ERROR", metavar="LEVEL")
     # Long enough to outlast a few rounds of a misbehaving peer, short enough that a peer that was wrongly suspected
     # (or fixed) is back within minutes.
@@ -197,7 +200,7 @@ class NodeConfig:
         for name in ("initial_peers", "host_maddrs", "announce_maddrs"):
             for addr in getattr(self, name):
                 _check_maddr(name, addr, need_peer_id=name == "initial_peers")
-        _positive(self, "batch_size", "threads", "heartbeat", "bootstrap_retries", "eval_batches")
+        _positive(self, "batch_size", "threads", "heartbeat", "bootstrap_retries", "eval_batches", "config_wait")
         _non_negative(self, "max_steps", "peer_cooldown")
         if not 0 < self.eval_budget <= 1:
             raise ConfigError(f"eval_budget: {self.eval_budget} must be in (0, 1]")

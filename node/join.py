@@ -96,13 +96,20 @@ def agree_on_run_config(dht: DHT, cfg: NodeConfig, explicit: set[str], token: Jo
     key = config_key(cfg.run_id)
     published = None
     if cfg.initial_peers:
-        for _ in range(5):
+        # A daemon pointed at peers joins their run; on a loaded machine or a slow link the config can take a while
+        # to read. Starting a run of its own there instead would fork the run (a restarted daemon did, training
+        # alone on its checkpoint), so it waits, then gives up.
+        deadline = time.monotonic() + cfg.config_wait
+        while published is None:
             records = [r for r in map(parse_run_config, unwrap_subkeys(dht.get(key, latest=True)).values())
                        if r is not None]
             if records:
                 published = min(records, key=lambda r: r.started_at)
-                break
-            time.sleep(1)
+            elif time.monotonic() > deadline:
+                raise ConfigError(f"initial_peers: no run {cfg.run_id!r} found there in {cfg.config_wait:.0f} s; "
+                                  "check --run-id, or start a new run without --initial-peers")
+            else:
+                time.sleep(1)
     if published is not None:
         check_access(cfg.run_id, token, published)
         cfg = dataclasses.replace(cfg, run=reconcile_run_config(cfg.run, explicit, published.fields))

@@ -19,3 +19,23 @@ def test_unreachable_bootstrap_peer_exits_2(tmp_path):
     assert out.returncode == 2
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("atoll: error: initial_peers: could not reach any bootstrap peer after 3 attempts")
+
+
+def test_a_daemon_pointed_at_peers_without_its_run_refuses_instead_of_starting_one(tmp_path):
+    """A restarted daemon of a chaos run that could not read the run's config in 5 s started a run of its own at
+    its peers and trained alone on its checkpoint, a fork. Pointed at peers, a daemon joins their run or exits."""
+    from swarm import LocalSwarm
+
+    with LocalSwarm(tmp_path / "swarm", ["--model", "nano", "--batch-size", "2", "--open"]) as swarm:
+        host = swarm.start("a", join=False)
+        out = subprocess.run(
+            [sys.executable, "-m", "atoll.node.cli", "start", "--initial-peers", host.maddrs[0], "--host-maddrs",
+             "/ip4/127.0.0.1/tcp/0", "--checkpoint-dir", str(tmp_path / "b"), "--run-id", "another", "--open",
+             "--config-wait", "3"],
+            capture_output=True, text=True, timeout=180,
+        )
+    assert out.returncode == 2, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last == "atoll: error: initial_peers: no run 'another' found there in 3 s; check --run-id, or start a " \
+                   "new run without --initial-peers"
+    assert "starting a new" not in out.stderr
