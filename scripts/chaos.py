@@ -96,14 +96,18 @@ class Chaos:
         self.lock = threading.Lock()
 
     def start(self, name: str, delay: float = 0.0) -> None:
+        if self.state.get(name) == "retired":  # a visitor whose visit ended stays away
+            return
         self.state[name] = "starting"
 
         def run() -> None:
             time.sleep(delay)
             if self.state.get(name) == "retired":  # its visit ended while it was down
                 return
-            # Several bootstrap peers: the one LocalSwarm would pick may be frozen or killed meanwhile.
-            peers = [self.swarm.daemons[n].maddrs[0] for n in self.live()[:3] if self.swarm.daemons[n].maddrs]
+            # Several bootstrap peers, drawn at random: any one may be frozen or killed meanwhile.
+            live = self.live()
+            chosen = self.rng.sample(live, min(3, len(live)))
+            peers = [self.swarm.daemons[n].maddrs[0] for n in chosen if self.swarm.daemons[n].maddrs]
             try:
                 extra = ["--initial-peers", *peers] if peers else []
                 self.spawned.append((name, time.time()))
@@ -113,8 +117,12 @@ class Chaos:
                 else:
                     self.state[name] = "live"
             except RuntimeError as e:
+                # Its bootstrap peers went down while it started (or the machine is too loaded): try again, as an
+                # operator's supervisor would. Counted: each is downtime the fault caused.
                 self.record(time.monotonic() - self.t0, "start_failed", name, error=str(e).splitlines()[0])
+                self.swarm.signal(name, signal.SIGKILL)
                 self.state[name] = "down"
+                self.start(name, delay=self.rng.uniform(*self.args.rejoin))
 
         threading.Thread(target=run, daemon=True).start()
 
