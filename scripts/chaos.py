@@ -104,9 +104,12 @@ class Chaos:
             time.sleep(delay)
             if self.state.get(name) == "retired":  # its visit ended while it was down
                 return
-            # Several bootstrap peers, drawn at random: any one may be frozen or killed meanwhile.
-            live = self.live()
-            chosen = self.rng.sample(live, min(3, len(live)))
+            # Several bootstrap peers, drawn at random, the original daemons first (a visitor may leave any time):
+            # any one may be frozen or killed meanwhile.
+            live = [n for n in self.live() if n not in self.expect_death]
+            originals = [n for n in live if n.startswith("d")]
+            chosen = self.rng.sample(originals, min(3, len(originals)))
+            chosen += self.rng.sample([n for n in live if n not in chosen], min(3 - len(chosen), len(live) - len(chosen)))
             peers = [self.swarm.daemons[n].maddrs[0] for n in chosen if self.swarm.daemons[n].maddrs]
             try:
                 extra = ["--initial-peers", *peers] if peers else []
@@ -121,8 +124,9 @@ class Chaos:
                 # operator's supervisor would. Counted: each is downtime the fault caused.
                 self.record(time.monotonic() - self.t0, "start_failed", name, error=str(e).splitlines()[0])
                 self.swarm.signal(name, signal.SIGKILL)
-                self.state[name] = "down"
-                self.start(name, delay=self.rng.uniform(*self.args.rejoin))
+                if self.state.get(name) != "retired":
+                    self.state[name] = "down"
+                    self.start(name, delay=self.rng.uniform(*self.args.rejoin))
 
         threading.Thread(target=run, daemon=True).start()
 
@@ -137,7 +141,7 @@ class Chaos:
     def inject(self, t: float, kind: str) -> bool:
         """Injects one fault now; False (nothing done) if it would leave fewer than ``min_live`` daemons training:
         the caller retries it later."""
-        live = self.live()
+        live = [n for n in self.live() if n not in self.expect_death]  # an armed checkpoint kill is as good as down
         removes = kind in ("kill", "leave", "freeze", "checkpoint_kill")
         if removes and len(live) <= self.args.min_live:
             return False
@@ -217,6 +221,7 @@ class Chaos:
                     pending.remove(due)
                     if t - due[0] > 0.5:
                         self.log[-1]["deferred_s"] = round(t - due[0], 1)
+                    break  # one per tick: deferred faults do not all land on the same moment (and target)
             self.reap(t)
             time.sleep(0.2)
         for when, kind in pending:

@@ -133,3 +133,20 @@ def test_a_fault_that_would_leave_too_few_daemons_waits_and_is_logged_if_it_neve
     assert len(c.swarm.calls) == 1 and [f["kind"] for f in c.log] == ["freeze"]
     c.run([(0.0, "kill")], duration=0.5, t0=time.monotonic())
     assert [f["kind"] for f in c.log] == ["freeze", "not_injected_kill"]
+
+
+def test_a_fault_never_lands_on_a_daemon_about_to_die_and_waits_while_too_few_are_left():
+    import random
+    import time
+    from types import SimpleNamespace as NS
+
+    args = NS(min_live=1, rejoin=(100.0, 100.0), freeze=100.0, visit=100.0)
+    c = chaos.Chaos(FakeSwarm(), args, random.Random(1))
+    c.start = lambda name, delay=0.0: None  # no restarts in this test
+    c.state = {"d0": "live", "d1": "live", "d2": "live"}
+    c.expect_death = {"d0"}  # its checkpoint kill is armed
+    t0 = time.monotonic()
+    c.run([(0.0, "freeze"), (0.0, "kill")], duration=0.7, t0=t0)
+    hits = [f for f in c.log if f["kind"] in ("freeze", "kill", "not_injected_kill")]
+    assert [f["kind"] for f in hits] == ["freeze", "not_injected_kill"]  # d1 or d2 frozen, then only one is left
+    assert hits[0]["target"] in ("d1", "d2")
