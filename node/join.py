@@ -16,6 +16,7 @@ from typing import Any
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
+from atoll.protocols import dht_io
 from atoll.protocols.auth import AuthError, JoinToken, RunKey, fingerprint
 from atoll.protocols.records import RunConfigRecord, config_key, parse_run_config, unwrap_subkeys
 
@@ -101,7 +102,7 @@ def agree_on_run_config(dht: DHT, cfg: NodeConfig, explicit: set[str], token: Jo
         # alone on its checkpoint), so it waits, then gives up.
         deadline = time.monotonic() + cfg.config_wait
         while published is None:
-            records = [r for r in map(parse_run_config, unwrap_subkeys(dht.get(key, latest=True)).values())
+            records = [r for r in map(parse_run_config, unwrap_subkeys(dht_io.get_blocking(dht, key)).values())
                        if r is not None]
             if records:
                 published = min(records, key=lambda r: r.started_at)
@@ -122,5 +123,5 @@ def agree_on_run_config(dht: DHT, cfg: NodeConfig, explicit: set[str], token: Jo
             access="private" if private else "open", run_key=fingerprint(token.run_public_key) if private else None,
         ).dict()
         logger.info("starting a new %s run %r", "private" if private else "open", cfg.run_id)
-    dht.store(key, record, expiration_time=get_dht_time() + CONFIG_TTL, subkey=subkey)
+    dht_io.store_blocking(dht, key, record, get_dht_time() + CONFIG_TTL, subkey)
     return cfg, record

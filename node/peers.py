@@ -15,6 +15,7 @@ from typing import Any
 
 from hivemind.utils import get_dht_time
 
+from atoll.protocols import dht_io
 from atoll.protocols.records import ProgressRecord, Status, config_key, parse_progress, progress_key, unwrap_subkeys
 
 from .context import SyncContext
@@ -50,19 +51,20 @@ class PeerTable:
         )
         return rec
 
-    async def publish(self, status: Status | None = None, ttl: float | None = None) -> None:
+    async def publish(self, status: Status | None = None, ttl: float | None = None,
+                      timeout: float | None = None) -> None:
         ctx = self.ctx
         rec = self.progress_record(status or ctx.counters.status)
         ttl = ttl if ttl is not None else 3 * ctx.cfg.heartbeat
-        await ctx.dht.store(progress_key(ctx.namespace()), rec, expiration_time=get_dht_time() + ttl,
-                            subkey=ctx.subkey, return_future=True)
+        await dht_io.store(ctx.dht, progress_key(ctx.namespace()), rec, get_dht_time() + ttl, ctx.subkey,
+                           timeout=timeout, on_timeout=ctx.reject)
 
     async def republish_config(self) -> None:
         """The run's config, again every ``CONFIG_REPUBLISH`` seconds: the run outlives the daemon that started it."""
         if self.config_record is None or time.monotonic() - self._config_published <= CONFIG_REPUBLISH:
             return
-        await self.ctx.dht.store(config_key(self.ctx.cfg.run_id), self.config_record, subkey=self.ctx.subkey,
-                                 expiration_time=get_dht_time() + CONFIG_TTL, return_future=True)
+        await dht_io.store(self.ctx.dht, config_key(self.ctx.cfg.run_id), self.config_record,
+                           get_dht_time() + CONFIG_TTL, self.ctx.subkey, on_timeout=self.ctx.reject)
         self._config_published = time.monotonic()
 
     # ---- the table ------------------------------------------------------------------------------------------
@@ -85,7 +87,7 @@ class PeerTable:
 
     async def _read_table(self) -> dict[str, ProgressRecord]:
         ctx = self.ctx
-        entry = await ctx.dht.get(progress_key(ctx.namespace()), latest=True, return_future=True)
+        entry = await dht_io.get(ctx.dht, progress_key(ctx.namespace()), on_timeout=ctx.reject)
         peers, everyone = {}, {}
         for subkey, value in unwrap_subkeys(entry).items():
             if ctx.cooldown.active(subkey):

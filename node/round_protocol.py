@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from hivemind.utils import get_dht_time
 
+from atoll.protocols import dht_io
 from atoll.protocols.averaging import HONEST, AllreduceResult, AveragingServicer, GroupSpec, Tamper, allreduce
 from atoll.protocols.matchmaking import POLL_INTERVAL, form_group
 from atoll.protocols.records import ProgressRecord, Status, open_rounds_key, parse_open_round, unwrap_subkeys
@@ -202,8 +203,8 @@ class RoundProtocol:
     async def _announce(self, p: int, version: int) -> None:
         ctx = self.ctx
         record = {"peer_id": ctx.peer_id, "fragment": p, "version": version}
-        await ctx.dht.store(open_rounds_key(ctx.namespace()), record, subkey=ctx.subkey,
-                            expiration_time=get_dht_time() + ctx.cfg.run.gather_timeout, return_future=True)
+        await dht_io.store(ctx.dht, open_rounds_key(ctx.namespace()), record,
+                           get_dht_time() + ctx.cfg.run.gather_timeout, ctx.subkey, on_timeout=ctx.reject)
 
     async def watch_open_rounds(self) -> None:
         """Daemons drift apart in their schedules (different speeds, joins, restarts). Whenever a live peer opens a
@@ -214,7 +215,7 @@ class RoundProtocol:
             await asyncio.sleep(OPEN_ROUND_POLL)
             try:
                 t0 = time.monotonic()
-                entry = await ctx.dht.get(open_rounds_key(ctx.namespace()), latest=True, return_future=True)
+                entry = await dht_io.get(ctx.dht, open_rounds_key(ctx.namespace()), on_timeout=ctx.reject)
                 self.read_time.update(time.monotonic() - t0)
             except asyncio.CancelledError:
                 raise

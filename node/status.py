@@ -7,6 +7,7 @@ import logging
 import time
 from typing import Any
 
+from atoll.protocols import dht_io
 from atoll.protocols.records import (
     config_key,
     make_validators,
@@ -22,12 +23,12 @@ from .config import ConfigError, NodeConfig
 def collect_status(dht: Any, run_id: str) -> dict[str, Any]:
     """The stable JSON document ``atoll status --json`` prints: run_id, config, peers (sorted), totals."""
     peers = []
-    for value in unwrap_subkeys(dht.get(progress_key(run_id), latest=True)).values():
+    for value in unwrap_subkeys(dht_io.get_blocking(dht, progress_key(run_id))).values():
         rec = parse_progress(value)
         if rec is not None:
             peers.append(rec.dict())
     peers.sort(key=lambda r: r["peer_id"])
-    configs = [c for c in map(parse_run_config, unwrap_subkeys(dht.get(config_key(run_id), latest=True)).values())
+    configs = [c for c in map(parse_run_config, unwrap_subkeys(dht_io.get_blocking(dht, config_key(run_id))).values())
                if c is not None]
     config = min(configs, key=lambda c: c.started_at).fields if configs else None
     active = [p for p in peers if p["status"] != "leaving"]

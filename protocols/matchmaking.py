@@ -26,6 +26,7 @@ from typing import Any
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
+from . import dht_io
 from .records import parse_round_record, round_key, unwrap_subkeys
 
 logger = logging.getLogger("atoll")
@@ -116,14 +117,15 @@ async def form_group(
     now = get_dht_time()
     expiration = now + 4 * gather_timeout + 60
     record = {"peer_id": peer_id, "weight": float(weight), "time": float(now)}
-    if not await dht.store(key, record, expiration_time=expiration, subkey=subkey, return_future=True):
+    timed_out = lambda kind: on_reject(kind, None)  # noqa: E731
+    if not await dht_io.store(dht, key, record, expiration, subkey, on_timeout=timed_out):
         logger.warning("round v%d: could not store registration in the DHT", version)
     quorum_since: float | None = None
     while True:
         if abort():
             return None
         entry, group_entry = await asyncio.gather(
-            dht.get(key, latest=True, return_future=True), dht.get(gkey, latest=True, return_future=True)
+            dht_io.get(dht, key, on_timeout=timed_out), dht_io.get(dht, gkey, on_timeout=timed_out)
         )
         peers = await live_peers()
         registered: dict[str, float] = {peer_id: now}
@@ -147,11 +149,11 @@ async def form_group(
                 close = close or t >= quorum_since + grace()
             if close:
                 groups = split_groups(registered, max_group)
-                await dht.store(gkey, {"groups": groups, "time": float(get_dht_time())},
-                                expiration_time=expiration, subkey=subkey, return_future=True)
+                await dht_io.store(dht, gkey, {"groups": groups, "time": float(get_dht_time())}, expiration, subkey,
+                                   on_timeout=timed_out)
                 # Another registrant whose view of the DHT lacked our registration may have decided first, taking
                 # itself for the coordinator: everyone follows the earliest decision, so we do too.
-                first = _first_decision(await dht.get(gkey, latest=True, return_future=True), gather_timeout,
+                first = _first_decision(await dht_io.get(dht, gkey, on_timeout=timed_out), gather_timeout,
                                         on_reject, excluded, not_before)
                 return next((members for members in (first or groups) if peer_id in members), [])
         elif get_dht_time() > deadline + gather_timeout / 2 + 2:

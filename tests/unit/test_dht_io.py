@@ -1,0 +1,90 @@
+"""Every DHT read and write gives up after a bounded time: a value that does not deserialize leaves hivemind's
+``get`` future pending forever, and nothing that awaits one may hang with it."""
+
+import asyncio
+import concurrent.futures
+import time
+
+import pytest
+
+from atoll.protocols import dht_io
+
+
+class SilentDHT:
+    """A DHT whose reads never complete (what a malformed value does to hivemind's future); writes succeed."""
+
+    def __init__(self):
+        self.stored = {}
+
+    def get(self, key, latest, return_future):
+        return asyncio.get_running_loop().create_future()  # never resolved
+
+    def store(self, key, value, expiration_time, subkey, return_future):
+        self.stored.setdefault(key, {})[subkey] = value
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(True)
+        return done
+
+
+class BlockingSilentDHT:
+    def get(self, key, latest, return_future):
+        return concurrent.futures.Future()
+
+    store = lambda self, *a, **k: concurrent.futures.Future()  # noqa: E731
+
+
+def test_a_read_that_never_completes_returns_nothing_after_the_timeout_and_is_counted():
+    seen = []
+    start = time.monotonic()
+    assert asyncio.run(dht_io.get(SilentDHT(), "k", timeout=0.1, on_timeout=seen.append)) is None
+    assert 0.1 <= time.monotonic() - start < 2.0
+    assert seen == ["dht_read_timeout"]
+
+
+def test_blocking_reads_and_writes_give_up_too():
+    seen = []
+    assert dht_io.get_blocking(BlockingSilentDHT(), "k", timeout=0.05, on_timeout=seen.append) is None
+    assert dht_io.store_blocking(BlockingSilentDHT(), "k", 1, 0.0, timeout=0.05, on_timeout=seen.append) is False
+    assert seen == ["dht_read_timeout", "dht_write_timeout"]
+
+
+def test_a_completed_read_passes_its_value_through():
+    class Answering:
+        async def get(self, key, latest, return_future):
+            return {"value": key}
+
+    assert asyncio.run(dht_io.get(Answering(), "k", timeout=1.0)) == {"value": "k"}
+
+
+def test_forming_a_group_over_a_dht_that_never_answers_ends(monkeypatch):
+    """The reproduced attack: one malformed value under a round's key and every registrant waited forever. Now
+    each read gives up; with nobody else seen, the registrant decides a group of its own and the round goes on."""
+    from atoll.protocols.matchmaking import form_group
+
+    monkeypatch.setattr(dht_io, "READ_TIMEOUT", 0.05)
+    rejected = []
+
+    async def live():
+        return {}
+
+    async def run():
+        return await asyncio.wait_for(form_group(
+            SilentDHT(), run_id="run", fragment=0, version=3, peer_id="me", subkey=b"me", weight=1.0,
+            live_peers=live, gather_timeout=2.0, abort=lambda: False, on_reject=lambda kind, src: rejected.append(kind),
+            base="D"), timeout=10)
+
+    assert asyncio.run(run()) == ["me"]
+    assert rejected and set(rejected) == {"dht_read_timeout"}
+
+
+@pytest.mark.parametrize("name", ["get", "store"])
+def test_the_protocols_reach_the_dht_only_through_this_module(name):
+    """No direct ``dht.get``/``dht.store`` left in node/ or protocols/ (one would be an unbounded await)."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(dht_io.__file__).resolve().parent.parent
+    offenders = [f"{p.relative_to(root)}:{i}" for d in ("node", "protocols") for p in sorted((root / d).glob("*.py"))
+                 if p.name != "dht_io.py"
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(rf"(?<!`)\bdht\.{name}\(", line)]
+    assert offenders == []
