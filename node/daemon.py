@@ -11,6 +11,7 @@ in its step instead (``ddp.py``).
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -249,7 +250,16 @@ class Daemon:
         self.checkpointer.submit(tensors, meta, interrupt=self.faults.checkpoint_interrupt(self.checkpoints_written))
 
     def _install_signal_handlers(self) -> None:
+        daemon_pid = os.getpid()
+
         def handler(signum: int, _frame: Any) -> None:
+            if os.getpid() != daemon_pid:
+                # hivemind's DHT process is forked from this one and inherits this handler: there it would only set
+                # its own copy of the flag and ignore the signal (SIGTERM to the process group, as systemd sends it,
+                # then never ended the daemon, which waited for its DHT process). It ends as by default instead.
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+                return
             logger.info("received %s: finishing the current step, then leaving", signal.Signals(signum).name)
             self.stop.set()
 

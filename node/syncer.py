@@ -39,6 +39,7 @@ from .replica import Replica
 from .round_protocol import RoundOutcome, RoundProtocol
 
 logger = logging.getLogger("atoll")
+LEAVE_TIMEOUT = 3.0  # seconds the leaving announcement may take
 
 
 class Syncer:
@@ -145,7 +146,8 @@ class Syncer:
         for task in ours:
             task.cancel()
         await asyncio.gather(*ours, return_exceptions=True)
-        await self.table.publish(status=Status.LEAVING, ttl=self.ctx.cfg.heartbeat)
+        # Short: with SIGTERM sent to the whole process group the DHT process is gone, and nobody would read it.
+        await self.table.publish(status=Status.LEAVING, ttl=self.ctx.cfg.heartbeat, timeout=LEAVE_TIMEOUT)
         await self.ctx.p2p.shutdown()
 
     # ---- the facade the training loop uses -----------------------------------------------------------------
