@@ -11,8 +11,11 @@ gather deadline; then it publishes the sorted member list under ``<round key>_gr
 than the round-size cap registered (those groups fork the fragment at this version on purpose, and consistency
 reconciles them: gossip rather than one all-reduce over the whole swarm). Everyone else waits for a group
 record and uses it verbatim, so all members run the all-reduce with the same list. A daemon left
-out of the group (it registered too late) gets an empty list and catches up by download; if no coordinator
-publishes in time (it died), the round is skipped and retried at the next sync point without it. Decisions
+out of the group (it registered too late) gets an empty list and catches up by download; a coordinator that has
+not published well after its deadline (it died, or it forged an early time) is bypassed and the next registrant
+takes over; once every registrant's deadline is past, the round is skipped and retried at the next sync point.
+Registration times are bounded by the reader's clock: older than a registration's lifetime in the DHT, or more
+than ``MAX_CLOCK_SKEW`` ahead, is rejected as forged. Decisions
 older than a few gather timeouts are ignored, so a round that was abandoned cannot shut anyone out for good.
 """
 
@@ -33,6 +36,7 @@ logger = logging.getLogger("atoll")
 MAX_GROUP = 1024
 DECISION_LIFETIME_FACTOR = 3  # a group decision older than this many gather timeouts is stale
 POLL_INTERVAL = 0.2  # seconds between a registrant's reads of the round's registrations and decisions
+MAX_CLOCK_SKEW = 10.0  # seconds another daemon's clock may run ahead of ours before its times are implausible
 
 
 def group_key(run_id: str, fragment: int, version: int, base: str = "") -> str:
@@ -115,7 +119,8 @@ async def form_group(
     # ``base``: the digest of the replica this round updates; only daemons holding that very replica meet.
     key, gkey = round_key(run_id, fragment, version, base), group_key(run_id, fragment, version, base)
     now = get_dht_time()
-    expiration = now + 4 * gather_timeout + 60
+    lifetime = 4 * gather_timeout + 60
+    expiration = now + lifetime
     record = {"peer_id": peer_id, "weight": float(weight), "time": float(now)}
     timed_out = lambda kind: on_reject(kind, None)  # noqa: E731
     if not await dht_io.store(dht, key, record, expiration, subkey, on_timeout=timed_out):
@@ -129,16 +134,24 @@ async def form_group(
         )
         peers = await live_peers()
         registered: dict[str, float] = {peer_id: now}
+        t = get_dht_time()
         for source, value in unwrap_subkeys(entry).items():
             rec = parse_round_record(value)
             if rec is None:
                 on_reject("round_record", source)
+            elif not t - lifetime <= rec["time"] <= t + MAX_CLOCK_SKEW:
+                # Older than any registration still stored could be, or from the future: a forged time (one of
+                # -1e12 made its writer every round's coordinator with a deadline long past: nobody merged).
+                on_reject("round_record_time", source)
             elif rec["peer_id"] in peers and peers[rec["peer_id"]] <= version:
                 registered[rec["peer_id"]] = rec["time"]
         groups = _first_decision(group_entry, gather_timeout, on_reject, excluded, not_before)
         if groups is not None:
             return next((members for members in groups if peer_id in members), [])
-        coordinator = min(registered, key=lambda p: (registered[p], p))
+        coordinator = _coordinator(registered, t, gather_timeout)
+        if coordinator is None:
+            logger.warning("round v%d: no group was decided in time", version)
+            return []
         deadline = registered[coordinator] + gather_timeout
         if coordinator == peer_id:
             expected = {p for p, v in peers.items() if version - 1 <= v <= version}
@@ -156,10 +169,17 @@ async def form_group(
                 first = _first_decision(await dht_io.get(dht, gkey, on_timeout=timed_out), gather_timeout,
                                         on_reject, excluded, not_before)
                 return next((members for members in (first or groups) if peer_id in members), [])
-        elif get_dht_time() > deadline + gather_timeout / 2 + 2:
-            logger.warning("round v%d: no group was decided by coordinator %s in time", version, coordinator[-8:])
-            return []
         await asyncio.sleep(poll_interval)
+
+
+def _coordinator(registered: dict[str, float], now: float, gather_timeout: float) -> str | None:
+    """The round's coordinator: the earliest registrant (by time, then peer id) whose gather deadline is not long
+    past. One that has not decided by then (it died, or it lied about its time) is bypassed, and the next takes
+    over; None once every registrant's deadline is past (this daemon's own included: the round is skipped)."""
+    for p in sorted(registered, key=lambda p: (registered[p], p)):
+        if now <= registered[p] + gather_timeout + gather_timeout / 2 + 2:
+            return p
+    return None
 
 
 def _first_decision(group_entry: Any, gather_timeout: float, on_reject: Callable[..., None],

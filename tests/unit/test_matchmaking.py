@@ -126,3 +126,57 @@ def test_a_restarted_daemon_does_not_follow_the_decision_its_previous_life_was_i
     shared[gkey].pop(b"c", None)
     assert join(not_before=1598.0) == ["c"]  # decided anew, alone: a solo round, healed like any fork
     assert shared[gkey][b"c"]["groups"] == [["c"]]
+
+
+def _form(shared, peer, monkeypatch, start, live_versions, gather_timeout=5.0):
+    from atoll.protocols.matchmaking import form_group
+
+    clock = iter(range(start, start + 1000))  # DHT time: one second per reading
+    monkeypatch.setattr("atoll.protocols.matchmaking.get_dht_time", lambda: float(next(clock)))
+    rejected = []
+
+    async def live():
+        return live_versions
+
+    members = asyncio.run(asyncio.wait_for(form_group(
+        FakeDHT(shared), run_id="run", fragment=0, version=13, peer_id=peer, subkey=peer.encode(), weight=1.0,
+        live_peers=live, gather_timeout=gather_timeout, abort=lambda: False, base="D", poll_interval=0.0,
+        on_reject=lambda kind, src: rejected.append((kind, src))), timeout=30))
+    return members, rejected
+
+
+def test_a_registration_with_a_forged_time_is_rejected_and_the_round_still_forms(monkeypatch):
+    """The reproduced attack: a member registered at time -1e12, became every round's coordinator with a deadline
+    long past, and everyone gave up (zero multi-member merges). Its time is implausible: rejected, counted."""
+    from atoll.protocols.matchmaking import round_key
+
+    key = round_key("run", 0, 13, "D")
+    shared = {key: {b"evil": {"peer_id": "evil", "weight": 1.0, "time": -1e12},
+                    b"future": {"peer_id": "future", "weight": 1.0, "time": 1e12}}}
+    members, rejected = _form(shared, "a", monkeypatch, 5000, {"evil": 13, "future": 13})
+    assert members == ["a"]  # a coordinated, with nobody plausible to wait for
+    assert ("round_record_time", b"evil") in rejected and ("round_record_time", b"future") in rejected
+
+
+def test_a_coordinator_that_never_decides_is_bypassed(monkeypatch):
+    """The earliest registrant (plausible time, alive) never publishes a decision (it died, or it registered with
+    an early time on purpose). Past its deadline the next registrant coordinates instead of everyone giving up."""
+    from atoll.protocols.matchmaking import group_key, round_key
+
+    key, gkey = round_key("run", 0, 13, "D"), group_key("run", 0, 13, "D")
+    shared = {key: {b"mute": {"peer_id": "mute", "weight": 1.0, "time": 4990.0},  # deadline 4995: long past
+                    b"b": {"peer_id": "b", "weight": 1.0, "time": 4999.0}}}
+    # b (a record with no daemon behind it in this test) never decides either: past its deadline, a coordinates.
+    members, rejected = _form(shared, "a", monkeypatch, 5000, {"mute": 13, "b": 13})
+    assert rejected == []
+    assert members == ["a", "b", "mute"]
+    assert shared[gkey] == {b"a": {"groups": [["a", "b", "mute"]], "time": shared[gkey][b"a"]["time"]}}
+
+
+def test_the_coordinator_rule_takes_the_earliest_registrant_whose_deadline_is_not_long_past():
+    from atoll.protocols.matchmaking import _coordinator
+
+    registered = {"old": 90.0, "b": 98.0, "a": 98.0, "c": 99.0}
+    assert _coordinator(registered, now=100.0, gather_timeout=10.0) == "old"  # 90 + 10 + 5 + 2 = 107
+    assert _coordinator(registered, now=108.0, gather_timeout=10.0) == "a"  # old bypassed; ties by peer id
+    assert _coordinator(registered, now=200.0, gather_timeout=10.0) is None
