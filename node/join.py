@@ -11,14 +11,15 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
 from atoll.protocols import dht_io
-from atoll.protocols.auth import AuthError, JoinToken, RunKey, fingerprint
-from atoll.protocols.records import RunConfigRecord, config_key, parse_run_config, unwrap_subkeys
+from atoll.protocols.auth import AuthError, JoinToken, RunKey, fingerprint, signed_by
+from atoll.protocols.records import RunConfigRecord, config_key, config_payload, parse_run_config, unwrap_subkeys
 
 from .config import ConfigError, NodeConfig, reconcile_run_config
 
@@ -90,6 +91,27 @@ def check_access(run_id: str, token: JoinToken | None, published: RunConfigRecor
         raise ConfigError(f"join_token: run {run_id!r} is open; start without --join-token or --run-key")
 
 
+def choose_config(run_id: str, token: JoinToken | None, values: Iterable[Any]) -> RunConfigRecord | None:
+    """The run's config among the records found under its key, or None. A member of a private run (``token``)
+    takes only a record signed by the run key of its token; others are ignored, and logged: a member could publish
+    one claiming an earlier start, access "open", another model. Without a token, the earliest well-formed record
+    (an open run has no key to sign with: see docs/security.md)."""
+    records, forged = [], 0
+    for value in values:
+        rec = parse_run_config(value)
+        if rec is None:
+            forged += 1
+        elif token is not None and not (rec.access == "private" and signed_by(
+                token.run_public_key, config_payload(run_id, rec), rec.signature)):
+            forged += 1
+        else:
+            records.append(rec)
+    if forged:
+        logger.warning("ignored %d run config record(s) of run %r that are malformed or not signed by its run key",
+                       forged, run_id)
+    return min(records, key=lambda r: r.started_at) if records else None
+
+
 def agree_on_run_config(dht: DHT, cfg: NodeConfig, explicit: set[str], token: JoinToken | None,
                         subkey: bytes) -> tuple[NodeConfig, dict[str, Any]]:
     """Adopt the run's published config (joiners) or publish ours (the daemon that starts the run). Returns the
@@ -101,16 +123,14 @@ def agree_on_run_config(dht: DHT, cfg: NodeConfig, explicit: set[str], token: Jo
         # to read. Starting a run of its own there instead would fork the run (a restarted daemon did, training
         # alone on its checkpoint), so it waits, then gives up.
         deadline = time.monotonic() + cfg.config_wait
-        while published is None:
-            records = [r for r in map(parse_run_config, unwrap_subkeys(dht_io.get_blocking(dht, key)).values())
-                       if r is not None]
-            if records:
-                published = min(records, key=lambda r: r.started_at)
-            elif time.monotonic() > deadline:
+        while True:
+            published = choose_config(cfg.run_id, token, unwrap_subkeys(dht_io.get_blocking(dht, key)).values())
+            if published is not None:
+                break
+            if time.monotonic() > deadline:
                 raise ConfigError(f"initial_peers: no run {cfg.run_id!r} found there in {cfg.config_wait:.0f} s; "
                                   "check --run-id, or start a new run without --initial-peers")
-            else:
-                time.sleep(1)
+            time.sleep(1)
     if published is not None:
         check_access(cfg.run_id, token, published)
         cfg = dataclasses.replace(cfg, run=reconcile_run_config(cfg.run, explicit, published.fields))
@@ -118,10 +138,17 @@ def agree_on_run_config(dht: DHT, cfg: NodeConfig, explicit: set[str], token: Jo
         logger.info("joined run %r started by %s", cfg.run_id, published.started_by[-8:])
     else:
         private = token is not None
-        record = RunConfigRecord(
+        published = RunConfigRecord(
             fields=cfg.run.published(), started_by=str(dht.peer_id), started_at=float(get_dht_time()),
             access="private" if private else "open", run_key=fingerprint(token.run_public_key) if private else None,
-        ).dict()
+        )
+        if private:
+            try:
+                run_key = RunKey.load(cfg.run_key_path)
+            except AuthError as e:
+                raise ConfigError(f"run_key: only a holder of the run key starts a private run ({e})") from None
+            published.signature = run_key.sign(config_payload(cfg.run_id, published))
+        record = published.dict()
         logger.info("starting a new %s run %r", "private" if private else "open", cfg.run_id)
     dht_io.store_blocking(dht, key, record, get_dht_time() + CONFIG_TTL, subkey)
     return cfg, record

@@ -45,6 +45,17 @@ class AuthError(ValueError):
     """A run key, join token or certificate that is missing, malformed, forged, expired or for another run."""
 
 
+def signed_by(run_public_key: bytes, payload: bytes, signature: bytes | None) -> bool:
+    """Whether ``signature`` is the run key's signature of ``payload``."""
+    if not isinstance(signature, bytes):
+        return False
+    try:
+        Ed25519PublicKey.from_public_bytes(run_public_key).verify(signature, payload)
+        return True
+    except (InvalidSignature, ValueError):
+        return False
+
+
 def fingerprint(run_public_key: bytes) -> str:
     """Short, stable name of a run key (shown in logs and published in the run's config record)."""
     return hashlib.sha256(run_public_key).hexdigest()[:16]
@@ -144,6 +155,10 @@ class RunKey:
         key = cls.generate()
         key.save(path)
         return key, True
+
+    def sign(self, payload: bytes) -> bytes:
+        """An Ed25519 signature of ``payload`` (the run's config record; see ``records.config_payload``)."""
+        return self._key.sign(payload)
 
     def certify(self, run_id: str, member_key: bytes, expires_at: float = 0.0) -> Certificate:
         cert = Certificate(run_id, self.public_bytes, member_key, float(expires_at))

@@ -15,7 +15,8 @@ from typing import Any, Dict, List, Optional
 import pydantic.v1 as pydantic
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
 from hivemind.dht.validation import RecordValidatorBase
-from pydantic.v1 import StrictFloat, StrictStr, conint, constr
+import msgpack
+from pydantic.v1 import StrictBytes, StrictFloat, StrictStr, conint, constr
 
 from .auth import JoinToken, MembershipValidator
 
@@ -146,6 +147,9 @@ class RunConfigRecord(pydantic.BaseModel):
     started_at: StrictFloat
     access: StrictStr = "open"  # "open", or "private": only holders of a join token for ``run_key`` may take part
     run_key: Optional[StrictStr] = None  # fingerprint of a private run's run key (see atoll.protocols.auth)
+    # A private run's record is signed by its run key (``config_payload``): a member cannot publish another config
+    # (say access "open", or another model) that joiners would take for the run's.
+    signature: Optional[StrictBytes] = None
 
     @pydantic.validator("access")
     def _known_access(cls, v: str) -> str:  # noqa: N805
@@ -182,6 +186,13 @@ def parse_progress(value: Any) -> Optional[ProgressRecord]:
         return ProgressRecord.parse_obj(value)
     except (pydantic.ValidationError, TypeError):
         return None
+
+
+def config_payload(run_id: str, record: RunConfigRecord) -> bytes:
+    """What a private run's key signs of its config record: everything but the signature, and the run's id (a
+    signature cannot be replayed into another run of the same key)."""
+    return msgpack.packb(["atoll-run-config-1", run_id, sorted(record.fields.items()), record.started_by,
+                          record.started_at, record.access, record.run_key], use_bin_type=True)
 
 
 def parse_run_config(value: Any) -> Optional[RunConfigRecord]:
