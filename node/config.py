@@ -173,6 +173,12 @@ class NodeConfig:
     config_wait: float = opt(30.0, help="seconds a daemon given --initial-peers waits to read the run's config "
                                         "before it gives up (it never starts a new run at someone else's peers)",
                              metavar="SECONDS")
+    new_run: bool = opt(False, help="start a new run at --initial-peers (a shared DHT, a bootstrap node) instead of "
+                                     "joining theirs; refused if the run already exists there", switch=True)
+    state_wait: float = opt(600.0, help="seconds a newcomer waits for a live holder of the run's state when the run "
+                                        "already got somewhere and none is live; then it exits 2", metavar="SECONDS")
+    restart_run: bool = opt(False, help="a newcomer that finds no live holder of the run's state starts the run over "
+                                        "from the seed's initial model instead of waiting", switch=True)
     log_level: str = opt("INFO", help="DEBUG, INFO, WARNING or ERROR", metavar="LEVEL")
     # Long enough to outlast a few rounds of a misbehaving peer, short enough that a peer that was wrongly suspected
     # (or fixed) is back within minutes.
@@ -200,7 +206,8 @@ class NodeConfig:
         for name in ("initial_peers", "host_maddrs", "announce_maddrs"):
             for addr in getattr(self, name):
                 _check_maddr(name, addr, need_peer_id=name == "initial_peers")
-        _positive(self, "batch_size", "threads", "heartbeat", "bootstrap_retries", "eval_batches", "config_wait")
+        _positive(self, "batch_size", "threads", "heartbeat", "bootstrap_retries", "eval_batches", "config_wait",
+                  "state_wait")
         _non_negative(self, "max_steps", "peer_cooldown")
         if not 0 < self.eval_budget <= 1:
             raise ConfigError(f"eval_budget: {self.eval_budget} must be in (0, 1]")

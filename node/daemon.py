@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from hivemind import DHT
+from hivemind.utils import get_dht_time
 
 from atoll.models.configs import get_model_config
 from atoll.models.data import Corpus, load_corpus, shard_for_peer
@@ -161,7 +162,7 @@ class Daemon:
     def _join(self, shard: int) -> None:
         """A new daemon: take every fragment's heaviest replica among live peers (or Θ₀ if there are none)."""
         replica = self.replica
-        states = self.syncer.download_initial_state(timeout=max(60.0, 4 * self.cfg.run.round_timeout))
+        states = self._download_or_wait()
         for p, fragment in enumerate(self.fragments):
             theta_p, base_id = replica.params_and_id(p)
             fragment.scatter(theta_p, self.learner.params)
@@ -175,6 +176,41 @@ class Daemon:
                                bytes_received=self.syncer.stats.bytes_received)  # what joining cost: the whole state
         else:
             logger.info("no peer holds state yet: starting from the seed's initial model (shard %d)", shard)
+
+    def _download_or_wait(self) -> list:
+        """Every fragment's heaviest replica among live peers. If none holds the state of a run that already got
+        somewhere (its members' notes say so), a newcomer must not start it over from the seed: it waits for a
+        holder to return, up to ``state_wait`` (then ``ConfigError``), unless ``restart_run`` says to."""
+        cfg = self.cfg
+        timeout = max(60.0, 4 * cfg.run.round_timeout)
+        states = self.syncer.download_initial_state(timeout=timeout)
+        if len(states) == len(self.fragments):
+            return states
+        head = self.syncer.run_head()
+        if head is None or head.version == 0:
+            return states  # a new run: start from the seed
+        if cfg.restart_run:
+            logger.warning("run %r got to version %d but no live daemon holds its state: starting it over from the "
+                           "seed's initial model, as --restart-run asks", cfg.run_id, head.version)
+            return states
+        deadline, said = time.monotonic() + cfg.state_wait, 0.0
+        while not self.stop.is_set():
+            if time.monotonic() - said > 30:
+                ago = max(0.0, get_dht_time() - head.time)
+                logger.warning("run %r got to version %d (noted by %s %.0f s ago) and no live daemon holds its state: "
+                               "waiting up to %.0f s for one to return (or pass --restart-run)", cfg.run_id,
+                               head.version, head.peer_id[-8:], ago, deadline - time.monotonic())
+                said = time.monotonic()
+            if time.monotonic() > deadline:
+                raise ConfigError(f"state_wait: run {cfg.run_id!r} got to version {head.version} and no daemon holding "
+                                  f"its state came back in {cfg.state_wait:.0f} s; start one that holds it (its "
+                                  "--checkpoint-dir), or pass --restart-run to start the run over from the seed")
+            self.stop.wait(5.0)
+            states = self.syncer.download_initial_state(timeout=timeout)
+            if len(states) == len(self.fragments):
+                return states
+            head = self.syncer.run_head() or head
+        return states
 
     def _catch_up(self) -> None:
         """A restarted daemon: download the fragments the swarm moved past while we were away, before training."""

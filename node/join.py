@@ -118,7 +118,11 @@ def agree_on_run_config(dht: DHT, cfg: NodeConfig, explicit: set[str], token: Jo
     config to run with and the run's config record (which the syncer keeps re-publishing)."""
     key = config_key(cfg.run_id)
     published = None
-    if cfg.initial_peers:
+    if cfg.initial_peers and cfg.new_run:
+        if choose_config(cfg.run_id, token, unwrap_subkeys(dht_io.get_blocking(dht, key)).values()) is not None:
+            raise ConfigError(f"new_run: run {cfg.run_id!r} already exists at these peers; join it without --new-run, "
+                              "or choose another --run-id")
+    elif cfg.initial_peers:
         # A daemon pointed at peers joins their run; on a loaded machine or a slow link the config can take a while
         # to read. Starting a run of its own there instead would fork the run (a restarted daemon did, training
         # alone on its checkpoint), so it waits, then gives up.
@@ -129,7 +133,7 @@ def agree_on_run_config(dht: DHT, cfg: NodeConfig, explicit: set[str], token: Jo
                 break
             if time.monotonic() > deadline:
                 raise ConfigError(f"initial_peers: no run {cfg.run_id!r} found there in {cfg.config_wait:.0f} s; "
-                                  "check --run-id, or start a new run without --initial-peers")
+                                  "check --run-id, or pass --new-run to start a new run there")
             time.sleep(1)
     if published is not None:
         check_access(cfg.run_id, token, published)

@@ -16,7 +16,17 @@ from typing import Any
 from hivemind.utils import get_dht_time
 
 from atoll.protocols import dht_io
-from atoll.protocols.records import ProgressRecord, Status, config_key, parse_progress, progress_key, unwrap_subkeys
+from atoll.protocols.records import (
+    HeadRecord,
+    ProgressRecord,
+    Status,
+    config_key,
+    head_key,
+    parse_head,
+    parse_progress,
+    progress_key,
+    unwrap_subkeys,
+)
 
 from .context import SyncContext
 
@@ -24,6 +34,9 @@ logger = logging.getLogger("atoll")
 MEMBER_WAIT = 3.0  # seconds a private run's donor looks for an unknown requester among its peers
 CONFIG_REPUBLISH = 60.0  # seconds between re-publications of the run's config (so it outlives its first daemon)
 CONFIG_TTL = 600.0
+HEAD_REPUBLISH = 30.0  # seconds between notes of how far the run got
+HEAD_TTL = 7 * 24 * 3600.0  # a run's head outlives its daemons: a newcomer then waits for a holder to return
+MAX_CLOCK_SKEW = 10.0
 
 
 class PeerTable:
@@ -31,6 +44,7 @@ class PeerTable:
         self.ctx = ctx
         self.config_record = config_record
         self._config_published = 0.0
+        self._head_published = 0.0
         self._peers: dict[str, ProgressRecord] = {}
         self._everyone: dict[str, ProgressRecord] = {}  # peers cooling down included (ddp's fixed membership)
         self._lock = threading.Lock()
@@ -66,6 +80,31 @@ class PeerTable:
         await dht_io.store(self.ctx.dht, config_key(self.ctx.cfg.run_id), self.config_record,
                            get_dht_time() + CONFIG_TTL, self.ctx.subkey, on_timeout=self.ctx.reject)
         self._config_published = time.monotonic()
+
+    async def publish_head(self, force: bool = False) -> None:
+        """Note how far the run got (our replica's total version), every ``HEAD_REPUBLISH`` seconds or now."""
+        ctx = self.ctx
+        version = ctx.replica.total_version
+        if version == 0 or (not force and time.monotonic() - self._head_published <= HEAD_REPUBLISH):
+            return
+        record = {"peer_id": ctx.peer_id, "version": int(version), "time": float(get_dht_time())}
+        await dht_io.store(ctx.dht, head_key(ctx.namespace()), record, get_dht_time() + HEAD_TTL, ctx.subkey,
+                           timeout=3.0 if force else None, on_timeout=ctx.reject)
+        self._head_published = time.monotonic()
+
+    async def read_head(self) -> HeadRecord | None:
+        """The furthest the run got, by the members' notes (None: no note, a new run); times from the future are
+        dropped."""
+        ctx = self.ctx
+        heads = []
+        for subkey, value in unwrap_subkeys(await dht_io.get(ctx.dht, head_key(ctx.namespace()),
+                                                             on_timeout=ctx.reject)).items():
+            rec = parse_head(value)
+            if rec is None or rec.time > get_dht_time() + MAX_CLOCK_SKEW:
+                ctx.reject("head_record", subkey)
+            else:
+                heads.append(rec)
+        return max(heads, key=lambda h: (h.version, h.time)) if heads else None
 
     # ---- the table ------------------------------------------------------------------------------------------
     async def refresh(self, max_age: float = 0.0) -> dict[str, ProgressRecord]:

@@ -24,7 +24,7 @@ from atoll.models.fragments import Fragment
 from atoll.models.outer import NesterovOuter
 from atoll.protocols.averaging import AveragingServicer
 from atoll.protocols.cooldown import Cooldown
-from atoll.protocols.records import ProgressRecord, Status
+from atoll.protocols.records import HeadRecord, ProgressRecord, Status
 from atoll.protocols.state_sync import ReplicaState, StateServicer
 from atoll.protocols.stats import TrafficStats
 
@@ -121,6 +121,7 @@ class Syncer:
             try:
                 await self.table.publish()
                 await self.table.republish_config()
+                await self.table.publish_head()
                 await self.table.refresh()
                 self.catch_up.maybe_catch_up()
             except asyncio.CancelledError:
@@ -147,7 +148,9 @@ class Syncer:
             task.cancel()
         await asyncio.gather(*ours, return_exceptions=True)
         # Short: with SIGTERM sent to the whole process group the DHT process is gone, and nobody would read it.
-        await self.table.publish(status=Status.LEAVING, ttl=self.ctx.cfg.heartbeat, timeout=LEAVE_TIMEOUT)
+        await asyncio.gather(self.table.publish_head(force=True),
+                             self.table.publish(status=Status.LEAVING, ttl=self.ctx.cfg.heartbeat,
+                                                timeout=LEAVE_TIMEOUT))
         await self.ctx.p2p.shutdown()
 
     # ---- the facade the training loop uses -----------------------------------------------------------------
@@ -178,6 +181,10 @@ class Syncer:
         """Returning from a checkpoint: before training, download every fragment the swarm has moved past (queued
         for ``take_adopted``)."""
         return self._submit(self.catch_up.after_restore()).result(timeout)
+
+    def run_head(self, timeout: float = 30.0) -> HeadRecord | None:
+        """How far the run got by its members' notes (``PeerTable.read_head``); blocks up to ``timeout``."""
+        return self._submit(self.table.read_head()).result(timeout)
 
     def peers(self) -> dict[str, ProgressRecord]:
         """The live peers as last read."""

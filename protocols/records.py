@@ -52,6 +52,12 @@ def round_key(run_id: str, fragment: int, version: int, base: str = "") -> str:
     return f"{run_id}_round_{fragment}_{version}" + (f"_{base}" if base else "")
 
 
+def head_key(run_id: str) -> str:
+    """Where daemons note how far the run got (``HeadRecord``): it outlives them, so that a newcomer that finds no
+    live holder of the run's state knows there is one to wait for."""
+    return f"{run_id}_head"
+
+
 def open_rounds_key(run_id: str) -> str:
     """Where daemons announce the rounds they just registered for, so that others can join them early."""
     return f"{run_id}_open"
@@ -161,9 +167,21 @@ class RunConfigRecord(pydantic.BaseModel):
         extra = pydantic.Extra.forbid
 
 
+class HeadRecord(pydantic.BaseModel):
+    """How far the run got, as one member saw it: its replica's total version at a DHT time."""
+
+    peer_id: constr(strict=True, min_length=1, max_length=128)
+    version: conint(ge=0, strict=True)
+    time: StrictFloat
+
+    class Config:
+        extra = pydantic.Extra.forbid
+
+
 class RunSchema(pydantic.BaseModel):
     progress: Dict[BytesWithPublicKey, Optional[ProgressRecord]]
     config: Dict[BytesWithPublicKey, Optional[RunConfigRecord]]
+    head: Dict[BytesWithPublicKey, Optional[HeadRecord]]
 
 
 def make_validators(run_id: str, token: Optional[JoinToken] = None) -> list[RecordValidatorBase]:
@@ -193,6 +211,14 @@ def config_payload(run_id: str, record: RunConfigRecord) -> bytes:
     signature cannot be replayed into another run of the same key)."""
     return msgpack.packb(["atoll-run-config-1", run_id, sorted(record.fields.items()), record.started_by,
                           record.started_at, record.access, record.run_key], use_bin_type=True)
+
+
+def parse_head(value: Any) -> Optional[HeadRecord]:
+    """A run head record from a DHT value, or None if it is malformed."""
+    try:
+        return HeadRecord.parse_obj(value)
+    except (pydantic.ValidationError, TypeError):
+        return None
 
 
 def parse_run_config(value: Any) -> Optional[RunConfigRecord]:

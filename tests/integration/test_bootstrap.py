@@ -36,6 +36,6 @@ def test_a_daemon_pointed_at_peers_without_its_run_refuses_instead_of_starting_o
         )
     assert out.returncode == 2, out.stderr[-2000:]
     last = out.stderr.strip().splitlines()[-1]
-    assert last == "atoll: error: initial_peers: no run 'another' found there in 3 s; check --run-id, or start a " \
-                   "new run without --initial-peers"
+    assert last == "atoll: error: initial_peers: no run 'another' found there in 3 s; check --run-id, or pass " \
+                   "--new-run to start a new run there"
     assert "starting a new" not in out.stderr

@@ -124,7 +124,8 @@ def test_toml_file_with_every_key(tmp_path, access):
     node = dict(run_id="exp-1", initial_peers=(PEER,), host_maddrs=("/ip4/127.0.0.1/tcp/0",),
                 announce_maddrs=("/ip4/127.0.0.1/tcp/4001",), identity=str(tmp_path / "identity.key"),
                 checkpoint_dir=str(tmp_path / "ckpt"), device="cpu", batch_size=4, threads=2, max_steps=100,
-                heartbeat=1.5, eval_batches=4, eval_budget=0.05, bootstrap_retries=5, config_wait=12.0, log_level="DEBUG",
+                heartbeat=1.5, eval_batches=4, eval_budget=0.05, bootstrap_retries=5, config_wait=12.0, new_run=True,
+                state_wait=60.0, restart_run=True, log_level="DEBUG",
                 peer_cooldown=30.0, open=False, join_token=str(token), run_key=str(tmp_path / "run.key"),
                 faults=("step_delay=0.1", "byzantine=nan"))
     assert set(run) == set(RUN_FIELDS) and set(node) == NODE_FIELDS  # a new field needs a value here
