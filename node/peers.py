@@ -100,8 +100,10 @@ class PeerTable:
         for subkey, value in unwrap_subkeys(await dht_io.get(ctx.dht, head_key(ctx.namespace()),
                                                              on_timeout=ctx.reject)).items():
             rec = parse_head(value)
-            if rec is None or rec.time > get_dht_time() + MAX_CLOCK_SKEW:
+            if rec is None:
                 ctx.reject("head_record", subkey)
+            elif rec.time > get_dht_time() + MAX_CLOCK_SKEW:
+                ctx.reject("head_record_time")  # counted, not held against the key: clocks do drift
             else:
                 heads.append(rec)
         return max(heads, key=lambda h: (h.version, h.time)) if heads else None
