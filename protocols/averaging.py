@@ -52,6 +52,7 @@ from .stats import TrafficStats
 from .wire import PART_BYTES, WireError, check_fields, pack_request, pack_response, unpack
 
 logger = logging.getLogger("atoll")
+MAX_PART_WEIGHT = 1e15  # a member's declared weight (checked by the reducer on receipt)
 
 MAX_PENDING_GROUPS = 64
 MAX_PENDING_PER_PEER = 8  # early requests one peer may keep waiting (one per concurrent round; fragments)
@@ -263,7 +264,7 @@ class AveragingServicer(ServicerBase):
         """Check a member's header and read its part, bounded in bytes, messages and time; (weight, values, norm)."""
         spec = reduction.spec
         weight, norm = float(header["weight"]), float(header["norm"])
-        if not 0 < weight < 1e15:
+        if not 0 < weight < MAX_PART_WEIGHT:
             raise WireError(f"weight {weight} out of range", "weight")
         if not (math.isfinite(norm) and 0 <= norm < 1e30):
             raise WireError(f"norm {norm} is not a finite non-negative number", "norm")
@@ -346,6 +347,34 @@ class AveragingServicer(ServicerBase):
             yield pack_response({"data": chunk})
 
 
+def check_answer(header: dict[str, Any], spec: GroupSpec) -> tuple[str, str] | None:
+    """Whether a reducer's scalars are possible: a finite weight no larger than every member's largest weight
+    together, a finite norm, and contributors that are distinct members of the group. (message, kind) if not.
+    A hostile reducer's infinite weight became the replica's weight and made its progress record fail the schema
+    everywhere; these are the bounds a member can check without the other members' parts."""
+    weight, norm, contributors = header["weight"], header["norm"], header["contributors"]
+    if not (math.isfinite(weight) and 0 < weight <= MAX_PART_WEIGHT * len(spec.members)):
+        return f"reducer claimed weight {weight}", "reducer_weight"
+    if not (math.isfinite(norm) and 0 <= norm < 1e30):
+        return f"reducer claimed norm {norm}", "reducer_norm"
+    if (not contributors or len(set(contributors)) != len(contributors)
+            or not all(isinstance(c, str) and c in spec.members for c in contributors)):
+        return "reducer named contributors that are not distinct members of the group", "reducer_contributors"
+    return None
+
+
+def combine_scalars(shards: list[ShardResult], rda: bool) -> tuple[float, float | None]:
+    """The round's weight and (rda) the norm the merged direction is rescaled to, from the shards' answers: the
+    median over shards (the lower one of an even count), so that no single reducer sets a fragment-wide scalar.
+    Every member gathers the same answers in the same order, so every member picks the same values."""
+    weights = sorted(s.weight for s in shards)
+    weight = weights[(len(weights) - 1) // 2]
+    if not rda:
+        return weight, None
+    norms = sorted(s.norm for s in shards)
+    return weight, norms[(len(norms) - 1) // 2]
+
+
 async def _exchange_with(
     p2p: P2P, servicer: AveragingServicer, spec: GroupSpec, reducer: str, payload: bytes, numel: int, weight: float,
     norm: float, timeout: float,
@@ -369,6 +398,10 @@ async def _exchange_with(
         check_fields(header, {"weight": float, "contributors": list, "numel": int, "norm": float})
         if header["numel"] != numel:
             raise WireError("reducer answered with a shard of the wrong size")
+        problem = check_answer(header, spec)
+        if problem is not None:
+            stats.reject(problem[1], reducer)  # a reducer that lies about its scalars is an offender
+            raise WireError(problem[0], problem[1])
         limit = codecs.encoded_size(numel, spec.codec, spec.block)
         chunks, size = [], 0
         async for msg in stream:
@@ -507,13 +540,9 @@ async def allreduce(
     if failed or refused:
         return AllreduceResult(None, 0.0, [], failed, refused)
     ordered = [shards[p] for p in spec.members]
-    rda_norm = None
-    if spec.mode == "rda":
-        # The norm of the shard that heard from the most weight: the same choice on every member.
-        anchor = max(range(len(ordered)), key=lambda i: (ordered[i].weight, -i))
-        rda_norm = ordered[anchor].norm
+    weight, rda_norm = combine_scalars(ordered, spec.mode == "rda")
     merged = merged_delta([s.values for s in ordered], rda_norm)
     contributors = sorted({c for s in ordered for c in s.contributors})
     encoded = None if any(s.payload is None for s in ordered) else [(s.values.numel(), s.payload) for s in ordered]
     ours = tamper.own(torch.cat(sent))
-    return AllreduceResult(merged, max(s.weight for s in ordered), contributors, [], [], ours, encoded, rda_norm)
+    return AllreduceResult(merged, weight, contributors, [], [], ours, encoded, rda_norm)

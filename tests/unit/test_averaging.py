@@ -218,3 +218,43 @@ def test_a_request_for_a_round_the_reducer_is_past_is_refused_at_once():
     # Not past round 5: it may still open the group, so the request waits for it as long as asked.
     answers, seconds = asyncio.run(ask(5, wait=0.5))
     assert not answers[0]["ok"] and seconds >= 0.45
+
+
+def _spec(members=("a", "b", "c")):
+    return GroupSpec(run_id="r", fragment=0, version=1, attempt=0, members=tuple(members), numel=8, mode="rda")
+
+
+@pytest.mark.parametrize("header,kind", [
+    ({"weight": float("inf"), "norm": 1.0, "contributors": ["a"]}, "reducer_weight"),  # the reproduced attack
+    ({"weight": float("nan"), "norm": 1.0, "contributors": ["a"]}, "reducer_weight"),
+    ({"weight": 0.0, "norm": 1.0, "contributors": ["a"]}, "reducer_weight"),
+    ({"weight": 3.1e15, "norm": 1.0, "contributors": ["a"]}, "reducer_weight"),  # above 3 members' largest
+    ({"weight": 5.0, "norm": float("inf"), "contributors": ["a"]}, "reducer_norm"),
+    ({"weight": 5.0, "norm": -1.0, "contributors": ["a"]}, "reducer_norm"),
+    ({"weight": 5.0, "norm": 1.0, "contributors": []}, "reducer_contributors"),
+    ({"weight": 5.0, "norm": 1.0, "contributors": ["a", "a"]}, "reducer_contributors"),
+    ({"weight": 5.0, "norm": 1.0, "contributors": ["a", "mallory"]}, "reducer_contributors"),
+    ({"weight": 5.0, "norm": 1.0, "contributors": ["a", 7]}, "reducer_contributors"),
+])
+def test_a_reducers_impossible_scalars_are_refused_with_their_kind(header, kind):
+    from atoll.protocols.averaging import check_answer
+
+    assert check_answer(header, _spec())[1] == kind
+    assert check_answer({"weight": 5.0, "norm": 1.0, "contributors": ["c", "a"]}, _spec()) is None
+
+
+def test_no_single_reducer_sets_the_rounds_weight_or_norm():
+    """The replica's weight was the largest claimed by any shard, and RDA's norm came from that shard: one lying
+    reducer set both. Now both are the median over shards, the same on every member."""
+    from atoll.protocols.averaging import ShardResult, combine_scalars
+
+    def shard(weight, norm):
+        return ShardResult(torch.zeros(2), weight, ["a"], norm, None)
+
+    honest = [shard(12.0, 2.0), shard(12.0, 2.0), shard(12.0, 2.0)]
+    assert combine_scalars(honest, rda=True) == (12.0, 2.0)
+    liar = [shard(12.0, 2.0), shard(1e15, 1e29), shard(12.0, 2.0)]
+    assert combine_scalars(liar, rda=True) == (12.0, 2.0)
+    assert combine_scalars(liar, rda=False) == (12.0, None)
+    # An even count takes the lower middle: a liar pushing up cannot move it.
+    assert combine_scalars([shard(12.0, 2.0), shard(1e15, 1e29)], rda=True) == (12.0, 2.0)
