@@ -173,8 +173,8 @@ class NodeConfig:
     config_wait: float = opt(30.0, help="seconds a daemon given --initial-peers waits to read the run's config "
                                         "before it gives up (it never starts a new run at someone else's peers)",
                              metavar="SECONDS")
-    new_run: bool = opt(False, help="start a new run at --initial-peers (a shared DHT, a bootstrap node) instead of "
-                                     "joining theirs; refused if the run already exists there", switch=True)
+    new_run: bool = opt(False, help="with --initial-peers (a shared DHT, a bootstrap node): start the run there if it "
+                                     "is not found at once, instead of waiting for it; join it if it is", switch=True)
     state_wait: float = opt(600.0, help="seconds a newcomer waits for a live holder of the run's state when the run "
                                         "already got somewhere and none is live; then it exits 2", metavar="SECONDS")
     restart_run: bool = opt(False, help="a newcomer that finds no live holder of the run's state starts the run over "

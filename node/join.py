@@ -25,6 +25,7 @@ from .config import ConfigError, NodeConfig, reconcile_run_config
 
 logger = logging.getLogger("atoll")
 CONFIG_TTL = 24 * 3600.0
+NEW_RUN_LOOK = 5.0  # seconds a --new-run daemon looks for the run at its peers before it starts the run
 
 
 def start_dht(cfg: NodeConfig, validators: list, client_mode: bool = False) -> DHT:
@@ -118,18 +119,16 @@ def agree_on_run_config(dht: DHT, cfg: NodeConfig, explicit: set[str], token: Jo
     config to run with and the run's config record (which the syncer keeps re-publishing)."""
     key = config_key(cfg.run_id)
     published = None
-    if cfg.initial_peers and cfg.new_run:
-        if choose_config(cfg.run_id, token, unwrap_subkeys(dht_io.get_blocking(dht, key)).values()) is not None:
-            raise ConfigError(f"new_run: run {cfg.run_id!r} already exists at these peers; join it without --new-run, "
-                              "or choose another --run-id")
-    elif cfg.initial_peers:
+    if cfg.initial_peers:
         # A daemon pointed at peers joins their run; on a loaded machine or a slow link the config can take a while
         # to read. Starting a run of its own there instead would fork the run (a restarted daemon did, training
-        # alone on its checkpoint), so it waits, then gives up.
-        deadline = time.monotonic() + cfg.config_wait
+        # alone on its checkpoint), so it waits, then gives up; with ``new_run`` it starts the run once a short
+        # look found none (several daemons started together at a bootstrap node may each do so: the earliest
+        # record is the run's for everyone who joins later).
+        deadline = time.monotonic() + (NEW_RUN_LOOK if cfg.new_run else cfg.config_wait)
         while True:
             published = choose_config(cfg.run_id, token, unwrap_subkeys(dht_io.get_blocking(dht, key)).values())
-            if published is not None:
+            if published is not None or (cfg.new_run and time.monotonic() > deadline):
                 break
             if time.monotonic() > deadline:
                 raise ConfigError(f"initial_peers: no run {cfg.run_id!r} found there in {cfg.config_wait:.0f} s; "

@@ -39,7 +39,8 @@ def run_swarm(root, identities, byzantine=None, fourth=False):
     ``fourth``) together, let them train STEPS steps and exit."""
     bootstrap = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=list(make_validators("atoll")))
     try:
-        peers = ["--initial-peers", str(bootstrap.get_visible_maddrs()[0])]
+        # All start at a bootstrap node: whichever finds no run there starts it (--new-run), the others join.
+        peers = ["--initial-peers", str(bootstrap.get_visible_maddrs()[0]), "--new-run"]
         with LocalSwarm(root, COMMON) as swarm:
             # A barrier: every daemon's first step at once, whoever booted first (a head start would shift the
             # others' sync schedule, and with it what the comparison measures).
