@@ -17,6 +17,7 @@ from hivemind.utils import get_dht_time
 
 from atoll.protocols import dht_io
 from atoll.protocols.records import (
+    MAX_CLOCK_SKEW,
     HeadRecord,
     ProgressRecord,
     Status,
@@ -36,7 +37,6 @@ CONFIG_REPUBLISH = 60.0  # seconds between re-publications of the run's config (
 CONFIG_TTL = 600.0
 HEAD_REPUBLISH = 30.0  # seconds between notes of how far the run got
 HEAD_TTL = 7 * 24 * 3600.0  # a run's head outlives its daemons: a newcomer then waits for a holder to return
-MAX_CLOCK_SKEW = 10.0
 
 
 class PeerTable:

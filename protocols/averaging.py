@@ -48,11 +48,11 @@ from atoll.models.robust import clip_contributions, clip_scalars, lower_median
 
 from . import codecs
 from .cooldown import Cooldown
+from .records import MAX_NORM, MAX_ROUND_WEIGHT
 from .stats import TrafficStats
 from .wire import PART_BYTES, WireError, check_fields, pack_request, pack_response, unpack
 
 logger = logging.getLogger("atoll")
-MAX_PART_WEIGHT = 1e15  # a member's declared weight (checked by the reducer on receipt)
 
 MAX_PENDING_GROUPS = 64
 MAX_PENDING_PER_PEER = 8  # early requests one peer may keep waiting (one per concurrent round; fragments)
@@ -264,9 +264,9 @@ class AveragingServicer(ServicerBase):
         """Check a member's header and read its part, bounded in bytes, messages and time; (weight, values, norm)."""
         spec = reduction.spec
         weight, norm = float(header["weight"]), float(header["norm"])
-        if not 0 < weight < MAX_PART_WEIGHT:
+        if not 0 < weight < MAX_ROUND_WEIGHT:
             raise WireError(f"weight {weight} out of range", "weight")
-        if not (math.isfinite(norm) and 0 <= norm < 1e30):
+        if not (math.isfinite(norm) and 0 <= norm < MAX_NORM):
             raise WireError(f"norm {norm} is not a finite non-negative number", "norm")
         if header["numel"] != reduction.numel:
             raise WireError(f"part has {header['numel']} values, shard has {reduction.numel}", "shape")
@@ -353,9 +353,9 @@ def check_answer(header: dict[str, Any], spec: GroupSpec) -> tuple[str, str] | N
     A hostile reducer's infinite weight became the replica's weight and made its progress record fail the schema
     everywhere; these are the bounds a member can check without the other members' parts."""
     weight, norm, contributors = header["weight"], header["norm"], header["contributors"]
-    if not (math.isfinite(weight) and 0 < weight <= MAX_PART_WEIGHT * len(spec.members)):
+    if not (math.isfinite(weight) and 0 < weight <= MAX_ROUND_WEIGHT * len(spec.members)):
         return f"reducer claimed weight {weight}", "reducer_weight"
-    if not (math.isfinite(norm) and 0 <= norm < 1e30):
+    if not (math.isfinite(norm) and 0 <= norm < MAX_NORM):
         return f"reducer claimed norm {norm}", "reducer_norm"
     if (not contributors or len(set(contributors)) != len(contributors)
             or not all(isinstance(c, str) and c in spec.members for c in contributors)):

@@ -30,13 +30,12 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time
 
 from . import dht_io
-from .records import parse_round_record, round_key, unwrap_subkeys
+from .records import MAX_CLOCK_SKEW, parse_round_record, round_key, unwrap_subkeys
 
 logger = logging.getLogger("atoll")
 MAX_GROUP = 1024
 DECISION_LIFETIME_FACTOR = 3  # a group decision older than this many gather timeouts is stale
 POLL_INTERVAL = 0.2  # seconds between a registrant's reads of the round's registrations and decisions
-MAX_CLOCK_SKEW = 10.0  # seconds another daemon's clock may run ahead of ours before its times are implausible
 
 
 def group_key(run_id: str, fragment: int, version: int, base: str = "") -> str:

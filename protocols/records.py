@@ -33,7 +33,9 @@ class Status(enum.StrEnum):
 STATUSES = (Status.JOINING.value, Status.TRAINING.value, Status.LEAVING.value)
 
 MAX_FRAGMENTS = 256
-MAX_ROUND_WEIGHT = 1e15
+MAX_ROUND_WEIGHT = 1e15  # a member's declared weight, in a registration or an averaging part
+MAX_NORM = 1e30  # a contribution's declared norm (RDA), from a member or a reducer
+MAX_CLOCK_SKEW = 10.0  # seconds another daemon's clock may run ahead of ours before its times are implausible
 MAX_REJECTION_KINDS = 32
 
 
