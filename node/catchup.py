@@ -1,9 +1,18 @@
 """Keeping every fragment of the replica consistent with the swarm (on the syncer's event loop).
 
-When a live peer holds a heavier replica of a fragment (a round we missed, or the other side of a fork), the
-fragment is downloaded from it — by replaying the rounds from ours when the donor still holds them, else in
-full — adopted into the replica, and queued for the learner (``take_adopted``). Joiners download every fragment
+When live peers hold a heavier replica of a fragment (a round we missed, or the other side of a fork), the
+fragment is downloaded from one of them — by replaying the rounds from ours when the donor still holds them, else
+in full — adopted into the replica, and queued for the learner (``take_adopted``). Joiners download every fragment
 before their first step; a daemon restored from a checkpoint downloads the ones the swarm has moved past.
+
+A replica is only a claim in a progress record, and the bytes a donor sends can only be checked against the digest
+the donor itself announced: one member could otherwise make everyone adopt a model it made up (the review's
+all-zero replica). So a claim counts only when it is *vouched for*: at least ``state_vouchers`` distinct live peers
+(all of them, when fewer are live) publish that very (version, weight, digest). A heavier claim of one peer alone
+is neither downloaded nor a reason to abandon a round; honest swarms do not need it, since the members of a round
+all hold its result, and a lone daemon that merged alone is overtaken by the others' next round (or, if it is
+heavier, adopted once a second daemon holds its replica). And a donor that does not back a claim it vouches for —
+it refuses, stalls or sends what does not check out, ``UNBACKED_OFFENCES`` times in a row — is an offender.
 """
 
 from __future__ import annotations
@@ -11,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections import Counter
 
 from atoll.protocols.records import ProgressRecord, Status, heavier
 from atoll.protocols.state_sync import Replay, ReplicaState, download_state, p2p_opener
@@ -19,6 +29,8 @@ from .context import SyncContext
 from .peers import PeerTable
 
 logger = logging.getLogger("atoll")
+UNBACKED_OFFENCES = 2  # failed downloads in a row from one donor (one may be bad luck: it died, or moved on)
+MAX_TRACKED_DONORS = 1024
 
 
 class CatchUp:
@@ -28,14 +40,17 @@ class CatchUp:
         self._adopted: list[ReplicaState] = []
         self._lock = threading.Lock()
         self._open_stream = None
+        self._failures: dict[str, int] = {}  # donor -> failed downloads in a row
 
     def start(self) -> None:
         """On the event loop, once the P2P is up."""
         self._open_stream = p2p_opener(self.ctx.p2p, self.ctx.cfg.run_id)
 
     def heavier_peers(self, p: int) -> list[ProgressRecord]:
+        """The live peers holding a vouched-for replica of fragment ``p`` heavier than ours."""
         mine = self.ctx.replica.identity(p)
-        return [peer for peer in self.peers.training() if heavier(peer.fragment(p), mine)]
+        return [peer for peer in vouched(p, self.peers.training(), self.ctx.cfg.state_vouchers)
+                if heavier(peer.fragment(p), mine)]
 
     def behind(self, p: int) -> bool:
         return bool(self.heavier_peers(p))
@@ -84,7 +99,7 @@ class CatchUp:
         replica = self.ctx.replica
 
         async def fetch(p: int) -> ReplicaState | None:
-            donors = donor_order(p, peers)
+            donors = donor_order(p, vouched(p, peers, self.ctx.cfg.state_vouchers))
             if donors and donors[0].fragment(p) == replica.identity(p):
                 # We hold that very replica already (a joiner of a young run holds Θ₀ from the shared seed):
                 # nothing to download; the donor's record still tells where the sync schedule is.
@@ -105,15 +120,34 @@ class CatchUp:
         ctx, replica = self.ctx, self.ctx.replica
         timeout = ctx.cfg.run.round_timeout
         state = await download_state(self._open_stream, donors, p, replica.numel(p), timeout, ctx.stats,
-                                     have=replica.identity(p)[2])
+                                     have=replica.identity(p)[2], on_failure=self._unbacked)
         if isinstance(state, Replay):
             replayed = await asyncio.get_running_loop().run_in_executor(None, replica.replay, state, ctx.outer)
             if replayed is not None:
+                self._failures.pop(state.donor, None)
                 return replayed
             if replica.identity(p)[2] == state.rounds[0].base:  # it did not check out: the donor's fault
                 ctx.reject("replay", state.donor)
-            state = await download_state(self._open_stream, donors, p, replica.numel(p), timeout, ctx.stats)
+                self._unbacked(state.donor, None)
+            state = await download_state(self._open_stream, donors, p, replica.numel(p), timeout, ctx.stats,
+                                         on_failure=self._unbacked)
+        if state is not None:
+            self._failures.pop(state.donor, None)
         return state
+
+    def _unbacked(self, donor: str, error: BaseException | None) -> None:
+        """A donor we chose for the replica it claims did not deliver it. ``UNBACKED_OFFENCES`` in a row make it an
+        offender: a member that claims a heavier replica and never serves it would otherwise keep everyone
+        abandoning their rounds to catch up (the review's variant: merges fell from 80 to 0)."""
+        failures = self._failures.get(donor, 0) + 1
+        if failures < UNBACKED_OFFENCES:
+            if len(self._failures) >= MAX_TRACKED_DONORS:
+                self._failures.clear()
+            self._failures[donor] = failures
+            return
+        self._failures.pop(donor, None)
+        self.ctx.reject("unbacked_claim", donor)
+        self.ctx.offence(donor, "claim of a replica it did not serve")
 
     async def join(self) -> list[ReplicaState]:
         """Joining: download every fragment's heaviest replica among live peers. Returns the fragments adopted, in
@@ -136,11 +170,20 @@ class CatchUp:
         replica = self.ctx.replica
         await self.peers.publish()  # as a joiner does: donors of a private run serve the peers they know
         peers = [peer for peer in (await self.peers.refresh()).values() if peer.status == Status.TRAINING]
+        vouchers = self.ctx.cfg.state_vouchers
         behind = [p for p in range(replica.num_fragments)
-                  if any(heavier(peer.fragment(p), replica.identity(p)) for peer in peers)]
+                  if any(heavier(peer.fragment(p), replica.identity(p)) for peer in vouched(p, peers, vouchers))]
         states = [s for s in await self._download_fragments(behind, peers) if s is not None]
         self._queue(states)
         return states
+
+
+def vouched(p: int, peers: list[ProgressRecord], vouchers: int) -> list[ProgressRecord]:
+    """The ``peers`` whose replica of fragment ``p`` is vouched for: held, with the same (version, weight, digest),
+    by at least ``min(vouchers, len(peers))`` of them (``peers``: distinct live peers, ourselves left out)."""
+    held = Counter(peer.fragment(p) for peer in peers)
+    needed = min(vouchers, len(peers))
+    return [peer for peer in peers if held[peer.fragment(p)] >= needed]
 
 
 def donor_order(p: int, peers: list[ProgressRecord]) -> list[ProgressRecord]:

@@ -186,6 +186,10 @@ class NodeConfig:
                                            "out: not counted live, expected, registered or a donor in rounds this "
                                            "daemon forms, and its parts treated as missing in the shards it reduces",
                                metavar="S")
+    # Two: one lying member alone cannot make the others adopt a state (a replica it made up); fewer live peers than
+    # this and every one of them must agree.
+    state_vouchers: int = opt(2, help="distinct live peers that must hold a replica before this daemon downloads and "
+                                      "adopts it (all of them when fewer are live)", metavar="N")
     # Access (see atoll.protocols.auth).
     open: bool = opt(False, help="start an open run that any daemon may join; else a new run is private",
                      switch=True)
@@ -207,7 +211,7 @@ class NodeConfig:
             for addr in getattr(self, name):
                 _check_maddr(name, addr, need_peer_id=name == "initial_peers")
         _positive(self, "batch_size", "threads", "heartbeat", "bootstrap_retries", "eval_batches", "config_wait",
-                  "state_wait")
+                  "state_wait", "state_vouchers")
         _non_negative(self, "max_steps", "peer_cooldown")
         if not 0 < self.eval_budget <= 1:
             raise ConfigError(f"eval_budget: {self.eval_budget} must be in (0, 1]")

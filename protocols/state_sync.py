@@ -318,11 +318,13 @@ async def _continue_from(open_stream: Opener, donor: str, fragment: int, t: _Tra
 async def download_state(
     open_stream: Opener, donors: Sequence[str], fragment: int, numel: int, part_timeout: float,
     stats: TrafficStats, have: str | None = None,
+    on_failure: Callable[[str, BaseException], None] = lambda donor, error: None,
 ) -> ReplicaState | Replay | None:
     """Try ``donors`` in order (best first) until one fragment replica verifies; None if all failed. A donor that
     fails mid-transfer hands over to the next one, which resumes where it stopped if it holds the same replica.
     With ``have`` (the digest of the replica we hold), a donor may answer with a ``Replay`` instead (checked for
-    form here; the caller replays it and checks the digests)."""
+    form here; the caller replays it and checks the digests). ``on_failure(donor, error)`` hears of every donor
+    that did not deliver, a refusal included."""
     t = _Transfer(numel)
     for donor in donors:
         try:
@@ -337,6 +339,7 @@ async def download_state(
         except Exception as e:  # a donor can fail in many ways (dead, slow, lying); all mean: try the next
             if isinstance(e, WireError) and not isinstance(e, DonorRefused):  # a refusal is no offence
                 stats.reject("state", donor)
+            on_failure(donor, e)
             logger.warning("state download of fragment %d from %s failed after %d bytes: %r; trying the next donor",
                            fragment, donor[-8:], len(t.data), e)
     return None

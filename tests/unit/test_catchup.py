@@ -1,0 +1,88 @@
+"""Catch-up believes only vouched-for replicas, and a donor that does not back its claim becomes an offender.
+
+No sockets: ``CatchUp`` runs against a stand-in context whose peer table is a fixed list of progress records.
+"""
+
+import random
+from types import SimpleNamespace
+
+import torch
+
+from atoll.node.catchup import UNBACKED_OFFENCES, CatchUp, vouched
+from atoll.node.replica import Replica
+from atoll.protocols.cooldown import Cooldown
+from atoll.protocols.stats import TrafficStats
+from test_state_sync import record
+
+
+def naive_vouched(p, peers, vouchers):
+    out = []
+    for peer in peers:
+        same = 0
+        for other in peers:
+            if other.fragment(p) == peer.fragment(p):
+                same += 1
+        if same >= min(vouchers, len(peers)):
+            out.append(peer)
+    return out
+
+
+def test_vouched_matches_a_naive_count_of_holders():
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(0, 7)
+        peers = [record(f"p{i}", [rng.randint(3, 5)], [rng.choice("ab")]) for i in range(n)]
+        for vouchers in (1, 2, 3):
+            assert vouched(0, peers, vouchers) == naive_vouched(0, peers, vouchers)
+
+
+class Table:
+    def __init__(self, peers):
+        self._peers = peers
+
+    def training(self):
+        return list(self._peers)
+
+
+def catch_up(peers, vouchers=2):
+    replica = Replica([torch.zeros(4)], versions=[5], weights=[5.0])
+    stats = TrafficStats()
+    ctx = SimpleNamespace(replica=replica, cfg=SimpleNamespace(state_vouchers=vouchers), stats=stats,
+                          cooldown=Cooldown(60.0), peer_id="me", subkey=b"me")
+    ctx.reject = stats.reject
+    ctx.offence = lambda source, kind: ctx.cooldown.offend(source, kind)
+    return CatchUp(ctx, Table(peers)), ctx
+
+
+def test_one_peer_claiming_a_heavier_replica_is_not_believed():
+    # The review's attack: one member's record claims v9 of a replica only it holds (an all-zero model, say).
+    honest = [record("b", [5], ["ours"]), record("c", [5], ["ours"])]
+    liar = record("m", [9], ["zeros"])
+    cu, _ = catch_up(honest + [liar])
+    cu.ctx.replica._frags[0].digest = "ours"
+    assert cu.heavier_peers(0) == [] and not cu.behind(0)
+    # A second holder vouches for it: now it is the swarm's replica, and we are behind.
+    cu.peers = Table(honest[:1] + [liar, record("c", [9], ["zeros"])])
+    assert {peer.peer_id for peer in cu.heavier_peers(0)} == {"m", "c"} and cu.behind(0)
+
+
+def test_with_a_single_live_peer_its_replica_is_vouched_for_by_itself():
+    cu, _ = catch_up([record("b", [6], ["next"])])
+    assert [peer.peer_id for peer in cu.heavier_peers(0)] == ["b"]
+    # And with more vouchers required than peers are live, all of them must agree.
+    cu, _ = catch_up([record("b", [6], ["next"]), record("c", [6], ["next"]), record("d", [5], ["x"])], vouchers=5)
+    assert cu.heavier_peers(0) == []
+
+
+def test_a_donor_that_fails_its_claim_repeatedly_is_an_offender():
+    cu, ctx = catch_up([])
+    for _ in range(UNBACKED_OFFENCES - 1):
+        cu._unbacked("m", ConnectionError())
+    assert not ctx.cooldown.active("m") and ctx.stats.rejected == 0
+    cu._unbacked("m", None)
+    assert ctx.cooldown.active("m") and ctx.stats.rejected_by_kind == {"unbacked_claim": 1}
+    # A success in between starts the count over (as ``_download`` does on a delivered state).
+    cu._unbacked("d", None)
+    cu._failures.pop("d", None)
+    cu._unbacked("d", None)
+    assert not ctx.cooldown.active("d")
