@@ -133,6 +133,7 @@ async def form_group(
         )
         peers = await live_peers()
         registered: dict[str, float] = {peer_id: now}
+        signers: dict[bytes, str] = {subkey: peer_id}  # whose key signed each counted registration
         t = get_dht_time()
         for source, value in unwrap_subkeys(entry).items():
             rec = parse_round_record(value)
@@ -142,9 +143,11 @@ async def form_group(
                 # Older than any registration still stored could be, or from the future: a forged time (one of
                 # -1e12 made its writer every round's coordinator with a deadline long past: nobody merged).
                 on_reject("round_record_time", source)
-            elif rec["peer_id"] in peers and peers[rec["peer_id"]] <= version:
+            elif rec["peer_id"] in peers and peers[rec["peer_id"]] <= version and source != subkey:
                 registered[rec["peer_id"]] = rec["time"]
-        groups = _first_decision(group_entry, gather_timeout, on_reject, excluded, not_before)
+                signers[source] = rec["peer_id"]
+        deciders = Deciders(registered, signers, peer_id, now, gather_timeout, max_group)
+        groups = _first_decision(group_entry, gather_timeout, on_reject, excluded, not_before, deciders)
         if groups is not None:
             return next((members for members in groups if peer_id in members), [])
         coordinator = _coordinator(registered, t, gather_timeout)
@@ -166,7 +169,7 @@ async def form_group(
                 # Another registrant whose view of the DHT lacked our registration may have decided first, taking
                 # itself for the coordinator: everyone follows the earliest decision, so we do too.
                 first = _first_decision(await dht_io.get(dht, gkey, on_timeout=timed_out), gather_timeout,
-                                        on_reject, excluded, not_before)
+                                        on_reject, excluded, not_before, deciders)
                 return next((members for members in (first or groups) if peer_id in members), [])
         await asyncio.sleep(poll_interval)
 
@@ -181,9 +184,51 @@ def _coordinator(registered: dict[str, float], now: float, gather_timeout: float
     return None
 
 
+class Deciders:
+    """Who may decide a round, as this daemon sees its registrations: a decision counts only if the key that signed
+    it also signed a counted registration (a member cannot decide rounds it did not register for), it lists its
+    writer, it was made between that registration and the writer's gather deadline (a registration back-dated to
+    become the coordinator cannot decide), and it does not leave out this daemon although it registered well
+    before, and it splits its registrants as ``split_groups`` does (a member cannot impose singleton or fake groups
+    on the others). A decision that fails is ignored,
+    counted, and bypassed like a coordinator that never decided."""
+
+    def __init__(self, registered: dict[str, float], signers: dict[bytes, str], peer_id: str, since: float,
+                 gather_timeout: float, max_group: int = MAX_GROUP) -> None:
+        self.registered, self.signers, self.peer_id, self.since = registered, signers, peer_id, since
+        self.gather_timeout, self.max_group = gather_timeout, max_group
+
+    def problem(self, source: bytes, groups: list[list[str]], decided_at: float) -> str | None:
+        """Why the decision signed by ``source`` does not count; None if it does."""
+        writer = self.signers.get(source)
+        if writer is None:
+            return "group_record_signer"  # no counted registration of its key: not a registrant of this round
+        if writer == self.peer_id:
+            return None
+        if not any(writer in members for members in groups):
+            return "group_record_writer"
+        sizes = [len(members) for members in groups]
+        if len(groups) != -(-sum(sizes) // self.max_group) or max(sizes) - min(sizes) > 1:
+            return "group_record_split"  # not how ``split_groups`` splits: singleton groups imposed, say
+        registered_at = self.registered[writer]
+        # A coordinator decides by its gather deadline, or (taking over from one that did not) by the end of its
+        # turn in ``_coordinator``; the rest is slack for slow reads.
+        if not registered_at - MAX_CLOCK_SKEW <= decided_at <= registered_at + 2.5 * self.gather_timeout + 5:
+            return "group_record_time"
+        if (decided_at > self.since + OMISSION_GRACE
+                and not any(self.peer_id in members for members in groups)):
+            return "group_record_omission"
+        return None
+
+
+OMISSION_GRACE = 5.0  # seconds after our registration within which a decision may not have seen it yet
+
+
 def _first_decision(group_entry: Any, gather_timeout: float, on_reject: Callable[..., None],
-                    excluded: Callable[[str], bool], not_before: float = 0.0) -> list[list[str]] | None:
-    """The earliest valid, recent group decision of a round (the one every daemon follows), or None."""
+                    excluded: Callable[[str], bool], not_before: float = 0.0,
+                    deciders: Deciders | None = None) -> list[list[str]] | None:
+    """The earliest valid, recent group decision of a round (the one every daemon follows), or None. With
+    ``deciders``, only decisions by one of the round's registrants count (see ``Deciders``)."""
     decisions = []
     stale_before = max(get_dht_time() - DECISION_LIFETIME_FACTOR * gather_timeout, not_before)
     for source, value in unwrap_subkeys(group_entry).items():
@@ -195,5 +240,9 @@ def _first_decision(group_entry: Any, gather_timeout: float, on_reject: Callable
         elif isinstance(value["time"], float) and value["time"] >= stale_before:
             # An older decision belongs to a round that ended (or never ran) long ago: ignore it, or a daemon left
             # out of it would be shut out of this version forever.
-            decisions.append((value["time"], groups))
+            problem = deciders.problem(source, groups, value["time"]) if deciders is not None else None
+            if problem is None:
+                decisions.append((value["time"], groups))
+            elif problem != "group_record_signer":  # a registration we do not see yet is no offence
+                on_reject(problem, source)
     return min(decisions, key=lambda d: (d[0], d[1]))[1] if decisions else None

@@ -103,29 +103,29 @@ def test_a_coordinator_that_decided_after_another_follows_the_earlier_decision(m
 
 
 def test_a_restarted_daemon_does_not_follow_the_decision_its_previous_life_was_in(monkeypatch):
-    """c was in round (0, 13)'s group [a, c] when it crashed; restarted (its process started at 1500), it registers
+    """c was in round (0, 13)'s group [a, c] when it crashed; restarted (its process started at 1599.5), it registers
     for that round again. The old decision lists it, but was made without this life: following it would run the
     old all-reduce again against reducers that answer with their first results. c decides a group of its own."""
     from atoll.protocols.matchmaking import form_group, group_key, round_key
 
-    clock = iter(range(1600, 2600))
-    monkeypatch.setattr("atoll.protocols.matchmaking.get_dht_time", lambda: float(next(clock)))
     key, gkey = round_key("run", 0, 13, "D"), group_key("run", 0, 13, "D")
-    shared = {key: {b"a": {"peer_id": "a", "weight": 1.0, "time": 1590.0}},
-              gkey: {b"a": {"groups": [["a", "c"]], "time": 1595.0}}}  # recent: not stale by age
 
     async def live():
-        return {}  # a moved on to version 14: it is not expected in this round any more
+        return {"a": 13}
 
     def join(not_before):
+        clock = iter(range(1600, 2600))
+        monkeypatch.setattr("atoll.protocols.matchmaking.get_dht_time", lambda: float(next(clock)))
         return asyncio.run(form_group(FakeDHT(shared), run_id="run", fragment=0, version=13, peer_id="c",
                                       subkey=b"c", weight=1.0, live_peers=live, gather_timeout=5.0,
                                       abort=lambda: False, base="D", not_before=not_before))
 
+    shared = {key: {b"a": {"peer_id": "a", "weight": 1.0, "time": 1598.0}},
+              gkey: {b"a": {"groups": [["a", "c"]], "time": 1599.0}}}  # recent: not stale by age
     assert join(not_before=1500.0) == ["a", "c"]  # the defect this guards against: the old group, followed
-    shared[gkey].pop(b"c", None)
-    assert join(not_before=1598.0) == ["c"]  # decided anew, alone: a solo round, healed like any fork
-    assert shared[gkey][b"c"]["groups"] == [["c"]]
+    assert b"c" not in shared[gkey]
+    assert join(not_before=1599.5) == ["a", "c"]  # the old decision ignored: c waited out a, then decided anew
+    assert shared[gkey][b"c"]["groups"] == [["a", "c"]]
 
 
 def _form(shared, peer, monkeypatch, start, live_versions, gather_timeout=5.0):
@@ -180,3 +180,35 @@ def test_the_coordinator_rule_takes_the_earliest_registrant_whose_deadline_is_no
     assert _coordinator(registered, now=100.0, gather_timeout=10.0) == "old"  # 90 + 10 + 5 + 2 = 107
     assert _coordinator(registered, now=108.0, gather_timeout=10.0) == "a"  # old bypassed; ties by peer id
     assert _coordinator(registered, now=200.0, gather_timeout=10.0) is None
+
+
+def test_a_decision_by_a_key_that_did_not_register_is_ignored(monkeypatch):
+    """A member (or a stale daemon) publishes a group decision for a round it is not a registrant of."""
+    from atoll.protocols.matchmaking import group_key
+
+    gkey = group_key("run", 0, 13, "D")
+    shared = {gkey: {b"evil": {"groups": [["evil"]], "time": 5000.5}}}
+    members, rejected = _form(shared, "a", monkeypatch, 5000, {"evil": 13})
+    assert members == ["a"]  # a coordinated its round, alone
+    assert b"a" in shared[gkey]
+
+
+@pytest.mark.parametrize("groups, time, kind", [
+    ([["evil"]], 5012.0, "group_record_omission"),  # leaves a out, long after a registered
+    ([["a"], ["evil"]], 5001.0, "group_record_split"),  # singletons imposed on a round of two
+    ([["a"]], 5001.0, "group_record_writer"),  # a decision that does not list its writer
+    ([["a", "evil"]], 4987.0, "group_record_time"),  # made well before its writer registered
+])
+def test_a_registrant_cannot_impose_a_forged_decision(monkeypatch, groups, time, kind):
+    """The earliest registrant's decision counts only if it looks like one ``form_group`` makes: it lists its
+    writer, splits as ``split_groups`` does, was made within its writer's turn, and includes every daemon that
+    registered well before it. Otherwise it is counted, ignored, and the writer is bypassed like a mute one."""
+    from atoll.protocols.matchmaking import group_key, round_key
+
+    key, gkey = round_key("run", 0, 13, "D"), group_key("run", 0, 13, "D")
+    shared = {key: {b"evil": {"peer_id": "evil", "weight": 1.0, "time": 4999.0}},
+              gkey: {b"evil": {"groups": groups, "time": time}}}
+    members, rejected = _form(shared, "a", monkeypatch, 5000, {"evil": 13})
+    assert (kind, b"evil") in rejected
+    assert members == ["a", "evil"]  # a took over once evil's turn was over, with evil still in
+    assert shared[gkey][b"a"]["groups"] == [["a", "evil"]]
