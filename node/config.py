@@ -53,6 +53,9 @@ def opt(default: Any, *, help: str, metavar: str | None = None, known: Iterable[
     return field(default=default, metadata=meta)
 
 
+LOCAL_DATA = "<local>"  # the run config's ``data`` when the run trains on files of its own (see RunConfig.published)
+
+
 class ConfigError(ValueError):
     """Bad configuration; the CLI prints it as one line and exits with code 2."""
 
@@ -143,7 +146,13 @@ class RunConfig:
         return algorithm(self.algorithm).overlap_steps(self.overlap)
 
     def published(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields every daemon of the run shares, as the run's config record holds them. A data path is this
+        machine's, and anyone who reaches the DHT can read the record: it is published as ``LOCAL_DATA`` only,
+        and every joiner names its own copy with ``--data``."""
+        fields = dataclasses.asdict(self)
+        if fields["data"] != "builtin":
+            fields["data"] = LOCAL_DATA
+        return fields
 
 
 @dataclass(frozen=True)
@@ -351,6 +360,11 @@ def load_config(overrides: dict[str, Any], toml_path: str | None = None) -> tupl
 
 def reconcile_run_config(local: RunConfig, explicit: set[str], published: dict[str, Any]) -> RunConfig:
     """Adopt the run's published config; raise ``ConfigError`` if a field the user set explicitly disagrees."""
+    if published.get("data") == LOCAL_DATA:
+        if "data" not in explicit or local.data == "builtin":
+            raise ConfigError("data: this run trains on data of its own, not the built-in corpus; pass --data PATH "
+                              "(each daemon reads its own copy; the run's config does not publish paths)")
+        published = {**published, "data": local.data}
     unknown = set(published) - set(RUN_FIELDS)
     if unknown:
         raise ConfigError(f"run config: the run uses fields this version does not know: {', '.join(sorted(unknown))}")

@@ -73,6 +73,17 @@ def test_joiner_adopts_run_config_and_refuses_conflicts():
         reconcile_run_config(RunConfig(), set(), {**published, "future_field": 1})
 
 
+def test_a_data_path_is_not_published_and_each_joiner_names_its_own():
+    """Anyone who reaches the DHT reads the run's config record: it says that the run has data of its own, not
+    where it lies on the machine that started the run."""
+    published = RunConfig(data="/srv/secret/corpus.bin").published()
+    assert published["data"] == "<local>" and "/srv" not in repr(published)
+    assert RunConfig().published()["data"] == "builtin"
+    with pytest.raises(ConfigError, match="pass --data PATH"):
+        reconcile_run_config(RunConfig(), set(), published)
+    assert reconcile_run_config(RunConfig(data="/mnt/copy"), {"data"}, published).data == "/mnt/copy"
+
+
 @pytest.mark.skipif(xla_available(), reason="torch_xla is installed here")
 def test_xla_without_torch_xla_is_a_config_error():
     with pytest.raises(ConfigError, match="torch_xla is not installed"):
