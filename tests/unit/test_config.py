@@ -73,7 +73,7 @@ def test_joiner_adopts_run_config_and_refuses_conflicts():
         reconcile_run_config(RunConfig(), set(), {**published, "future_field": 1})
 
 
-def test_a_data_path_is_not_published_and_each_joiner_names_its_own():
+def test_a_data_path_is_not_published_and_each_joiner_names_its_own(tmp_path):
     """Anyone who reaches the DHT reads the run's config record: it says that the run has data of its own, not
     where it lies on the machine that started the run."""
     published = RunConfig(data="/srv/secret/corpus.bin").published()
@@ -81,7 +81,8 @@ def test_a_data_path_is_not_published_and_each_joiner_names_its_own():
     assert RunConfig().published()["data"] == "builtin"
     with pytest.raises(ConfigError, match="pass --data PATH"):
         reconcile_run_config(RunConfig(), set(), published)
-    assert reconcile_run_config(RunConfig(data="/mnt/copy"), {"data"}, published).data == "/mnt/copy"
+    copy = str(tmp_path)
+    assert reconcile_run_config(RunConfig(data=copy), {"data"}, published).data == copy
 
 
 @pytest.mark.skipif(xla_available(), reason="torch_xla is installed here")
