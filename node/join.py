@@ -8,9 +8,11 @@ explicitly disagrees or their credentials do not match the run's access.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
@@ -93,10 +95,11 @@ def check_access(run_id: str, token: JoinToken | None, published: RunConfigRecor
 
 
 def choose_config(run_id: str, token: JoinToken | None, values: Iterable[Any]) -> RunConfigRecord | None:
-    """The run's config among the records found under its key, or None. A member of a private run (``token``)
-    takes only a record signed by the run key of its token; others are ignored, and logged: a member could publish
-    one claiming an earlier start, access "open", another model. Without a token, the earliest well-formed record
-    (an open run has no key to sign with: see docs/security.md)."""
+    """The run's config among the records found under its key (one per publishing key), or None. A member of a
+    private run (``token``) takes only a record signed by the run key of its token; others are ignored, and logged:
+    a member could publish one claiming an earlier start, access "open", another model. An open run has no key to
+    sign with: every live daemon of the run re-publishes the record it adopted, so the record that the most keys
+    publish is the run's (one later claim of an earlier start does not replace it), the earliest among equals."""
     records, forged = [], 0
     for value in values:
         rec = parse_run_config(value)
@@ -110,7 +113,14 @@ def choose_config(run_id: str, token: JoinToken | None, values: Iterable[Any]) -
     if forged:
         logger.warning("ignored %d run config record(s) of run %r that are malformed or not signed by its run key",
                        forged, run_id)
-    return min(records, key=lambda r: r.started_at) if records else None
+    if not records:
+        return None
+    holders = Counter(_content(r) for r in records)
+    return min(records, key=lambda r: (-holders[_content(r)], r.started_at, _content(r)))
+
+
+def _content(rec: RunConfigRecord) -> str:
+    return json.dumps(rec.dict(exclude={"signature"}), sort_keys=True, default=repr) + repr(rec.signature)
 
 
 def agree_on_run_config(dht: DHT, cfg: NodeConfig, explicit: set[str], token: JoinToken | None,

@@ -49,8 +49,8 @@ def catch_up(peers, vouchers=2):
     stats = TrafficStats()
     ctx = SimpleNamespace(replica=replica, cfg=SimpleNamespace(state_vouchers=vouchers), stats=stats,
                           cooldown=Cooldown(60.0), peer_id="me", subkey=b"me")
+    stats.on_offence = lambda source, kind: ctx.cooldown.offend(source, kind)  # as the syncer wires it
     ctx.reject = stats.reject
-    ctx.offence = lambda source, kind: ctx.cooldown.offend(source, kind)
     return CatchUp(ctx, Table(peers)), ctx
 
 

@@ -1,5 +1,5 @@
 """Which run config a joiner adopts: in a private run, only one signed by the run key (a member cannot hijack
-the run's config by claiming an earlier start); in an open run, the earliest."""
+the run's config by claiming an earlier start); in an open run, the one the most keys publish, then the earliest."""
 
 from atoll.node.join import choose_config
 from atoll.protocols.auth import RunKey
@@ -34,3 +34,12 @@ def test_a_member_of_a_private_run_takes_only_the_record_signed_by_its_run_key()
 def test_without_a_token_the_earliest_open_record_is_taken():
     early, late = record(access="open", started_at=5.0), record(access="open", started_at=9.0)
     assert choose_config("r", None, [late, {"bad": 1}, early]).started_at == 5.0
+
+
+def test_an_open_runs_config_is_not_replaced_by_one_later_claim_of_an_earlier_start():
+    """Every live daemon of an open run re-publishes the record it adopted (one per key): a member's record
+    claiming an earlier start (access, model, clip factor of its choosing) is one against the run's many."""
+    run = record(access="open", started_at=50.0)
+    hijack = record(access="open", started_at=1.0, model="12b", clip_factor=0.0)
+    assert choose_config("r", None, [run, hijack, run, run]).dict() == run
+    assert choose_config("r", None, [hijack, run]).dict() == hijack  # one against one: the earliest, as before

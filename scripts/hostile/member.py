@@ -1,0 +1,257 @@
+"""A hostile member of a run: it holds a valid join token and attacks the run through the DHT and the RPCs.
+
+Not a daemon: a bare hivemind DHT with the token's validators, that reads the honest daemons' records and writes
+its own, and serves the run's two RPCs with answers of its choosing. Each attack reproduces one of the review's
+(docs/security.md) and runs for a given number of seconds:
+
+- ``fake_heavier``: its progress record claims a replica five versions ahead of the swarm's, and it serves an
+  all-zero model whose digest matches the claim (``refuse=True``: it claims the same and refuses to serve).
+- ``forged_rounds``: it registers for every fragment's next round with a back-dated time (the earliest
+  plausible one: it becomes the coordinator and never decides) or an absurd one, and publishes group decisions
+  that impose singleton groups or leave everyone else out.
+- ``hostile_reducer``: it registers for the rounds like an honest member and, as the reducer of its shard,
+  answers with an infinite weight, a huge norm and contributors that are not members.
+- ``junk_records``: fifty progress records under fake peer ids, malformed round, group and open-round values,
+  and a run config that claims the run is open and trains another model.
+
+Every attack returns what it did (counts); what the honest daemons made of it is read from their own records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from collections.abc import Coroutine
+from typing import Any, AsyncIterator
+
+import torch
+from hivemind import DHT
+from hivemind.p2p import P2PContext
+from hivemind.proto import runtime_pb2
+from hivemind.utils import get_dht_time
+
+from atoll.models.configs import get_model_config
+from atoll.models.fragments import make_fragments
+from atoll.models.gpt import GPT
+from atoll.models.outer import tensor_hash
+from atoll.protocols import averaging, dht_io, state_sync
+from atoll.protocols.auth import JoinToken
+from atoll.protocols.matchmaking import group_key
+from atoll.protocols.records import (
+    ProgressRecord,
+    config_key,
+    make_validators,
+    open_rounds_key,
+    parse_progress,
+    progress_key,
+    round_key,
+    unwrap_subkeys,
+)
+from atoll.protocols.stats import TrafficStats
+from atoll.protocols.wire import WireError, pack_response, unpack
+
+
+class HostileMember:
+    """A member of ``run_id`` (``token``: its join token file) on the DHT of ``initial_peers``; use as a context
+    manager. ``model`` and ``fragments`` must be the run's (the zero replica it serves has the run's sizes)."""
+
+    def __init__(self, run_id: str, initial_peers: list[str], token: str, model: str = "nano", fragments: int = 4,
+                 sync_every: int = 10, gather_timeout: float = 8.0) -> None:
+        self.run_id, self.initial_peers, self.gather_timeout = run_id, initial_peers, gather_timeout
+        self.token = JoinToken.load(token)
+        gpt = GPT(get_model_config(model))
+        frags = make_fragments(list(gpt.parameters()), fragments, sync_every, embedding=gpt.embed.weight)
+        self.numels = [f.numel for f in frags]
+        self.mode = "serve"  # what the state servicer does: "serve" zeros, or "refuse"
+        self.reducer_hostile = False
+        self.answers = 0
+        self._ahead = [(0, 0.0)] * len(self.numels)  # the versions and weights it claims (fake_heavier)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self.dht: DHT | None = None
+
+    # ---- set-up --------------------------------------------------------------------------------------------------
+    def __enter__(self) -> HostileMember:
+        validators = make_validators(self.run_id, self.token)
+        self.subkey = validators[0].local_public_key
+        self.dht = DHT(initial_peers=self.initial_peers, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                       record_validators=validators)
+        self.peer_id = str(self.dht.peer_id)
+        self._thread.start()
+        self._run(self._serve())
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        if self.dht is not None:
+            self.dht.shutdown()
+
+    def _run(self, coro: Coroutine, timeout: float = 120.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _serve(self) -> None:
+        self.p2p = await self.dht.replicate_p2p()
+        stats = TrafficStats()
+        await StateServicer(self._zero_state, len(self.numels), stats).add_p2p_handlers(self.p2p,
+                                                                                           namespace=self.run_id)
+        await AveragingServicer(self).add_p2p_handlers(self.p2p, namespace=self.run_id)
+
+    def _zero_state(self, p: int) -> state_sync.ReplicaState | None:
+        if self.mode == "refuse":
+            return None
+        zeros = torch.zeros(self.numels[p])
+        version, weight, _ = self._claim(p)
+        return state_sync.ReplicaState(version, weight, tensor_hash(zeros, zeros), zeros, zeros, 0, fragment=p)
+
+    # ---- what the honest daemons publish -------------------------------------------------------------------------
+    async def _honest(self) -> list[ProgressRecord]:
+        entry = await dht_io.get(self.dht, progress_key(self.run_id))
+        records = [parse_progress(v) for v in unwrap_subkeys(entry).values()]
+        return [r for r in records if r is not None and r.peer_id != self.peer_id and r.status == "training"]
+
+    @property
+    def zero_digests(self) -> list[str]:
+        """The digests of the all-zero replica it claims, per fragment."""
+        return [tensor_hash(torch.zeros(n), torch.zeros(n)) for n in self.numels]
+
+    def _claim(self, p: int) -> tuple[int, float, str]:
+        version, weight = self._ahead[p]
+        zeros = torch.zeros(self.numels[p])
+        return version, weight, tensor_hash(zeros, zeros)
+
+    async def _publish(self, record: dict[str, Any], ttl: float = 6.0) -> bool:
+        return await dht_io.store(self.dht, progress_key(self.run_id), record, get_dht_time() + ttl, self.subkey)
+
+    def _record_like(self, honest: ProgressRecord, **changes: Any) -> dict[str, Any]:
+        record = honest.dict()
+        record.update(peer_id=self.peer_id, time=float(get_dht_time()), rejected=0, rejected_by_kind={}, **changes)
+        record["version"] = sum(record["fragment_versions"])
+        return record
+
+    # ---- attacks -------------------------------------------------------------------------------------------------
+    def fake_heavier(self, seconds: float, refuse: bool = False) -> dict[str, int]:
+        """Claim a replica five versions ahead (weight ×10), all zeros; serve it, or refuse to."""
+        return self._run(self._fake_heavier(seconds, refuse), timeout=seconds + 60)
+
+    async def _fake_heavier(self, seconds: float, refuse: bool) -> dict[str, int]:
+        self.mode = "refuse" if refuse else "serve"
+        published, end = 0, time.monotonic() + seconds
+        while time.monotonic() < end:
+            honest = await self._honest()
+            if honest:
+                top = max(honest, key=lambda r: r.version)
+                self._ahead = [(v + 5, 10.0 * w + 1.0) for v, w in zip(top.fragment_versions, top.fragment_weights)]
+                claims = [self._claim(p) for p in range(len(self.numels))]
+                record = self._record_like(top, fragment_versions=[c[0] for c in claims],
+                                           fragment_weights=[c[1] for c in claims],
+                                           fragment_hashes=[c[2] for c in claims])
+                published += await self._publish(record)
+            await asyncio.sleep(1.0)
+        self.mode = "serve"
+        return {"claims_published": published}
+
+    def forged_rounds(self, seconds: float) -> dict[str, int]:
+        """Back-dated or absurd registrations for every fragment's next round, and forged group decisions."""
+        return self._run(self._forged_rounds(seconds), timeout=seconds + 60)
+
+    async def _forged_rounds(self, seconds: float) -> dict[str, int]:
+        counts = {"registrations": 0, "decisions": 0}
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            honest = await self._honest()
+            if honest:
+                top = max(honest, key=lambda r: r.version)
+                await self._publish(self._record_like(top))  # live, and at the swarm's versions: a registrant
+                now = get_dht_time()
+                lifetime = 4 * self.gather_timeout + 60
+                for p, (version, _, base) in enumerate(top.fragment(q) for q in range(len(top.fragment_versions))):
+                    when = now - lifetime + 5 if p % 2 == 0 else -1e12
+                    key = round_key(self.run_id, p, version, base)
+                    counts["registrations"] += await dht_io.store(
+                        self.dht, key, {"peer_id": self.peer_id, "weight": 1.0, "time": float(when)},
+                        now + lifetime, self.subkey)
+                    others = sorted({r.peer_id for r in honest})
+                    groups = [[m] for m in sorted(others + [self.peer_id])] if p % 2 == 0 else [[self.peer_id]]
+                    counts["decisions"] += await dht_io.store(
+                        self.dht, group_key(self.run_id, p, version, base),
+                        {"groups": groups, "time": float(get_dht_time())}, now + lifetime, self.subkey)
+            await asyncio.sleep(1.0)
+        return counts
+
+    def hostile_reducer(self, seconds: float) -> dict[str, int]:
+        """Join every round as a member would, and answer as a reducer with impossible scalars."""
+        return self._run(self._hostile_reducer(seconds), timeout=seconds + 60)
+
+    async def _hostile_reducer(self, seconds: float) -> dict[str, int]:
+        self.reducer_hostile, self.answers = True, 0
+        registrations, end = 0, time.monotonic() + seconds
+        while time.monotonic() < end:
+            honest = await self._honest()
+            if honest:
+                top = max(honest, key=lambda r: r.version)
+                await self._publish(self._record_like(top))
+                now = get_dht_time()
+                for p in range(len(top.fragment_versions)):
+                    version, _, base = top.fragment(p)
+                    registrations += await dht_io.store(
+                        self.dht, round_key(self.run_id, p, version, base),
+                        {"peer_id": self.peer_id, "weight": 1.0, "time": float(now)}, now + 60, self.subkey)
+            await asyncio.sleep(1.0)
+        self.reducer_hostile = False
+        return {"registrations": registrations, "hostile_answers": self.answers}
+
+    def junk_records(self) -> dict[str, int]:
+        """Many identities from one token, malformed round values, and a hijacked run config (stored once each)."""
+        return self._run(self._junk_records())
+
+    async def _junk_records(self) -> dict[str, int]:
+        counts = {"fake_identities": 0, "malformed": 0, "config": 0}
+        honest = await self._honest()
+        top = max(honest, key=lambda r: r.version)
+        ten_years = get_dht_time() + 10 * 365 * 86400
+        for i in range(50):
+            record = self._record_like(top, peer_id=f"Qm{'fake' * 8}{i:04d}")
+            counts["fake_identities"] += await dht_io.store(self.dht, progress_key(self.run_id), record, ten_years,
+                                                            self.subkey + b"%04d" % i)
+        version, _, base = top.fragment(0)
+        junk = [{"peer_id": self.peer_id, "weight": "heavy", "time": 1.0}, {"groups": "all", "time": 0.0},
+                {"peer_id": self.peer_id, "weight": 1.0, "time": 1.0, "extra": "x" * 100_000}, [1, 2, 3]]
+        for value in junk:
+            for key in (round_key(self.run_id, 0, version, base), group_key(self.run_id, 0, version, base),
+                        open_rounds_key(self.run_id)):
+                counts["malformed"] += await dht_io.store(self.dht, key, value, get_dht_time() + 600, self.subkey)
+        hijack = {"fields": {"model": "12b", "clip_factor": 0.0}, "started_by": self.peer_id, "started_at": 0.0,
+                  "access": "open", "run_key": None, "signature": None}
+        counts["config"] = int(await dht_io.store(self.dht, config_key(self.run_id), hijack, get_dht_time() + 600,
+                                                  self.subkey))
+        return counts
+
+
+class StateServicer(state_sync.StateServicer):
+    """The run's state RPC (same handler name), serving whatever the hostile member's snapshot returns."""
+
+
+class AveragingServicer(averaging.AveragingServicer):
+    """The run's averaging RPC (same handler name): while the member attacks as a reducer, every request gets an
+    answer with impossible scalars; otherwise it is refused as an unknown group."""
+
+    def __init__(self, member: HostileMember) -> None:
+        super().__init__(member.run_id, "", TrafficStats())
+        self.member = member
+
+    async def rpc_aggregate(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        if not self.member.reducer_hostile:
+            yield pack_response({"ok": False, "error": "unknown group"})
+            return
+        try:
+            numel = unpack(await anext(requests), {"numel": int})["numel"]  # the shard's size: only scalars lie
+        except (WireError, StopAsyncIteration):
+            return
+        self.member.answers += 1
+        yield pack_response({"ok": True, "weight": math.inf, "contributors": ["QmNobody"], "numel": numel,
+                             "norm": 1e300})

@@ -1,0 +1,148 @@
+"""A hostile member attacks a live private swarm, and the honest daemons train on as if it were not there.
+
+Two swarms, one after the other, with the same schedule: three honest daemons (decoupled, nano, H=10) start
+together, a fourth honest daemon joins late; in the attacked one, a member holding a valid join token
+(``scripts/hostile/member.py``) meanwhile claims a fake heavier all-zero replica (serving it, then refusing to),
+forges round registrations and group decisions, answers as a hostile reducer, and stores junk records (fifty fake
+identities, malformed round values, a hijacked run config). The honest daemons must keep merging multi-member
+rounds, never adopt its replica, end rounds with identical replicas, stay within 2% of the held-out loss of the
+swarm without it, count its offences by kind, and stay under a memory and fd bound.
+"""
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from hostile.member import HostileMember
+from swarm import LocalSwarm
+from test_swarm import assert_replicas_agree, wait_for
+
+from atoll.protocols.auth import RunKey
+
+pytestmark = pytest.mark.integration
+
+STEPS = 700
+COMMON = ["--model", "nano", "--batch-size", "4", "--algorithm", "decoupled", "--sync-every", "10",
+          "--max-steps", str(STEPS), "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1",
+          "--fault", "step_delay=0.1", "--eval-budget", "1"]
+HONEST = ("a", "b", "c")
+PHASES = (("fake_heavier", 12.0), ("refuse", 8.0), ("forged_rounds", 12.0), ("hostile_reducer", 12.0))
+
+
+def tree_usage(pid: int) -> tuple[int, int]:
+    """Resident bytes and open fds of a process and its descendants (the daemon, its DHT process and p2pd)."""
+    rss = fds = 0
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            rss += int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) * 1024
+            fds += len(os.listdir(f"/proc/{p}/fd"))
+            for task in os.listdir(f"/proc/{p}/task"):
+                todo += [int(c) for c in Path(f"/proc/{p}/task/{task}/children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError, StopIteration):
+            continue
+    return rss, fds
+
+
+def run(root: Path, attack: bool) -> dict:
+    """One swarm; returns what the comparison needs."""
+    with LocalSwarm(root, COMMON) as swarm:
+        together = ["--fault", f"start_together={len(HONEST)}"]
+        swarm.start("a", together, join=False)
+        for name in HONEST[1:]:
+            swarm.start(name, together)
+        a = swarm.daemons["a"]
+        wait_for(lambda: any(len(r["contributors"]) > 1 for r in a.rounds()), 180, "a first multi-member round")
+        observed: dict = {}
+        token = root / "hostile.token"
+        RunKey.load_or_create(swarm.run_key)[0].issue_token("atoll").save(token)
+        started = time.monotonic()
+        if attack:
+            with HostileMember("atoll", swarm.bootstrap, str(token)) as member:
+                observed["member"] = member.peer_id
+                observed["zero_digests"] = member.zero_digests
+                observed["fake_heavier"] = member.fake_heavier(PHASES[0][1])
+                observed["refuse"] = member.fake_heavier(PHASES[1][1], refuse=True)
+                observed["forged_rounds"] = member.forged_rounds(PHASES[2][1])
+                observed["hostile_reducer"] = member.hostile_reducer(PHASES[3][1])
+                observed["junk_records"] = member.junk_records()
+                observed["usage"] = {n: tree_usage(swarm.daemons[n].proc.pid) for n in HONEST}
+        else:
+            time.sleep(sum(s for _, s in PHASES) + 2)
+            observed["usage"] = {n: tree_usage(swarm.daemons[n].proc.pid) for n in HONEST}
+        observed["attack_s"] = time.monotonic() - started
+        swarm.start("d")  # a late joiner: it must find the run's own config and its true state
+        codes = {n: d.proc.wait(600) for n, d in swarm.daemons.items()}
+        assert all(code == 0 for code in codes.values()), codes
+        observed["rounds"] = {n: swarm.daemons[n].rounds() for n in swarm.daemons}
+        observed["summary"] = {n: next(m for m in swarm.daemons[n].metrics() if m.get("event") == "summary")
+                               for n in swarm.daemons}
+        observed["log"] = {n: swarm.daemons[n].log() for n in swarm.daemons}
+        assert_replicas_agree(swarm, HONEST + ("d",))
+        return observed
+
+
+def held_out(observed: dict) -> float:
+    losses = [observed["rounds"][n][-1]["held_out_loss"] for n in HONEST]
+    return sum(losses) / len(losses)
+
+
+def merges(observed: dict) -> int:
+    return sum(sum(len(r["contributors"]) > 1 for r in observed["rounds"][n]) for n in HONEST)
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    return run(tmp_path_factory.mktemp("baseline"), attack=False)
+
+
+@pytest.fixture(scope="module")
+def attacked(tmp_path_factory):
+    return run(tmp_path_factory.mktemp("attacked"), attack=True)
+
+
+def test_the_honest_daemons_train_as_if_the_hostile_member_were_absent(baseline, attacked):
+    print(f"held-out loss: baseline {held_out(baseline):.4f}, attacked {held_out(attacked):.4f}; multi-member "
+          f"merges: {merges(baseline)} vs {merges(attacked)}; attacks: "
+          f"{ {k: v for k, v in attacked.items() if k in dict(PHASES) or k == 'junk_records'} }")
+    assert held_out(attacked) <= 1.02 * held_out(baseline)
+    assert merges(attacked) >= 0.5 * merges(baseline)
+    # The attacks reached the swarm: the member published its claims and registrations and was asked as a reducer.
+    assert attacked["fake_heavier"]["claims_published"] > 0 and attacked["forged_rounds"]["registrations"] > 0
+    assert attacked["hostile_reducer"]["hostile_answers"] > 0
+
+
+def test_no_honest_daemon_adopted_the_fake_replica_or_followed_the_forged_config(attacked):
+    for name in HONEST + ("d",):
+        log = attacked["log"][name]
+        assert "Traceback" not in log
+        assert attacked["member"][-8:] not in _download_lines(log)  # never a donor
+        assert not {r["hash"] for r in attacked["rounds"][name]} & set(attacked["zero_digests"])
+    assert "joined run 'atoll'" in attacked["log"]["d"]
+    assert attacked["summary"]["d"]["rounds"] > 0  # the late joiner trains the run's nano model with the others
+
+
+def _download_lines(log: str) -> str:
+    return "\n".join(line for line in log.splitlines() if "downloaded fragment" in line or "to replay" in line)
+
+
+def test_the_offences_are_counted_by_kind(attacked):
+    kinds: dict[str, int] = {}
+    for name in HONEST:
+        for kind, count in attacked["summary"][name]["rejected_by_kind"].items():
+            kinds[kind] = kinds.get(kind, 0) + count
+    print("rejected by kind:", kinds)
+    assert kinds.get("reducer_weight", 0) + kinds.get("reducer_contributors", 0) >= 1, kinds
+    assert kinds.get("round_record_time", 0) >= 1, kinds
+    assert any(k.startswith("group_record") for k in kinds), kinds
+
+
+def test_memory_and_fds_stay_bounded(baseline, attacked):
+    for name in HONEST:
+        rss, fds = attacked["usage"][name]
+        base_rss, base_fds = baseline["usage"][name]
+        print(f"{name}: rss {rss / 2**20:.0f} MiB (baseline {base_rss / 2**20:.0f}), fds {fds} ({base_fds})")
+        assert rss <= 1.25 * base_rss + 100 * 2**20 and fds <= base_fds + 64
