@@ -24,6 +24,7 @@ from atoll.models.fragments import Fragment
 from atoll.models.outer import NesterovOuter
 from atoll.protocols.averaging import AveragingServicer
 from atoll.protocols.cooldown import Cooldown
+from atoll.protocols.p2p_guard import MemberGate, StreamGuard, install as install_p2p_guard
 from atoll.protocols.records import HeadRecord, ProgressRecord, Status
 from atoll.protocols.state_sync import ReplicaState, StateServicer
 from atoll.protocols.stats import TrafficStats
@@ -86,13 +87,21 @@ class Syncer:
 
     async def _setup(self) -> None:
         ctx, run, replica = self.ctx, self.ctx.cfg.run, self.ctx.replica
+        install_p2p_guard()  # every frame read in this process is bounded before it is buffered
         ctx.p2p = await ctx.dht.replicate_p2p()
+        # Streams of our handlers are bounded per peer and in all, with a first-message deadline; in a private run
+        # a peer without a progress record is served only once its record is found (bounded waits), before
+        # anything of its stream is read. Streams from peers in the table have a budget strangers cannot take.
+        known = lambda peer: peer in self.table.peers()  # noqa: E731
+        gate = MemberGate(known, self.table.is_member) if ctx.private else None
+        StreamGuard(ctx.stats.reject, known, gate).attach(ctx.p2p)
         self.rounds.averager = AveragingServicer(
             ctx.cfg.run_id, ctx.peer_id, ctx.stats, ctx.cooldown, run.clip_factor, run.round_timeout,
-            past=lambda p, v: 0 <= p < replica.num_fragments and replica.identity(p)[0] > v)
+            past=lambda p, v: 0 <= p < replica.num_fragments and replica.identity(p)[0] > v,
+            authorize=gate.is_member if gate is not None else None)
         await self.rounds.averager.add_p2p_handlers(ctx.p2p, namespace=ctx.cfg.run_id)
         await StateServicer(replica.snapshot, replica.num_fragments, ctx.stats,
-                            authorize=self.table.is_member if ctx.private else None,
+                            authorize=gate.is_member if gate is not None else None,
                             replay=replica.replay_from).add_p2p_handlers(ctx.p2p, namespace=ctx.cfg.run_id)
         self.catch_up.start()
         self._spawn(self._heartbeat())

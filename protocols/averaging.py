@@ -35,7 +35,7 @@ import functools
 import hashlib
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, AsyncIterator  # hivemind detects streaming RPCs by typing.AsyncIterator hints
 from dataclasses import dataclass, field
 
@@ -48,6 +48,7 @@ from atoll.models.robust import clip_contributions, clip_scalars, lower_median
 
 from . import codecs
 from .cooldown import Cooldown
+from .p2p_guard import RateLimitedLog
 from .records import MAX_NORM, MAX_ROUND_WEIGHT
 from .stats import TrafficStats
 from .wire import PART_BYTES, WireError, check_fields, pack_request, pack_response, unpack
@@ -204,14 +205,19 @@ class AveragingServicer(ServicerBase):
 
     def __init__(self, run_id: str, local_peer: str, stats: TrafficStats, cooldown: Cooldown | None = None,
                  clip_factor: float = 0.0, max_wait: float = 600.0,
-                 past: Callable[[int, int], bool] | None = None) -> None:
+                 past: Callable[[int, int], bool] | None = None,
+                 authorize: Callable[[str], Awaitable[bool]] | None = None) -> None:
         """``cooldown``: peers whose parts are treated as missing; ``max_wait``: the longest a request for a group
         not opened here yet may wait for it (the run's round timeout: an honest member never asks for longer);
         ``past(fragment, version)``: whether this daemon is past that round (it will never open a group of it, so
-        a request for one not opened is refused at once instead of after ``max_wait``)."""
+        a request for one not opened is refused at once instead of after ``max_wait``); ``authorize(peer)``
+        (private runs): whether a peer is a member, asked before its request is read or takes a waiting slot
+        (bounded, ``p2p_guard.MemberGate``)."""
         self.run_id, self.local_peer, self.stats = run_id, local_peer, stats
         self.cooldown, self.clip_factor, self.max_wait = cooldown, clip_factor, max_wait
         self._past = past
+        self._authorize = authorize
+        self._log = RateLimitedLog()
         self._groups: dict[str, _Reduction] = {}
         self._opened: dict[str, asyncio.Event] = {}
         self._waiting: dict[str, int] = {}  # peer -> its requests waiting for a group not opened yet
@@ -305,6 +311,14 @@ class AveragingServicer(ServicerBase):
         sender = str(context.remote_id)
         reduction: _Reduction | None = None
         cooling = self.cooldown is not None and self.cooldown.active(sender)
+        # A non-member (libp2p authenticated the peer id) takes no waiting slot and has nothing of its read: free
+        # identities would otherwise fill every slot (eight of them halved the honest merges).
+        if self._authorize is not None and not await self._authorize(sender):
+            self.stats.reject("unauthorized")
+            self._log("unauthorized", "refused an aggregate request by %s: not a member of this private run",
+                      sender[-8:])
+            yield pack_response({"ok": False, "error": "not a member of this run"})
+            return
         try:
             header = unpack(await anext(requests), {"group_id": str, "weight": float, "numel": int, "wait": float,
                                                     "norm": float, "codec": str})

@@ -30,6 +30,7 @@ from hivemind.proto import runtime_pb2
 
 from atoll.models.outer import tensor_hash
 
+from .p2p_guard import RateLimitedLog
 from .stats import TrafficStats
 from .wire import PART_BYTES, WireError, check_fields, pack_request, pack_response, parts_to_tensor, unpack
 
@@ -112,14 +113,15 @@ class StateServicer(ServicerBase):
         self.part_bytes = part_bytes
         self._authorize = authorize  # private runs: serve members only
         self._replay = replay
+        self._log = RateLimitedLog()
 
     async def rpc_download_state(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         if self._authorize is not None and not await self._authorize(str(context.remote_id)):
             self.stats.reject("unauthorized")
-            logger.warning("refused a state download by %s: not a member of this private run",
-                           str(context.remote_id)[-8:])
+            self._log("unauthorized", "refused a state download by %s: not a member of this private run",
+                      str(context.remote_id)[-8:])  # rate-limited: strangers' identities are free
             yield pack_response({"ok": False, "error": "not a member of this run"})
             return
         try:
