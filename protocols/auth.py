@@ -83,7 +83,12 @@ def owner_of_subkey(subkey: bytes | None) -> bytes | None:
         return None
     if not isinstance(raw, bytes) or MSGPackSerializer.dumps(raw) != subkey:
         return None
-    match = _OWNER_SUBKEY_RE.fullmatch(raw)
+    return owner_of_raw_subkey(raw)
+
+
+def owner_of_raw_subkey(raw: object) -> bytes | None:
+    """``owner_of_subkey`` for a subkey as the DHT returns it to its caller (deserialized)."""
+    match = _OWNER_SUBKEY_RE.fullmatch(raw) if isinstance(raw, bytes) else None
     return match.group(1) if match else None
 
 
@@ -92,6 +97,7 @@ def peer_id_of(owner_key: bytes) -> str | None:
     """The libp2p peer id (base58) of a daemon whose identity is the RSA key ``owner_key`` (OpenSSH form): the
     sha2-256 multihash of the key's protobuf ``PublicKey`` (libp2p's rule, as hivemind's ``PeerID.from_identity``
     applies it). None if ``owner_key`` is not an RSA public key."""
+    from cryptography.exceptions import UnsupportedAlgorithm
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import rsa
     import multihash
@@ -100,7 +106,7 @@ def peer_id_of(owner_key: bytes) -> str | None:
 
     try:
         key = serialization.load_ssh_public_key(owner_key)
-    except (ValueError, TypeError, serialization.UnsupportedAlgorithm):
+    except (ValueError, TypeError, UnsupportedAlgorithm):
         return None
     if not isinstance(key, rsa.RSAPublicKey):
         return None
@@ -333,6 +339,7 @@ class MembershipValidator(RecordValidatorBase):
         self._suffix = _MEMBER_FORMAT % base64.b64encode(certificate) if certificate is not None else b""
         self._verified: dict[bytes, tuple[float, bytes]] = {}  # certificate -> (expiry or 0, member key)
         self._last_log: dict[str, float] = {}
+        self.refused: dict[str, int] = {}  # by kind ("dht_member"), read by the daemon (records.sync_run_validator)
 
     @property
     def priority(self) -> int:
@@ -365,6 +372,7 @@ class MembershipValidator(RecordValidatorBase):
 
     def _refused(self, owner: bytes, reason: str) -> None:
         """Log a refused record, at most once a minute per owner (a flood of bad records must not flood the log)."""
+        self.refused["dht_member"] = self.refused.get("dht_member", 0) + 1
         now, key = time.monotonic(), hashlib.sha256(owner).hexdigest()[:8]
         if now - self._last_log.get(key, -1e9) > 60:
             if len(self._last_log) > 1000:

@@ -371,6 +371,20 @@ class RunRecordValidator(RecordValidatorBase):
         return isinstance(other, RunRecordValidator)  # one set of rules per DHT
 
 
+async def sync_run_validator(revocation: Optional[RevocationList], _dht: Any, node: Any) -> dict[str, int]:
+    """Run in the DHT's process (``dht_io.run_in_dht``, with ``functools.partial``): apply ``revocation`` to the
+    DHT's ``RunRecordValidator`` (if newer than its own) and return the refusal counts by kind of it and of the
+    ``MembershipValidator``."""
+    counts: dict[str, int] = {}
+    for validator in getattr(node.protocol.record_validator, "_validators", ()):
+        if isinstance(validator, RunRecordValidator) and revocation is not None:
+            validator.apply(revocation)
+        if isinstance(validator, (RunRecordValidator, MembershipValidator)):
+            for kind, count in validator.refused.items():
+                counts[kind] = counts.get(kind, 0) + count
+    return counts
+
+
 def _validate_dictionary_per_subkey(self: DHTProtocol, key_bytes: bytes, dictionary: Any) -> bool:
     """hivemind's ``DHTProtocol._validate_dictionary``, except that an invalid subkey is dropped alone instead of
     failing the whole dictionary: with the stock rule, one record that became invalid (its signer was revoked, its
