@@ -1,4 +1,4 @@
-"""``atoll start``, ``atoll status`` and ``atoll token``.
+"""``atoll start``, ``atoll status``, ``atoll token`` and ``atoll token revoke`` (also ``atoll revoke``).
 
 Bad configuration: one line on stderr, exit code 2, no traceback.
 """
@@ -129,16 +129,110 @@ def issue_token(run_key: str, run_id: str, out: str, expires_in: float | None) -
     return 0
 
 
+def _revoke_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("revoke", help="revoke members of a private run (also: atoll token revoke): publish a list "
+                                      "signed by the run key; its daemons then refuse the members' records")
+    p.add_argument("--run-key", metavar="FILE", required=True, help="the run key")
+    p.add_argument("--run-id", default=_RUN_ID)
+    p.add_argument("--initial-peers", nargs="+", metavar="MADDR", required=True, help="daemons of the run")
+    p.add_argument("--token", action="append", default=[], metavar="FILE", help="a join token to revoke (repeatable)")
+    p.add_argument("--peer-id", action="append", default=[], metavar="ID",
+                   help="a member's peer id to revoke, as `atoll status` shows it (repeatable)")
+
+
+def revoke(run_key: str, run_id: str, initial_peers: list[str], tokens: list[str], peer_ids: list[str]) -> int:
+    """Add members to the run's revocation list (a higher serial, signed by the run key) and store it in the DHT.
+    The list is also kept next to the run key (``<run key>.revoked``), so a later revocation extends it even if
+    the run's daemons are gone."""
+    import base64
+    import json
+
+    from hivemind.utils import get_dht_time
+
+    from atoll.protocols import dht_io
+    from atoll.protocols.auth import (AuthError, Certificate, RevocationList, RunKey, fingerprint, is_peer_id,
+                                      newest_revocation, peer_id_of)
+    from atoll.protocols.records import make_validators, revoked_key, unwrap_subkeys
+
+    from .join import start_dht
+    from .peers import REVOCATION_TTL
+
+    try:
+        key = RunKey.load(run_key)
+    except AuthError as e:
+        raise ConfigError(f"run_key: {e}") from None
+    revoke_ids = []
+    for path in tokens:
+        try:
+            doc = json.loads(open(path).read())
+            cert = Certificate.from_bytes(base64.b64decode(doc["certificate"], validate=True))
+        except (OSError, ValueError, KeyError, TypeError, AuthError) as e:
+            raise ConfigError(f"token: {path!r} is not a readable join token ({e})") from None
+        if cert.run_public_key != key.public_bytes or cert.run_id != run_id:
+            raise ConfigError(f"token: {path!r} is for run {cert.run_id!r} of run key "
+                              f"{fingerprint(cert.run_public_key)}, not run {run_id!r} of this run key")
+        revoke_ids.append(peer_id_of(cert.member_key))
+    for peer in peer_ids:
+        if not is_peer_id(peer):
+            raise ConfigError(f"peer_id: {peer!r} is not a peer id (like QmXyz..., 46 characters)")
+        revoke_ids.append(peer)
+    if not revoke_ids:
+        raise ConfigError("revoke: name the members to revoke with --token FILE or --peer-id ID")
+    kept_path = run_key + ".revoked"
+    kept = None
+    if os.path.exists(kept_path):
+        import msgpack
+
+        try:
+            with open(kept_path, "rb") as f:
+                kept = RevocationList.parse(run_id, msgpack.unpackb(f.read(), raw=False))
+        except (OSError, ValueError, msgpack.UnpackException):
+            kept = None
+        if kept is not None and not kept.verify(key.public_bytes):
+            kept = None
+    import logging
+
+    logging.getLogger("hivemind").setLevel(logging.ERROR)
+    cfg = NodeConfig(run_id=run_id, initial_peers=tuple(initial_peers), host_maddrs=("/ip4/127.0.0.1/tcp/0",))
+    cfg.validate()
+    validators = make_validators(run_id, key.issue_token(run_id, expires_at=time.time() + 3600))
+    dht = start_dht(cfg, validators, client_mode=True)
+    try:
+        found = list(unwrap_subkeys(dht_io.get_blocking(dht, revoked_key(run_id))).values())
+        current, _ = newest_revocation(run_id, key.public_bytes, found, kept)
+        revoked = set(current.revoked if current is not None else ()) | set(revoke_ids)
+        new = RevocationList(run_id, (current.serial if current is not None else 0) + 1, tuple(sorted(revoked)),
+                             float(time.time())).signed(key)
+        if not dht_io.store_blocking(dht, revoked_key(run_id), new.to_record(), get_dht_time() + REVOCATION_TTL,
+                                     validators[0].local_public_key):
+            raise ConfigError(f"initial_peers: could not store the revocation list at {' '.join(initial_peers)}")
+    finally:
+        dht.shutdown()
+    import msgpack
+
+    tmp = kept_path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(msgpack.packb(new.to_record(), use_bin_type=True))
+    os.replace(tmp, kept_path)
+    print(f"revocation list {new.serial} of run {run_id!r}: {len(new.revoked)} member(s) revoked "
+          f"({', '.join(p[-8:] for p in sorted(set(revoke_ids)))} now); its daemons refuse them within seconds")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="atoll", description="Decentralized pre-training with DiLoCo over a DHT.")
     sub = parser.add_subparsers(dest="command", required=True)
     _start_parser(sub)
     _status_parser(sub)
     _token_parser(sub)
+    _revoke_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["token", "revoke"]:
+        argv = argv[1:]  # ``atoll token revoke ...`` is ``atoll revoke ...``
     args = build_parser().parse_args(argv)
     try:
         if args.command == "start":
@@ -150,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_daemon(cfg, explicit)
         if args.command == "token":
             return issue_token(args.run_key, args.run_id, args.out, args.expires_in)
+        if args.command == "revoke":
+            return revoke(args.run_key, args.run_id, list(args.initial_peers), args.token, args.peer_id)
         from .status import run_status
 
         return run_status(list(args.initial_peers), args.run_id, args.json)

@@ -121,6 +121,8 @@ class RunConfig:
         _positive(self, "sync_every", "num_shards", "outer_lr", "inner_lr", "gather_timeout", "round_timeout",
                   "fragments", "quorum", "max_group")
         _non_negative(self, "warmup_steps", "weight_decay", "seed", "overlap")
+        if self.gather_timeout > 885:  # a round's records live 4 gather timeouts + 60 s; the DHT caps them at 1 h
+            raise ConfigError(f"gather_timeout: at most 885 s, got {self.gather_timeout}")
         if not 0 <= self.alpha < 1:
             raise ConfigError(f"alpha: must be in [0, 1), got {self.alpha}")
         if not 0 <= self.grace_gamma < 1:
@@ -222,6 +224,8 @@ class NodeConfig:
         _positive(self, "batch_size", "threads", "heartbeat", "bootstrap_retries", "eval_batches", "config_wait",
                   "state_wait", "state_vouchers")
         _non_negative(self, "max_steps", "peer_cooldown")
+        if self.heartbeat > 200:  # a progress record lives 3 heartbeats; the DHT caps it at 10 min
+            raise ConfigError(f"heartbeat: at most 200 s, got {self.heartbeat}")
         if not 0 < self.eval_budget <= 1:
             raise ConfigError(f"eval_budget: {self.eval_budget} must be in (0, 1]")
         if self.identity is not None and not Path(self.identity).parent.is_dir():

@@ -43,11 +43,17 @@ class SyncContext:
     leaving: bool = False
     started_at: float = field(default_factory=get_dht_time)  # DHT time this process's syncer was made
     p2p: Any = None  # hivemind's P2P, once the event loop has started
+    run_public_key: bytes | None = None  # a private run's run key (signs its revocation lists)
+    revocation: Any = None  # the newest revocation list signed by the run key (auth.RevocationList), if any
     spawn: Callable[[Coroutine], Any] = lambda coro: None  # start a background task on the event loop
 
     def namespace(self) -> str:
         """Where progress records, round registrations and open rounds live (a fault may split the swarm)."""
         return self.faults.namespace(self.cfg.run_id, self.counters.step)
+
+    def revoked(self, peer_id: str) -> bool:
+        """Whether the run key revoked ``peer_id``'s membership (its records and requests are refused)."""
+        return self.revocation is not None and peer_id in self.revocation.revoked
 
     def reject(self, kind: str, source: str | bytes | None = None) -> None:
         self.stats.reject(kind, source)

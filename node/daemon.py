@@ -35,7 +35,7 @@ from .config import ConfigError, NodeConfig
 from .ddp import DDP
 from .device import resolve_device
 from .faults import Faults
-from .join import agree_on_run_config, membership, start_dht
+from .join import agree_on_run_config, check_identity, identity_file, load_revocation, membership, start_dht
 from .learner import Learner
 from .local_state import LocalFragmentState
 from .log import context as log_context
@@ -64,10 +64,17 @@ class Daemon:
         self.counters.device = self.device.describe()
         torch.set_num_threads(self.cfg.threads)
         token = membership(self.cfg)
-        validators = make_validators(self.cfg.run_id, token)
+        self.revocation = load_revocation(self.cfg, token)
+        validators = make_validators(self.cfg.run_id, token, self.revocation)
         subkey = validators[0].local_public_key
-        dht = start_dht(self.cfg, validators)
+        identity, temporary = identity_file(self.cfg, token)
         try:
+            dht = start_dht(self.cfg, validators, identity_path=identity)
+        finally:
+            if temporary:
+                os.unlink(identity)
+        try:
+            check_identity(dht, token)
             return self._run_with_dht(dht, token, subkey)
         finally:
             dht.shutdown()
@@ -89,6 +96,8 @@ class Daemon:
         self.counters.step, self.counters.tokens = learner.step, learner.tokens  # a restored daemon's, from the start
         self.syncer = syncer = Syncer(cfg, dht, subkey, replica, fragments, self.counters, self.faults,
                                       private=token is not None, config_record=config_record,
+                                      run_public_key=token.run_public_key if token is not None else None,
+                                      revocation=self.revocation,
                                       error_feedback=error_feedback)
         syncer.start()
         if resumed:

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import os
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -20,7 +21,19 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time
 
 from atoll.protocols import dht_io
-from atoll.protocols.auth import AuthError, JoinToken, RunKey, fingerprint, signed_by
+from atoll.protocols.auth import (
+    AuthError,
+    JoinToken,
+    RevocationList,
+    RunKey,
+    fingerprint,
+    identity_bytes,
+    key_of_identity,
+    peer_id_of,
+    signed_by,
+)
+from hivemind.utils.crypto import RSAPrivateKey
+import msgpack
 from atoll.protocols.records import RunConfigRecord, config_key, config_payload, parse_run_config, unwrap_subkeys
 
 from .config import ConfigError, NodeConfig, reconcile_run_config
@@ -30,15 +43,18 @@ CONFIG_TTL = 24 * 3600.0
 NEW_RUN_LOOK = 5.0  # seconds a --new-run daemon looks for the run at its peers before it starts the run
 
 
-def start_dht(cfg: NodeConfig, validators: list, client_mode: bool = False) -> DHT:
-    """Start hivemind's DHT, retrying bootstrap; ``ConfigError`` if no initial peer answers."""
+def start_dht(cfg: NodeConfig, validators: list, client_mode: bool = False, identity_path: str | None = None,
+              ) -> DHT:
+    """Start hivemind's DHT, retrying bootstrap; ``ConfigError`` if no initial peer answers. ``identity_path``: the
+    libp2p identity (default: ``cfg.identity_path``; see ``identity_file`` for a private run's)."""
     last_error: Exception | None = None
     for attempt in range(cfg.bootstrap_retries):
         try:
             return DHT(
                 initial_peers=list(cfg.initial_peers), start=True, client_mode=client_mode,
                 host_maddrs=list(cfg.host_maddrs), announce_maddrs=list(cfg.announce_maddrs) or None,
-                identity_path=None if client_mode else cfg.identity_path, record_validators=validators,
+                identity_path=None if client_mode else (identity_path or cfg.identity_path),
+                record_validators=validators,
                 startup_timeout=30,
             )
         except Exception as e:  # hivemind raises plain Exceptions for bootstrap failures
@@ -79,7 +95,105 @@ def membership(cfg: NodeConfig) -> JoinToken | None:
     if created:
         logger.info("created the run key %s at %s; admit daemons with: atoll token --run-key %s --run-id %s "
                     "--out member.token", fingerprint(key.public_bytes), path, path, cfg.run_id)
-    return key.issue_token(cfg.run_id)
+    identity = _load_or_create_identity(cfg.identity_path)
+    return JoinToken(identity, key.certify(cfg.run_id, identity.get_public_key().to_bytes()))
+
+
+def _load_or_create_identity(path: str | None) -> RSAPrivateKey:
+    """The RSA key of the libp2p identity file at ``path``, created there if missing (a new key if ``path`` is
+    None): the run key's holder certifies it, so its peer id stays the one its identity file gives it."""
+    if path is None:
+        return RSAPrivateKey()
+    if os.path.exists(path):
+        try:
+            with open(path, "rb") as f:
+                return key_of_identity(f.read())
+        except (OSError, AuthError) as e:
+            raise ConfigError(f"identity: {path!r}: {e}") from None
+    key = RSAPrivateKey()
+    _write_identity(path, key)
+    return key
+
+
+def _write_identity(path: str, key: RSAPrivateKey) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
+    with os.fdopen(fd, "wb") as f:
+        f.write(identity_bytes(key))
+
+
+def identity_file(cfg: NodeConfig, token: JoinToken | None) -> tuple[str | None, bool]:
+    """The libp2p identity file the DHT starts with, and whether it is a temporary copy to delete once it started.
+
+    An open run: ``cfg.identity_path`` (as given, or ``<checkpoint-dir>/identity.key``; created by hivemind).
+    A private run: the member key, so that the peer id is the hash of the key that signs the member's records
+    (``auth.peer_id_of``), which every reader checks. An identity file that exists must hold that key: one given
+    with ``--identity`` that holds another is refused (one line); the default one, left by an older daemon, is
+    ignored (the member key is written to a temporary file instead). A missing one is created with the member key.
+    """
+    path = cfg.identity_path
+    if token is None:
+        return path, False
+    member = token.member_key.get_public_key().to_bytes()
+    if path is not None and os.path.exists(path):
+        try:
+            with open(path, "rb") as f:
+                held = key_of_identity(f.read()).get_public_key().to_bytes()
+        except (OSError, AuthError) as e:
+            held, problem = None, str(e)
+        else:
+            problem = "it holds another key than the join token's member key"
+        if held == member:
+            return path, False
+        if cfg.identity is not None:
+            raise ConfigError(f"identity: {path!r}: {problem}; in a private run the peer id is the member key's: "
+                              "drop --identity or name a file that does not exist yet")
+        logger.info("not using %s: a private run's peer id is its member key's", path)
+    elif path is not None:
+        _write_identity(path, token.member_key)
+        return path, False
+    fd, tmp = tempfile.mkstemp(prefix=".identity-", dir=cfg.checkpoint_dir)
+    with os.fdopen(fd, "wb") as f:  # mkstemp: mode 0600
+        f.write(identity_bytes(token.member_key))
+    return tmp, True
+
+
+def check_identity(dht: DHT, token: JoinToken | None) -> None:
+    """A private run's peer id must be the member key's (every reader refuses records claiming another)."""
+    expected = peer_id_of(token.member_key.get_public_key().to_bytes()) if token is not None else None
+    if expected is not None and str(dht.peer_id) != expected:
+        raise RuntimeError(f"the DHT's peer id {dht.peer_id} is not the member key's {expected}")
+
+
+REVOCATION_FILE = "revoked.list"
+
+
+def load_revocation(cfg: NodeConfig, token: JoinToken | None) -> RevocationList | None:
+    """The revocation list this daemon kept (``<checkpoint-dir>/revoked.list``), if signed by its run key."""
+    if token is None or cfg.checkpoint_dir is None:
+        return None
+    path = os.path.join(cfg.checkpoint_dir, REVOCATION_FILE)
+    try:
+        with open(path, "rb") as f:
+            rec = RevocationList.parse(cfg.run_id, msgpack.unpackb(f.read(), raw=False))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, msgpack.UnpackException) as e:
+        logger.warning("ignoring %s: unreadable (%s)", path, e)
+        return None
+    if rec is None or not rec.verify(token.run_public_key):
+        logger.warning("ignoring %s: not a revocation list signed by the run key", path)
+        return None
+    return rec
+
+
+def save_revocation(checkpoint_dir: str | None, revocation: RevocationList) -> None:
+    if checkpoint_dir is None:
+        return
+    path = os.path.join(checkpoint_dir, REVOCATION_FILE)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(msgpack.packb(revocation.to_record(), use_bin_type=True))
+    os.replace(tmp, path)
 
 
 def check_access(run_id: str, token: JoinToken | None, published: RunConfigRecord) -> None:

@@ -8,6 +8,7 @@ peers (or keys) cooling down are ignored, and so are leaving peers.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -16,8 +17,10 @@ from typing import Any
 from hivemind.utils import get_dht_time
 
 from atoll.protocols import dht_io
+from atoll.protocols.auth import newest_revocation, owner_of_raw_subkey, peer_id_of
 from atoll.protocols.records import (
     MAX_CLOCK_SKEW,
+    MAX_EXPIRY,
     HeadRecord,
     ProgressRecord,
     Status,
@@ -26,6 +29,8 @@ from atoll.protocols.records import (
     parse_head,
     parse_progress,
     progress_key,
+    revoked_key,
+    sync_run_validator,
     unwrap_subkeys,
 )
 
@@ -37,6 +42,9 @@ CONFIG_REPUBLISH = 60.0  # seconds between re-publications of the run's config (
 CONFIG_TTL = 600.0
 HEAD_REPUBLISH = 30.0  # seconds between notes of how far the run got
 HEAD_TTL = 7 * 24 * 3600.0  # a run's head outlives its daemons: a newcomer then waits for a holder to return
+REVOCATION_POLL = 5.0  # seconds between reads of the run's revocation list (and of the DHT's refusal counts)
+REVOCATION_REPUBLISH = CONFIG_REPUBLISH
+REVOCATION_TTL = MAX_EXPIRY["revoked"] - 60.0  # a revocation outlives the daemons that know it (and is kept on disk)
 
 
 class PeerTable:
@@ -50,6 +58,10 @@ class PeerTable:
         self._lock = threading.Lock()
         self._read: asyncio.Future | None = None  # the shared read of the table in flight, if any
         self._read_at = 0.0
+        self._revocations_read = -1e9
+        self._revocation_published = -1e9
+        self._dht_refused: dict[str, int] = {}  # the DHT process's refusal counts as last added to our stats
+        self._told_revoked = False
 
     # ---- our record -----------------------------------------------------------------------------------------
     def progress_record(self, status: Status) -> dict[str, Any]:
@@ -108,6 +120,48 @@ class PeerTable:
                 heads.append(rec)
         return max(heads, key=lambda h: (h.version, h.time)) if heads else None
 
+    # ---- revocation ------------------------------------------------------------------------------------------
+    async def check_revocations(self) -> None:
+        """A private run: every ``REVOCATION_POLL`` seconds, read the run's revocation list, adopt a newer one signed
+        by the run key (kept on disk, applied to the DHT's validator), republish the newest every
+        ``REVOCATION_REPUBLISH`` seconds, and add the DHT's refusal counts (``dht_*`` kinds) to ours."""
+        ctx = self.ctx
+        if ctx.run_public_key is None or time.monotonic() - self._revocations_read < REVOCATION_POLL:
+            return
+        self._revocations_read = time.monotonic()
+        entry = await dht_io.get(ctx.dht, revoked_key(ctx.cfg.run_id), on_timeout=ctx.reject)
+        newest, bad = newest_revocation(ctx.cfg.run_id, ctx.run_public_key, list(unwrap_subkeys(entry).values()),
+                                        ctx.revocation)
+        if bad:
+            ctx.stats.reject("revocation_record", count=bad)
+        if newest is not ctx.revocation:
+            ctx.revocation = newest
+            logger.warning("revocation list %d of the run: %d member(s) revoked; their records and requests are "
+                           "refused from now on", newest.serial, len(newest.revoked))
+            from .join import save_revocation
+
+            save_revocation(ctx.cfg.checkpoint_dir, newest)
+            self._revocation_published = -1e9
+            self._drop_revoked()
+        if ctx.revocation is not None and ctx.revoked(ctx.peer_id) and not self._told_revoked:
+            self._told_revoked = True
+            logger.error("this daemon's membership was revoked by the run key: the others refuse its records")
+        refused = await dht_io.run_in_dht(ctx.dht, functools.partial(sync_run_validator, ctx.revocation),
+                                          on_timeout=ctx.reject)
+        for kind, count in (refused or {}).items():
+            if count > self._dht_refused.get(kind, 0):
+                ctx.stats.reject(kind, count=count - self._dht_refused.get(kind, 0))
+                self._dht_refused[kind] = count
+        if ctx.revocation is not None and time.monotonic() - self._revocation_published > REVOCATION_REPUBLISH:
+            await dht_io.store(ctx.dht, revoked_key(ctx.cfg.run_id), ctx.revocation.to_record(),
+                               get_dht_time() + REVOCATION_TTL, ctx.subkey, on_timeout=ctx.reject)
+            self._revocation_published = time.monotonic()
+
+    def _drop_revoked(self) -> None:
+        with self._lock:
+            self._peers = {p: r for p, r in self._peers.items() if not self.ctx.revoked(p)}
+            self._everyone = {p: r for p, r in self._everyone.items() if not self.ctx.revoked(p)}
+
     # ---- the table ------------------------------------------------------------------------------------------
     async def refresh(self, max_age: float = 0.0) -> dict[str, ProgressRecord]:
         """Read the live peers' progress records.
@@ -137,6 +191,16 @@ class PeerTable:
             if rec is None or len(rec.fragment_versions) != ctx.replica.num_fragments:
                 ctx.reject("progress_record", subkey)
                 continue
+            if ctx.run_public_key is not None:
+                # Our DHT's validator refuses these already; a record it stored before it knew, or one a node
+                # without atoll's validators returned, is refused here too.
+                signer = peer_id_of(owner_of_raw_subkey(subkey) or b"")
+                if signer is None or ctx.revoked(signer):
+                    ctx.reject("revoked", None)
+                    continue
+                if rec.peer_id != signer:
+                    ctx.reject("progress_peer_id", subkey)
+                    continue
             if rec.peer_id != ctx.peer_id and rec.status != Status.LEAVING:
                 everyone[rec.peer_id] = rec
                 if not ctx.cooldown.active(rec.peer_id):
@@ -164,6 +228,9 @@ class PeerTable:
         A joiner asks for state right after publishing its first record, which may still be on its way to us: an
         unknown peer is looked for again for up to ``MEMBER_WAIT`` seconds before it is refused. Concurrent askers
         share one refresh at a time, at most two a second, so a flood of strangers costs the DHT little."""
+        if self.ctx.revoked(peer_id):
+            self.ctx.reject("revoked")
+            return False
         deadline = time.monotonic() + MEMBER_WAIT
         while peer_id not in self.peers():
             if time.monotonic() > deadline:

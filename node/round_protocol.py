@@ -130,7 +130,8 @@ class RoundProtocol:
                 ctx.dht, run_id=ctx.namespace(), fragment=p, version=version, peer_id=ctx.peer_id,
                 subkey=ctx.subkey, weight=weight, live_peers=live_peers, gather_timeout=run.gather_timeout,
                 abort=lambda: self.catch_up.behind(p), quorum=run.quorum if algo.quorum else None,
-                grace=self.grace, on_reject=ctx.reject, max_group=run.max_group, excluded=ctx.cooldown.active,
+                grace=self.grace, on_reject=ctx.reject, max_group=run.max_group,
+                excluded=lambda peer: ctx.cooldown.active(peer) or ctx.revoked(peer),
                 base=digest, not_before=ctx.started_at,
             )
             formed = time.monotonic()

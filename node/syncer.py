@@ -47,12 +47,14 @@ class Syncer:
     def __init__(self, cfg: NodeConfig, dht: DHT, subkey: bytes, replica: Replica, fragments: list[Fragment],
                  counters: Counters, faults: Faults, private: bool = False,
                  config_record: dict[str, Any] | None = None,
-                 error_feedback: dict[str, torch.Tensor] | None = None) -> None:
+                 error_feedback: dict[str, torch.Tensor] | None = None, run_public_key: bytes | None = None,
+                 revocation: Any = None) -> None:
         self.ctx = ctx = SyncContext(
             cfg=cfg, algorithm=algorithm(cfg.run.algorithm), dht=dht, peer_id=str(dht.peer_id), subkey=subkey,
             replica=replica, fragments=fragments, counters=counters, faults=faults, private=private,
             stats=TrafficStats(), cooldown=Cooldown(cfg.peer_cooldown),
             outer=NesterovOuter(cfg.run.outer_lr, cfg.run.outer_momentum), spawn=self._spawn,
+            run_public_key=run_public_key, revocation=revocation,
         )
         ctx.stats.on_offence = ctx.offence
         ctx.error_feedback.load_state_dict(error_feedback or {})
@@ -131,6 +133,7 @@ class Syncer:
                 await self.table.publish()
                 await self.table.republish_config()
                 await self.table.publish_head()
+                await self.table.check_revocations()
                 await self.table.refresh()
                 self.catch_up.maybe_catch_up()
             except asyncio.CancelledError:

@@ -10,13 +10,22 @@ rounds are formed from those records and its state is served only to peers that 
 token can neither write the run's records, join its rounds, nor download its state.
 
 An observer of the DHT learns certificates but not member keys: a copied certificate is useless without the private
-key its owner signs records with. There is no revocation: a token is valid until it expires (``expires_at``, 0 =
-never), so issue short-lived tokens where that matters.
+key its owner signs records with.
+
+**One identity per token.** A member's libp2p identity is its member key (``identity_file``), so its peer id is the
+hash of the key its records are signed with (``peer_id_of``); every reader checks that a record's claimed peer id is
+its signer's, and a record's subkey must be exactly one owner marker, so one token is one peer, one record per key.
+
+**Revocation.** A holder of the run key signs a ``RevocationList`` (the peer ids of revoked members, a serial that
+only grows) and stores it under ``<run>_revoked``; members read it periodically, republish it, keep it on disk, and
+from then on refuse the revoked members' records (``records.RunRecordValidator``) and requests (``is_member``).
+A token is also invalid once it expires (``expires_at``, 0 = never).
 """
 
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import json
 import logging
@@ -31,6 +40,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.serializer import MSGPackSerializer
 
 CERT_VERSION = 1
 MAX_CERT_BYTES = 2048  # an RSA-2048 member key in OpenSSH form is ~380 bytes; the certificate ~500
@@ -38,6 +48,10 @@ TOKEN_FORMAT = "atoll-join-token-1"
 _OWNER_RE = re.compile(rb"\[owner:(.+?)\]")
 _MEMBER_RE = re.compile(rb"\[member:([A-Za-z0-9+/=]+)\]$")
 _MEMBER_FORMAT = b"[member:%s]"
+_OWNER_SUBKEY_RE = re.compile(rb"\[owner:(ssh-rsa [A-Za-z0-9+/]+={0,2})\]")
+REVOCATION_FORMAT = "atoll-revoked-1"
+MAX_REVOKED = 1024
+_PEER_ID_RE = re.compile(r"[1-9A-HJ-NP-Za-km-z]{40,60}")  # base58 of a sha2-256 multihash (46 characters)
 logger = logging.getLogger("atoll")
 
 
@@ -54,6 +68,85 @@ def signed_by(run_public_key: bytes, payload: bytes, signature: bytes | None) ->
         return True
     except (InvalidSignature, ValueError):
         return False
+
+
+def owner_of_subkey(subkey: bytes | None) -> bytes | None:
+    """The owner key (OpenSSH RSA) of a DHT record whose serialized subkey is exactly one ``[owner:KEY]`` marker, in
+    hivemind's canonical encoding; None for anything else (no subkey, extra bytes before or after the marker, two
+    markers, another encoding). hivemind's ``RSASignatureValidator`` checks only that the owner signed: without this,
+    one key could write any number of records under one key (``[owner:K]fake1``, ``[owner:K]fake2``, ...)."""
+    if not isinstance(subkey, bytes) or len(subkey) > 4096:
+        return None
+    try:
+        raw = MSGPackSerializer.loads(subkey)
+    except Exception:  # noqa: BLE001 (any undecodable subkey is simply not an owner marker)
+        return None
+    if not isinstance(raw, bytes) or MSGPackSerializer.dumps(raw) != subkey:
+        return None
+    return owner_of_raw_subkey(raw)
+
+
+def owner_of_raw_subkey(raw: object) -> bytes | None:
+    """``owner_of_subkey`` for a subkey as the DHT returns it to its caller (deserialized)."""
+    match = _OWNER_SUBKEY_RE.fullmatch(raw) if isinstance(raw, bytes) else None
+    return match.group(1) if match else None
+
+
+@functools.lru_cache(maxsize=4096)
+def peer_id_of(owner_key: bytes) -> str | None:
+    """The libp2p peer id (base58) of a daemon whose identity is the RSA key ``owner_key`` (OpenSSH form): the
+    sha2-256 multihash of the key's protobuf ``PublicKey`` (libp2p's rule, as hivemind's ``PeerID.from_identity``
+    applies it). None if ``owner_key`` is not an RSA public key."""
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    import multihash
+    from hivemind.p2p import PeerID
+    from hivemind.proto import crypto_pb2
+
+    try:
+        key = serialization.load_ssh_public_key(owner_key)
+    except (ValueError, TypeError, UnsupportedAlgorithm):
+        return None
+    if not isinstance(key, rsa.RSAPublicKey):
+        return None
+    der = key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
+    return PeerID(multihash.encode(hashlib.sha256(encoded).digest(), multihash.coerce_code("sha2-256"))).to_base58()
+
+
+def is_peer_id(text: object) -> bool:
+    """Whether ``text`` looks like a base58 libp2p peer id of an RSA key (a sha2-256 multihash)."""
+    if not isinstance(text, str) or not _PEER_ID_RE.fullmatch(text):
+        return False
+    import base58
+
+    raw = base58.b58decode(text)
+    return len(raw) == 34 and raw[:2] == b"\x12\x20"
+
+
+def identity_bytes(key: RSAPrivateKey) -> bytes:
+    """``key`` as a libp2p identity file (protobuf ``PrivateKey``, type RSA): what ``P2P.create(identity_path=...)``
+    and hivemind's ``generate_identity`` read and write."""
+    from hivemind.proto import crypto_pb2
+
+    return crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=key.to_bytes()).SerializeToString()
+
+
+def key_of_identity(data: bytes) -> RSAPrivateKey:
+    """The RSA key of a libp2p identity file; ``AuthError`` if it is not an RSA identity."""
+    from hivemind.proto import crypto_pb2
+
+    try:
+        proto = crypto_pb2.PrivateKey.FromString(data)
+        if proto.key_type != crypto_pb2.KeyType.RSA:
+            raise ValueError("not an RSA key")
+        key = RSAPrivateKey.__new__(RSAPrivateKey)
+        key.__setstate__({"_private_key": proto.data})
+        key.get_public_key()
+    except Exception as e:  # noqa: BLE001 (protobuf and cryptography raise several kinds)
+        raise AuthError(f"not a libp2p RSA identity ({e.__class__.__name__})") from None
+    return key
 
 
 def fingerprint(run_public_key: bytes) -> str:
@@ -246,6 +339,7 @@ class MembershipValidator(RecordValidatorBase):
         self._suffix = _MEMBER_FORMAT % base64.b64encode(certificate) if certificate is not None else b""
         self._verified: dict[bytes, tuple[float, bytes]] = {}  # certificate -> (expiry or 0, member key)
         self._last_log: dict[str, float] = {}
+        self.refused: dict[str, int] = {}  # by kind ("dht_member"), read by the daemon (records.sync_run_validator)
 
     @property
     def priority(self) -> int:
@@ -260,9 +354,10 @@ class MembershipValidator(RecordValidatorBase):
     def validate(self, record: DHTRecord) -> bool:
         if self.run_public_key is None:
             return True
-        owners = _OWNER_RE.findall(record.subkey or b"")
+        owner = owner_of_subkey(record.subkey)
+        owners = [owner] if owner is not None else _OWNER_RE.findall(record.subkey or b"")[:1]
         match = _MEMBER_RE.search(record.value)
-        if len(owners) != 1 or match is None:
+        if owner is None or match is None:
             self._refused(owners[0] if owners else b"", "no membership certificate")
             return False
         try:
@@ -277,6 +372,7 @@ class MembershipValidator(RecordValidatorBase):
 
     def _refused(self, owner: bytes, reason: str) -> None:
         """Log a refused record, at most once a minute per owner (a flood of bad records must not flood the log)."""
+        self.refused["dht_member"] = self.refused.get("dht_member", 0) + 1
         now, key = time.monotonic(), hashlib.sha256(owner).hexdigest()[:8]
         if now - self._last_log.get(key, -1e9) > 60:
             if len(self._last_log) > 1000:
@@ -301,3 +397,58 @@ class MembershipValidator(RecordValidatorBase):
 
     def merge_with(self, other: RecordValidatorBase) -> bool:
         return isinstance(other, MembershipValidator)  # one is enough; a second would append a second certificate
+
+
+@dataclass(frozen=True)
+class RevocationList:
+    """The run key's list of revoked members (their peer ids, i.e. member keys: see ``peer_id_of``). ``serial``
+    only grows: a reader keeps the list of the highest serial it saw signed by the run key, so replaying an older
+    list (which any member can, it is public) takes nobody off it."""
+
+    run_id: str
+    serial: int
+    revoked: tuple[str, ...]
+    time: float
+    signature: bytes = b""
+
+    def payload(self) -> bytes:
+        return msgpack.packb([REVOCATION_FORMAT, self.run_id, self.serial, sorted(self.revoked), self.time],
+                             use_bin_type=True)
+
+    def signed(self, key: RunKey) -> RevocationList:
+        return RevocationList(self.run_id, self.serial, tuple(sorted(set(self.revoked))), self.time,
+                              key.sign(self.payload()))
+
+    def to_record(self) -> dict:
+        return {"serial": self.serial, "revoked": sorted(self.revoked), "time": self.time,
+                "signature": self.signature}
+
+    @classmethod
+    def parse(cls, run_id: str, value: object) -> RevocationList | None:
+        """The list a DHT value holds, or None if malformed (its signature is not checked here: ``verify``)."""
+        if not isinstance(value, dict) or set(value) != {"serial", "revoked", "time", "signature"}:
+            return None
+        serial, revoked, time_, signature = value["serial"], value["revoked"], value["time"], value["signature"]
+        if not (type(serial) is int and 0 < serial < 2**62 and isinstance(revoked, list)
+                and len(revoked) <= MAX_REVOKED and all(is_peer_id(p) for p in revoked)
+                and len(set(revoked)) == len(revoked) and revoked == sorted(revoked)
+                and isinstance(time_, float) and isinstance(signature, bytes) and len(signature) == 64):
+            return None
+        return cls(run_id, serial, tuple(revoked), time_, signature)
+
+    def verify(self, run_public_key: bytes) -> bool:
+        return signed_by(run_public_key, self.payload(), self.signature)
+
+
+def newest_revocation(run_id: str, run_public_key: bytes, values: list, current: RevocationList | None = None
+                      ) -> tuple[RevocationList | None, int]:
+    """The highest-serial list among ``values`` (and ``current``) signed by the run key, and how many values were
+    malformed or not signed by it."""
+    best, bad = current, 0
+    for value in values:
+        rec = RevocationList.parse(run_id, value)
+        if rec is None or not rec.verify(run_public_key):
+            bad += 1
+        elif best is None or rec.serial > best.serial:
+            best = rec
+    return best, bad

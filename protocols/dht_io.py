@@ -72,6 +72,17 @@ def store_blocking(dht: DHT, key: str, value: Any, expiration_time: float, subke
         return False
 
 
+async def run_in_dht(dht: DHT, fn: Callable, timeout: float | None = None, on_timeout: OnTimeout = None) -> Any:
+    """``dht.run_coroutine(fn)`` (``fn(dht, node)`` runs in the DHT's process: it must pickle), or None if it did
+    not complete within ``timeout`` seconds (default ``READ_TIMEOUT``)."""
+    timeout = READ_TIMEOUT if timeout is None else timeout
+    try:
+        return await asyncio.wait_for(_awaitable(dht.run_coroutine(fn, return_future=True)), timeout)
+    except asyncio.TimeoutError:
+        _gave_up("call", getattr(fn, "__name__", "a function"), timeout, on_timeout)
+        return None
+
+
 async def _awaitable(future: Any) -> Any:
     # hivemind's MPFuture is awaitable but not a coroutine; wait_for needs something it can wrap in a task.
     return await future

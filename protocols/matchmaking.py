@@ -30,37 +30,17 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time
 
 from . import dht_io
-from .records import MAX_CLOCK_SKEW, parse_round_record, round_key, unwrap_subkeys
+# MAX_GROUP and parse_group_record live in records.py (the DHT's validators check group decisions on store); they
+# are re-exported here.
+from .records import MAX_CLOCK_SKEW, MAX_GROUP, parse_group_record, parse_round_record, round_key, unwrap_subkeys  # noqa: F401
 
 logger = logging.getLogger("atoll")
-MAX_GROUP = 1024
 DECISION_LIFETIME_FACTOR = 3  # a group decision older than this many gather timeouts is stale
 POLL_INTERVAL = 0.2  # seconds between a registrant's reads of the round's registrations and decisions
 
 
 def group_key(run_id: str, fragment: int, version: int, base: str = "") -> str:
     return round_key(run_id, fragment, version, base) + "_group"
-
-
-def parse_group_record(value: Any) -> list[list[str]] | None:
-    """A group decision ``{groups: [[peer ids], ...], time}``: disjoint sorted groups; None if malformed."""
-    if not isinstance(value, dict) or set(value) != {"groups", "time"} or not isinstance(value["groups"], list):
-        return None
-    groups = value["groups"]
-    if not 0 < len(groups) <= MAX_GROUP:
-        return None
-    seen: set[str] = set()
-    for members in groups:
-        if not isinstance(members, list) or not 0 < len(members) <= MAX_GROUP or not all(
-            isinstance(m, str) and 0 < len(m) < 128 for m in members
-        ):
-            return None
-        if len(set(members)) != len(members) or members != sorted(members) or seen & set(members):
-            return None
-        seen |= set(members)
-    if len(seen) > MAX_GROUP:
-        return None
-    return groups
 
 
 def split_groups(registered: dict[str, float], max_group: int) -> list[list[str]]:

@@ -19,8 +19,8 @@ class TrafficStats:
     clipped: int = 0  # contributions (or declared weights/norms) scaled down by robust merging
     on_offence: Callable[[str | bytes, str], Any] | None = None
 
-    def reject(self, kind: str, offender: str | bytes | None = None) -> None:
-        self.rejected += 1
-        self.rejected_by_kind[kind] = self.rejected_by_kind.get(kind, 0) + 1
+    def reject(self, kind: str, offender: str | bytes | None = None, count: int = 1) -> None:
+        self.rejected += count
+        self.rejected_by_kind[kind] = self.rejected_by_kind.get(kind, 0) + count
         if offender is not None and self.on_offence is not None:
             self.on_offence(offender, kind)

@@ -105,6 +105,9 @@ def test_bad_token_files_are_refused_clearly(tmp_path, run_key):
         RunKey.load(tmp_path / "junk")
 
 
+VALUE = {"groups": [["p1"]], "time": 1.0}  # a group decision: well-formed under any key, claims no peer id
+
+
 def _signed(validators, key: bytes, subkey: bytes, value) -> DHTRecord:
     """A record as the DHT of a daemon with ``validators`` would send it (value signed by the validator chain)."""
     chain = CompositeValidator(validators)
@@ -120,19 +123,19 @@ def _accepts(validators, record: DHTRecord) -> bool:
 def test_member_records_pass_and_others_are_refused(run_key, token):
     member = make_validators("run1", token)
     ours = make_validators("run1", run_key.issue_token("run1"))  # another member, the reader
-    record = _signed(member, b"key", member[0].local_public_key, {"x": 1})
+    record = _signed(member, b"key", member[0].local_public_key, VALUE)
     assert _accepts(ours, record)
-    assert MSGPackSerializer.loads(CompositeValidator(ours).strip_value(record)) == {"x": 1}
+    assert MSGPackSerializer.loads(CompositeValidator(ours).strip_value(record)) == VALUE
     # An outsider with no token: records carry no certificate.
     outsider = make_validators("run1")
-    assert not _accepts(ours, _signed(outsider, b"key", outsider[0].local_public_key, {"x": 1}))
+    assert not _accepts(ours, _signed(outsider, b"key", outsider[0].local_public_key, VALUE))
     # An outsider with a token of another run key, and a member of another run id under the same key.
     assert not _accepts(ours, _signed(make_validators("run1", RunKey.generate().issue_token("run1")), b"key",
-                                      b"", {"x": 1}))
+                                      b"", VALUE))
     foreign = make_validators("run1", RunKey.generate().issue_token("run1"))
-    assert not _accepts(ours, _signed(foreign, b"key", foreign[0].local_public_key, {"x": 1}))
+    assert not _accepts(ours, _signed(foreign, b"key", foreign[0].local_public_key, VALUE))
     other_run = make_validators("run2", run_key.issue_token("run2"))
-    assert not _accepts(ours, _signed(other_run, b"key", other_run[0].local_public_key, {"x": 1}))
+    assert not _accepts(ours, _signed(other_run, b"key", other_run[0].local_public_key, VALUE))
 
 
 def test_a_copied_certificate_does_not_admit_its_copier(run_key, token):
@@ -142,21 +145,21 @@ def test_a_copied_certificate_does_not_admit_its_copier(run_key, token):
     thief_key = RSAPrivateKey()
     thief = [RSASignatureValidator(thief_key), stolen]
     subkey = RSASignatureValidator(thief_key).local_public_key
-    assert not _accepts(ours, _signed(thief, b"key", subkey, {"x": 1}))
+    assert not _accepts(ours, _signed(thief, b"key", subkey, VALUE))
     # And it cannot sign under the member's owner key, whose private half it lacks: a re-signed value fails.
     member = make_validators("run1", token)
-    record = _signed(member, b"key", member[0].local_public_key, {"x": 1})
-    tampered = dataclasses.replace(record, value=record.value.replace(MSGPackSerializer.dumps({"x": 1}),
-                                                                      MSGPackSerializer.dumps({"x": 2})))
+    record = _signed(member, b"key", member[0].local_public_key, VALUE)
+    tampered = dataclasses.replace(record, value=record.value.replace(MSGPackSerializer.dumps(VALUE),
+                                                                      MSGPackSerializer.dumps({"groups": [["p2"]], "time": 1.0})))
     assert not _accepts(ours, tampered)
 
 
 def test_open_validators_read_private_records(run_key, token):
     member = make_validators("run1", token)
-    record = _signed(member, b"key", member[0].local_public_key, {"x": 1})
+    record = _signed(member, b"key", member[0].local_public_key, VALUE)
     reader = make_validators("run1")
     assert _accepts(reader, record)
-    assert MSGPackSerializer.loads(CompositeValidator(reader).strip_value(record)) == {"x": 1}
+    assert MSGPackSerializer.loads(CompositeValidator(reader).strip_value(record)) == VALUE
 
 
 def test_token_command(tmp_path, run_key, capsys):
