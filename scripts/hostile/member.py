@@ -11,8 +11,8 @@ its own, and serves the run's two RPCs with answers of its choosing. Each attack
   that impose singleton groups or leave everyone else out.
 - ``hostile_reducer``: it registers for the rounds like an honest member and, as the reducer of its shard,
   answers with an infinite weight, a huge norm and contributors that are not members.
-- ``junk_records``: fifty progress records under fake peer ids, malformed round, group and open-round values,
-  and a run config that claims the run is open and trains another model.
+- ``junk_records``: fifty progress records under fake peer ids (each under a subkey of its own), malformed round,
+  group and open-round values, and a run config that claims the run is open and trains another model.
 
 Every attack returns what it did (counts); what the honest daemons made of it is read from their own records.
 """
@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
+import tempfile
 import threading
 import time
 from collections.abc import Coroutine
@@ -37,7 +39,7 @@ from atoll.models.fragments import make_fragments
 from atoll.models.gpt import GPT
 from atoll.models.outer import tensor_hash
 from atoll.protocols import averaging, dht_io, state_sync
-from atoll.protocols.auth import JoinToken
+from atoll.protocols.auth import JoinToken, identity_bytes
 from atoll.protocols.matchmaking import group_key
 from atoll.protocols.records import (
     ProgressRecord,
@@ -76,8 +78,13 @@ class HostileMember:
     def __enter__(self) -> HostileMember:
         validators = make_validators(self.run_id, self.token)
         self.subkey = validators[0].local_public_key
-        self.dht = DHT(initial_peers=self.initial_peers, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                       record_validators=validators)
+        # A member's peer id is its member key's (readers check it), as a daemon's is.
+        with tempfile.TemporaryDirectory() as folder:
+            identity = os.path.join(folder, "identity.key")
+            with open(identity, "wb") as f:
+                f.write(identity_bytes(self.token.member_key))
+            self.dht = DHT(initial_peers=self.initial_peers, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                           record_validators=validators, identity_path=identity)
         self.peer_id = str(self.dht.peer_id)
         self._thread.start()
         self._run(self._serve())

@@ -9,14 +9,16 @@ rounds, never adopt its replica, end rounds with identical replicas, stay within
 swarm without it, count its offences by kind, and stay under a memory and fd bound.
 """
 
+import asyncio
 import os
 import time
 from pathlib import Path
 
 import pytest
+from hostile import outsider
 from hostile.member import HostileMember
 from swarm import LocalSwarm
-from test_swarm import assert_replicas_agree, wait_for
+from test_swarm import assert_replicas_agree, peer_id, wait_for
 
 from atoll.protocols.auth import RunKey
 
@@ -28,6 +30,7 @@ COMMON = ["--model", "nano", "--batch-size", "4", "--algorithm", "decoupled", "-
           "--fault", "step_delay=0.1", "--eval-budget", "1"]
 HONEST = ("a", "b", "c")
 PHASES = (("fake_heavier", 12.0), ("refuse", 8.0), ("forged_rounds", 12.0), ("hostile_reducer", 12.0))
+OUTSIDER_S = 20.0  # about what the outsider's three attacks take
 
 
 def tree_usage(pid: int) -> tuple[int, int]:
@@ -69,9 +72,20 @@ def run(root: Path, attack: bool) -> dict:
                 observed["forged_rounds"] = member.forged_rounds(PHASES[2][1])
                 observed["hostile_reducer"] = member.hostile_reducer(PHASES[3][1])
                 observed["junk_records"] = member.junk_records()
-                observed["usage"] = {n: tree_usage(swarm.daemons[n].proc.pid) for n in HONEST}
+            # And an outsider, without a token, at a: a frame declaring 1 GiB, 1,400 idle streams from one
+            # identity, and eight throwaway identities asking to wait for groups (scripts/hostile/outsider.py).
+            me, maddr, pid = peer_id(a), a.maddrs[0], a.proc.pid
+            observed["outsider"] = {
+                "frame": asyncio.run(outsider.oversized_frame(maddr, me, outsider.handler("atoll", outsider.AGGREGATE))),
+                "idle": asyncio.run(outsider.idle_streams(maddr, me, outsider.handler("atoll", outsider.DOWNLOAD),
+                                                          count=1400, hold=8.0, sample=lambda: tree_usage(pid))),
+                "strangers": asyncio.run(outsider.strangers_aggregate(maddr, me, "atoll", identities=8,
+                                                                      per_identity=8, wait=60.0)),
+            }
+            observed["usage"] = {n: tree_usage(swarm.daemons[n].proc.pid) for n in HONEST}
+            observed["peak"] = max(observed["outsider"]["idle"]["samples"], key=lambda u: u[1])
         else:
-            time.sleep(sum(s for _, s in PHASES) + 2)
+            time.sleep(sum(s for _, s in PHASES) + 2 + OUTSIDER_S)
             observed["usage"] = {n: tree_usage(swarm.daemons[n].proc.pid) for n in HONEST}
         observed["attack_s"] = time.monotonic() - started
         swarm.start("d")  # a late joiner: it must find the run's own config and its true state
@@ -138,9 +152,14 @@ def test_the_offences_are_counted_by_kind(attacked):
     assert kinds.get("reducer_weight", 0) + kinds.get("reducer_contributors", 0) >= 1, kinds
     assert kinds.get("round_record_time", 0) >= 1, kinds
     assert any(k.startswith("group_record") for k in kinds), kinds
+    assert kinds.get("dht_subkey", 0) + kinds.get("dht_expiry", 0) >= 1, kinds  # the fifty fake identities
+    assert kinds.get("unauthorized", 0) + kinds.get("member_check_limit", 0) + kinds.get("stream_limit", 0) >= 64
 
 
 def test_memory_and_fds_stay_bounded(baseline, attacked):
+    rss, fds = attacked["peak"]  # a's, while 1,400 idle streams were open to it
+    print(f"a under 1,400 idle streams: rss {rss / 2**20:.0f} MiB, fds {fds}")
+    assert fds <= baseline["usage"]["a"][1] + 128
     for name in HONEST:
         rss, fds = attacked["usage"][name]
         base_rss, base_fds = baseline["usage"][name]

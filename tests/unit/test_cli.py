@@ -126,7 +126,8 @@ def test_toml_file_with_every_key(tmp_path, access):
                 checkpoint_dir=str(tmp_path / "ckpt"), device="cpu", batch_size=4, threads=2, max_steps=100,
                 heartbeat=1.5, eval_batches=4, eval_budget=0.05, bootstrap_retries=5, config_wait=12.0, new_run=True,
                 state_wait=60.0, restart_run=True, log_level="DEBUG",
-                peer_cooldown=30.0, open=False, join_token=str(token), run_key=str(tmp_path / "run.key"),
+                peer_cooldown=30.0, state_vouchers=3, open=False, join_token=str(token),
+                run_key=str(tmp_path / "run.key"),
                 faults=("step_delay=0.1", "byzantine=nan"))
     assert set(run) == set(RUN_FIELDS) and set(node) == NODE_FIELDS  # a new field needs a value here
     node.pop("run_key" if access == "join_token" else "join_token")
