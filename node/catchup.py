@@ -13,6 +13,14 @@ is neither downloaded nor a reason to abandon a round; honest swarms do not need
 all hold its result, and a lone daemon that merged alone is overtaken by the others' next round (or, if it is
 heavier, adopted once a second daemon holds its replica). And a donor that does not back a claim it vouches for —
 it refuses, stalls or sends what does not check out, ``UNBACKED_OFFENCES`` times in a row — is an offender.
+
+One case needs more: when every live daemon's replica of a fragment is its own (concurrent solo rounds forked the
+swarm three ways, say), no claim is vouched for and no two daemons ever meet in a round again. So a *lonely*
+daemon — one whose replica no live peer holds — that sees no vouched heavier claim may adopt the heaviest claim of
+one peer, at most once per ``LONELY_INTERVAL`` seconds per fragment, if the state checks out as a fork of ours:
+its history and ours meet within ``MAX_FORK_DEPTH`` versions on either side, and it lies no further from our
+replica than ``PLAUSIBLE_FACTOR`` of our recent outer steps per version on the two paths. A daemon that shares
+its replica with any peer never takes a claim of one; the all-zero model lies hundreds of steps away.
 """
 
 from __future__ import annotations
@@ -20,7 +28,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import Counter
+
+import torch
 
 from atoll.protocols.records import ProgressRecord, Status, heavier
 from atoll.protocols.state_sync import Replay, ReplicaState, download_state, p2p_opener
@@ -31,6 +42,9 @@ from .peers import PeerTable
 logger = logging.getLogger("atoll")
 UNBACKED_OFFENCES = 2  # failed downloads in a row from one donor (one may be bad luck: it died, or moved on)
 MAX_TRACKED_DONORS = 1024
+LONELY_INTERVAL = 10.0  # seconds between adoptions of a claim nobody vouches for, per fragment
+MAX_FORK_DEPTH = 8  # versions since the last shared replica, on each side, for such a claim to be checkable
+PLAUSIBLE_FACTOR = 4.0  # how many of our median outer steps per version such a state may lie away from ours
 
 
 class CatchUp:
@@ -41,6 +55,7 @@ class CatchUp:
         self._lock = threading.Lock()
         self._open_stream = None
         self._failures: dict[str, int] = {}  # donor -> failed downloads in a row
+        self._lonely_at: dict[int, float] = {}  # fragment -> when we last took a claim nobody vouched for
 
     def start(self) -> None:
         """On the event loop, once the P2P is up."""
@@ -54,6 +69,39 @@ class CatchUp:
 
     def behind(self, p: int) -> bool:
         return bool(self.heavier_peers(p))
+
+    def lonely_claim(self, p: int) -> list[ProgressRecord]:
+        """When no live peer holds our replica of fragment ``p`` and none vouches for a heavier one: the holders of
+        the heaviest claim (to download, then check with ``plausible``), at most once per ``LONELY_INTERVAL``."""
+        if time.monotonic() - self._lonely_at.get(p, -1e9) < LONELY_INTERVAL:
+            return []
+        mine = self.ctx.replica.identity(p)
+        training = self.peers.training()
+        if any(peer.fragment(p) == mine for peer in training):
+            return []
+        heavier_ones = [peer for peer in training if heavier(peer.fragment(p), mine)]
+        if not heavier_ones:
+            return []
+        best = max(peer.fragment(p) for peer in heavier_ones)
+        return [peer for peer in heavier_ones if peer.fragment(p) == best]
+
+    def plausible(self, state: ReplicaState) -> bool:
+        """Whether a downloaded state nobody vouched for is a fork of our replica (see the module's docstring)."""
+        p = state.fragment
+        mine, step = self.ctx.replica.snapshot(p), self.ctx.replica.step_size(p)
+        ours = {d: mine.version - (len(mine.ancestors) - 1 - i) for i, d in enumerate(mine.ancestors)}
+        met = next(((state.version - (len(state.ancestors) - 1 - i), ours[d])
+                    for i, d in reversed(list(enumerate(state.ancestors))) if d in ours), None)
+        if step is None or met is None:
+            return False
+        theirs_since, ours_since = state.version - met[0], mine.version - met[1]
+        if not (0 <= theirs_since <= MAX_FORK_DEPTH and 0 <= ours_since <= MAX_FORK_DEPTH):
+            return False
+        bound = PLAUSIBLE_FACTOR * step * (theirs_since + ours_since)
+        distance = float(torch.linalg.vector_norm(state.params.double() - mine.params.double()))
+        # The momentum too: a huge one would blow the next outer steps up. It is about step / lr in size.
+        drift = float(torch.linalg.vector_norm(state.momentum.double() - mine.momentum.double()))
+        return distance <= bound and drift <= bound / self.ctx.outer.lr
 
     def take_adopted(self) -> list[ReplicaState]:
         """Fragments adopted since the last call (the learner must reload them into θ); thread-safe."""
@@ -76,19 +124,30 @@ class CatchUp:
         for p in range(ctx.replica.num_fragments):
             if p in self._downloading or p in ctx.in_round:
                 continue
-            donors = donor_order(p, self.heavier_peers(p))
+            donors, check = donor_order(p, self.heavier_peers(p)), False
+            if not donors:
+                donors, check = donor_order(p, self.lonely_claim(p)), True
             if donors:
                 self._downloading.add(p)
-                ctx.spawn(self._catch_up(p, donors))
+                ctx.spawn(self._catch_up(p, donors, check))
 
-    async def _catch_up(self, p: int, donors: list[ProgressRecord]) -> None:
+    async def _catch_up(self, p: int, donors: list[ProgressRecord], check: bool = False) -> None:
+        """Download fragment ``p`` from ``donors`` and adopt it; ``check``: nobody vouched for it (``plausible``)."""
         try:
             mine = self.ctx.replica.identity(p)
-            logger.info("peer %s holds a heavier replica of fragment %d (v%d vs our v%d); downloading it",
-                        donors[0].peer_id[-8:], p, donors[0].fragment(p)[0], mine[0])
+            logger.info("peer %s holds a heavier replica of fragment %d (v%d vs our v%d%s); downloading it",
+                        donors[0].peer_id[-8:], p, donors[0].fragment(p)[0], mine[0],
+                        "; no live peer holds ours, nobody vouches for it" if check else "")
+            if check:
+                self._lonely_at[p] = time.monotonic()
             state = await self._download(p, [d.peer_id for d in donors])
-            if state is not None and await asyncio.get_running_loop().run_in_executor(
-                    None, self.ctx.replica.adopt, state):
+            loop = asyncio.get_running_loop()
+            if state is not None and check and not await loop.run_in_executor(None, self.plausible, state):
+                logger.warning("fragment %d: the v%d replica %s sent is no fork of ours; not adopted", p,
+                               state.version, state.donor[-8:])
+                self.ctx.reject("implausible_state", state.donor)
+                return
+            if state is not None and await loop.run_in_executor(None, self.ctx.replica.adopt, state):
                 self._queue([state])
         finally:
             self._downloading.discard(p)

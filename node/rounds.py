@@ -34,6 +34,9 @@ from .round_protocol import Outcome, RoundOutcome
 from .syncer import Syncer
 
 logger = logging.getLogger("atoll")
+# A peer's open round is joined once we have done at least 1/4 of a period's steps on the fragment since our last
+# round of it: a 3x slower daemon still joins the rounds its faster peers open; a liar gains at most 4x the rate.
+OPEN_ROUND_MIN_SHARE = 4
 
 
 @dataclass
@@ -146,6 +149,10 @@ class Rounds:
         if own_schedule and self.algorithm.joins_open_rounds and self.local[p].steps < self.run.sync_every // 2:
             # We joined a round of p that a peer opened not long ago: opening another now would only split the
             # swarm's work on p into smaller rounds.
+            return
+        if not own_schedule and self.local[p].steps < self.run.sync_every // OPEN_ROUND_MIN_SHARE:
+            # A peer's round opened right after our last one: honest peers a little off our schedule do not do
+            # that, and a member announcing rounds at every step would make us contribute at every step.
             return
         self._apply_adopted()  # the pseudo-gradient must be taken against the replica the round will update
         local = self.local[p]

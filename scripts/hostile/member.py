@@ -11,6 +11,7 @@ its own, and serves the run's two RPCs with answers of its choosing. Each attack
   that impose singleton groups or leave everyone else out.
 - ``hostile_reducer``: it registers for the rounds like an honest member and, as the reducer of its shard,
   answers with an infinite weight, a huge norm and contributors that are not members.
+- ``open_rounds``: it announces an open round of every fragment at the swarm's version twice a second.
 - ``junk_records``: fifty progress records under fake peer ids (each under a subkey of its own), malformed round,
   group and open-round values, and a run config that claims the run is open and trains another model.
 
@@ -209,6 +210,25 @@ class HostileMember:
             await asyncio.sleep(1.0)
         self.reducer_hostile = False
         return {"registrations": registrations, "hostile_answers": self.answers}
+
+    def open_rounds(self, seconds: float) -> dict[str, int]:
+        """Announce an open round of every fragment at the swarm's version, twice a second: without a bound, the
+        honest daemons would contribute at every step boundary instead of every H steps."""
+        return self._run(self._open_rounds(seconds), timeout=seconds + 60)
+
+    async def _open_rounds(self, seconds: float) -> dict[str, int]:
+        announced, end = 0, time.monotonic() + seconds
+        while time.monotonic() < end:
+            honest = await self._honest()
+            if honest:
+                top = max(honest, key=lambda r: r.version)
+                await self._publish(self._record_like(top))
+                for p in range(len(top.fragment_versions)):
+                    record = {"peer_id": self.peer_id, "fragment": p, "version": top.fragment_versions[p]}
+                    announced += await dht_io.store(self.dht, open_rounds_key(self.run_id), record,
+                                                    get_dht_time() + 8, self.subkey)
+            await asyncio.sleep(0.5)
+        return {"announced": announced}
 
     def junk_records(self) -> dict[str, int]:
         """Many identities from one token, malformed round values, and a hijacked run config (stored once each)."""

@@ -86,3 +86,59 @@ def test_a_donor_that_fails_its_claim_repeatedly_is_an_offender():
     cu._failures.pop("d", None)
     cu._unbacked("d", None)
     assert not ctx.cooldown.active("d")
+
+
+def stepped_catch_up(peers, rounds=3):
+    """A catch-up whose replica took ``rounds`` outer steps of size about 1 (so it knows its step size)."""
+    from atoll.models.outer import NesterovOuter
+
+    cu, ctx = catch_up(peers)
+    ctx.outer = NesterovOuter(lr=1.0, momentum=0.0)
+    torch.manual_seed(0)
+    for _ in range(rounds):
+        version = ctx.replica.identity(0)[0]
+        delta = torch.randn(4)
+        ctx.replica.apply_outer_step(0, version, delta / torch.linalg.vector_norm(delta), 1.0, ctx.outer)
+    return cu, ctx
+
+
+def fork_of(ctx, steps=1, scale=1.0, momentum=None):
+    """A state that forked off our replica's previous version and took ``steps`` steps of size ``scale``."""
+    from atoll.protocols.state_sync import ReplicaState
+
+    mine = ctx.replica.snapshot(0)
+    params = mine.params + scale * torch.tensor([1.0, 0, 0, 0]) * steps
+    ancestors = tuple(mine.ancestors[:-1]) + tuple(f"theirs{i}" for i in range(steps))
+    return ReplicaState(mine.version - 1 + steps, 99.0, ancestors[-1], params,
+                        mine.momentum if momentum is None else momentum, 0, "m", 0, ancestors)
+
+
+def test_a_lonely_daemon_takes_a_claim_nobody_vouches_for_only_if_it_is_a_plausible_fork():
+    b, c = record("b", [9], ["b-line"]), record("c", [7], ["c-line"])
+    cu, ctx = stepped_catch_up([b, c])  # three replicas, one each: nobody vouches for any
+    assert cu.heavier_peers(0) == [] and [peer.peer_id for peer in cu.lonely_claim(0)] == ["b"]
+    assert cu.plausible(fork_of(ctx, steps=2))  # 2 + 1 versions apart, 2 steps away
+    assert not cu.plausible(fork_of(ctx, steps=2, scale=10.0))  # 20 steps away: made up
+    assert not cu.plausible(fork_of(ctx, steps=1, momentum=torch.full((4,), 1e6)))  # a blown-up momentum
+    zeros = fork_of(ctx, steps=1)
+    zeros.params = torch.zeros(4) - 1e3
+    assert not cu.plausible(zeros)
+    deep = fork_of(ctx, steps=9)  # their side parted longer ago than can be checked
+    assert not cu.plausible(deep)
+    unrelated = fork_of(ctx)
+    unrelated.ancestors = ("x", "y", unrelated.digest)
+    assert not cu.plausible(unrelated)
+
+
+def test_a_daemon_that_shares_its_replica_never_takes_a_lone_claim():
+    cu, ctx = stepped_catch_up([])
+    version, weight, digest = ctx.replica.identity(0)
+    shares = record("b", [version], [digest])
+    shares.fragment_weights = [weight]
+    cu.peers = Table([shares, record("m", [version + 5], ["zeros"])])
+    assert cu.lonely_claim(0) == []
+    # Alone, it may take one, then not again for LONELY_INTERVAL seconds.
+    cu.peers = Table([record("m", [version + 5], ["zeros"])])
+    assert cu.lonely_claim(0)
+    cu._lonely_at[0] = __import__("time").monotonic()
+    assert cu.lonely_claim(0) == []
