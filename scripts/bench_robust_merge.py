@@ -98,6 +98,9 @@ def main() -> int:
     started = time.time()
     configs = [(rule, attack) for attack in args.attacks for rule in ("clip", *args.rules)]
     runs = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    partial = out / "bench_robust_merge.partial.json"  # the runs so far, should the invocation die midway
     with tempfile.TemporaryDirectory(prefix="bench_robust_merge_") as tmp:
         identities = Path(tmp) / "identities"
         identities.mkdir()
@@ -111,10 +114,11 @@ def main() -> int:
                 runs.append(r)
                 print(f"    held-out {r['held_out_loss']:.4f}  version {r['version']}  replicas agree "
                       f"{r['replicas_agree']}  clipped {r['clipped']}  ({r['seconds']:.0f} s)", flush=True)
+                partial.write_text(json.dumps(runs, indent=1))
     by = {(r["seed"], r["rule"], r["attack"]): r for r in runs}
     for r in runs:
         r["ratio_to_clip_same_attack"] = r["held_out_loss"] / by[(r["seed"], "clip", r["attack"])]["held_out_loss"]
-        if ("none" in args.attacks):
+        if "none" in args.attacks:
             r["ratio_to_honest_clip"] = r["held_out_loss"] / by[(r["seed"], "clip", "none")]["held_out_loss"]
     summary = {}
     for rule, attack in configs:
@@ -128,10 +132,9 @@ def main() -> int:
            "daemons": 4, "algorithm": "diloco", "batch_size": 4, "steps_per_daemon": args.steps,
            "sync_every": args.sync_every, "seeds": args.seeds, "rules": ["clip", *args.rules],
            "attacks": args.attacks, "minutes": (time.time() - started) / 60, "summary": summary, "runs": runs}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "bench_robust_merge.json").write_text(json.dumps(doc, indent=1))
     plot(doc, out / "bench_robust_merge.png")
+    partial.unlink()
     for key, s in summary.items():
         line = f"{key:22s} held-out {fmt(s['held_out_loss'], 4)}  / clip (same attack) {fmt(s['ratio_to_clip_same_attack'])}"
         if "ratio_to_honest_clip" in s:
