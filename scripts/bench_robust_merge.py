@@ -17,7 +17,7 @@ and seeds, not on how loaded the machine is.
 
 Reported per run, as ratios per seed (a rule over ``clip`` under the same attack; an attacked run over the honest
 ``clip`` run), and as the mean with a 95% interval over seeds (``scripts/stats.py``). Writes
-``<out>/bench_robust_merge.json`` and ``.png``.
+``<out>/<name>.json`` and ``.png`` (``--name``, default ``bench_robust_merge``).
 """
 
 from __future__ import annotations
@@ -94,13 +94,14 @@ def main() -> int:
     parser.add_argument("--rules", nargs="+", default=["trimmed", "centered"])
     parser.add_argument("--attacks", nargs="+", default=["none", "direction"])
     parser.add_argument("--out", default="docs/results")
+    parser.add_argument("--name", default="bench_robust_merge", help="file name (without .json/.png) under --out")
     args = parser.parse_args()
     started = time.time()
     configs = [(rule, attack) for attack in args.attacks for rule in ("clip", *args.rules)]
     runs = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    partial = out / "bench_robust_merge.partial.json"  # the runs so far, should the invocation die midway
+    partial = out / f"{args.name}.partial.json"  # the runs so far, should the invocation die midway
     with tempfile.TemporaryDirectory(prefix="bench_robust_merge_") as tmp:
         identities = Path(tmp) / "identities"
         identities.mkdir()
@@ -132,8 +133,8 @@ def main() -> int:
            "daemons": 4, "algorithm": "diloco", "batch_size": 4, "steps_per_daemon": args.steps,
            "sync_every": args.sync_every, "seeds": args.seeds, "rules": ["clip", *args.rules],
            "attacks": args.attacks, "minutes": (time.time() - started) / 60, "summary": summary, "runs": runs}
-    (out / "bench_robust_merge.json").write_text(json.dumps(doc, indent=1))
-    plot(doc, out / "bench_robust_merge.png")
+    (out / f"{args.name}.json").write_text(json.dumps(doc, indent=1))
+    plot(doc, out / f"{args.name}.png")
     partial.unlink()
     for key, s in summary.items():
         line = f"{key:22s} held-out {fmt(s['held_out_loss'], 4)}  / clip (same attack) {fmt(s['ratio_to_clip_same_attack'])}"
