@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Direction-robust merges: their quality cost in an honest swarm, and what they buy against a direction attack.
 
-    python scripts/bench_robust_merge.py [--seeds 0 1 2] [--steps 90] [--sync-every 15] \
-        [--rules trimmed centered] [--attacks none direction]
+    python scripts/bench_robust_merge.py [--seeds 0 1 2] [--steps 150] [--sync-every 15] \
+        [--rules trimmed centered] [--attacks none direction] [--name bench_robust_merge]
+    python scripts/bench_robust_merge.py --pool A.json B.json --name NAME   # earlier invocations, together
 
 For each seed, the swarm of ``tests/integration/test_byzantine.py`` (four daemons, synchronous ``diloco``, nano,
 batch 4, a fixed number of steps, every daemon started together at a bootstrap-only DHT node and held at a
@@ -17,7 +18,8 @@ and seeds, not on how loaded the machine is.
 
 Reported per run, as ratios per seed (a rule over ``clip`` under the same attack; an attacked run over the honest
 ``clip`` run), and as the mean with a 95% interval over seeds (``scripts/stats.py``). Writes
-``<out>/<name>.json`` and ``.png`` (``--name``, default ``bench_robust_merge``).
+``<out>/<name>.json`` and ``.png`` (``--name``, default ``bench_robust_merge``). ``--pool`` summarizes the
+runs of several invocations (distinct seeds) together: every ratio is still within one seed of one invocation.
 """
 
 from __future__ import annotations
@@ -89,18 +91,40 @@ def run_swarm(root: Path, identities: Path, args: list[str], rule: str, attack: 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=90)
+    parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--sync-every", type=int, default=15)
     parser.add_argument("--rules", nargs="+", default=["trimmed", "centered"])
     parser.add_argument("--attacks", nargs="+", default=["none", "direction"])
     parser.add_argument("--out", default="docs/results")
     parser.add_argument("--name", default="bench_robust_merge", help="file name (without .json/.png) under --out")
+    parser.add_argument("--pool", nargs="+", metavar="JSON", help="run nothing: summarize the runs of these earlier "
+                        "invocations together (same steps, H, rules and attacks; distinct seeds)")
     args = parser.parse_args()
     started = time.time()
-    configs = [(rule, attack) for attack in args.attacks for rule in ("clip", *args.rules)]
-    runs = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.pool:
+        docs = [json.loads(Path(p).read_text()) for p in args.pool]
+        keys = ("steps_per_daemon", "sync_every", "rules", "attacks")
+        if any(tuple(d[k] for k in keys) != tuple(docs[0][k] for k in keys) for d in docs):
+            raise SystemExit("--pool: the invocations differ in steps, H, rules or attacks")
+        seeds = [s for d in docs for s in d["seeds"]]
+        if len(set(seeds)) != len(seeds):
+            raise SystemExit("--pool: a seed appears in two invocations")
+        runs = [r for d in docs for r in d["runs"]]
+        meta = {k: docs[0][k] for k in keys}
+        meta.update(seeds=seeds, pooled=list(args.pool), minutes=sum(d["minutes"] for d in docs))
+    else:
+        runs = measure(args, out)
+        meta = {"steps_per_daemon": args.steps, "sync_every": args.sync_every, "rules": ["clip", *args.rules],
+                "attacks": args.attacks, "seeds": args.seeds, "minutes": (time.time() - started) / 60}
+    report(runs, meta, out, args.name)
+    return 0
+
+
+def measure(args: argparse.Namespace, out: Path) -> list[dict]:
+    configs = [(rule, attack) for attack in args.attacks for rule in ("clip", *args.rules)]
+    runs = []
     partial = out / f"{args.name}.partial.json"  # the runs so far, should the invocation die midway
     with tempfile.TemporaryDirectory(prefix="bench_robust_merge_") as tmp:
         identities = Path(tmp) / "identities"
@@ -116,32 +140,36 @@ def main() -> int:
                 print(f"    held-out {r['held_out_loss']:.4f}  version {r['version']}  replicas agree "
                       f"{r['replicas_agree']}  clipped {r['clipped']}  ({r['seconds']:.0f} s)", flush=True)
                 partial.write_text(json.dumps(runs, indent=1))
+    partial.unlink()
+    return runs
+
+
+def report(runs: list[dict], meta: dict, out: Path, name: str) -> None:
+    """Ratios per seed (to clip under the same attack, and to the honest clip run), their intervals; JSON, PNG."""
+    attacks = meta["attacks"]
+    configs = [(rule, attack) for attack in attacks for rule in meta["rules"]]
     by = {(r["seed"], r["rule"], r["attack"]): r for r in runs}
     for r in runs:
         r["ratio_to_clip_same_attack"] = r["held_out_loss"] / by[(r["seed"], "clip", r["attack"])]["held_out_loss"]
-        if "none" in args.attacks:
+        if "none" in attacks:
             r["ratio_to_honest_clip"] = r["held_out_loss"] / by[(r["seed"], "clip", "none")]["held_out_loss"]
     summary = {}
     for rule, attack in configs:
         mine = [r for r in runs if r["rule"] == rule and r["attack"] == attack]
         s = {"held_out_loss": interval([r["held_out_loss"] for r in mine]),
              "ratio_to_clip_same_attack": interval([r["ratio_to_clip_same_attack"] for r in mine])}
-        if "none" in args.attacks:
+        if "none" in attacks:
             s["ratio_to_honest_clip"] = interval([r["ratio_to_honest_clip"] for r in mine])
         summary[f"{rule}/{attack}"] = s
     doc = {"command": "python scripts/bench_robust_merge.py " + " ".join(sys.argv[1:]), "model": "nano",
-           "daemons": 4, "algorithm": "diloco", "batch_size": 4, "steps_per_daemon": args.steps,
-           "sync_every": args.sync_every, "seeds": args.seeds, "rules": ["clip", *args.rules],
-           "attacks": args.attacks, "minutes": (time.time() - started) / 60, "summary": summary, "runs": runs}
-    (out / f"{args.name}.json").write_text(json.dumps(doc, indent=1))
-    plot(doc, out / f"{args.name}.png")
-    partial.unlink()
+           "daemons": 4, "algorithm": "diloco", "batch_size": 4, **meta, "summary": summary, "runs": runs}
+    (out / f"{name}.json").write_text(json.dumps(doc, indent=1))
+    plot(doc, out / f"{name}.png")
     for key, s in summary.items():
         line = f"{key:22s} held-out {fmt(s['held_out_loss'], 4)}  / clip (same attack) {fmt(s['ratio_to_clip_same_attack'])}"
         if "ratio_to_honest_clip" in s:
             line += f"  / honest clip {fmt(s['ratio_to_honest_clip'])}"
         print(line)
-    return 0
 
 
 def plot(doc: dict, path: Path) -> None:
