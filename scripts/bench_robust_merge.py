@@ -133,7 +133,7 @@ def measure(args: argparse.Namespace, out: Path) -> list[dict]:
             order = configs[i % len(configs):] + configs[:i % len(configs)]
             for rule, attack in order:
                 print(f"seed {seed}: merge {rule}, attack {attack}, 4 daemons x {args.steps} steps ...", flush=True)
-                root = Path(tmp) / f"s{seed}-{rule}-{attack}"
+                root = Path(tmp) / f"{len(runs)}-s{seed}-{rule}-{attack}"  # fresh: a repeated config must not resume
                 r = run_swarm(root, identities, common_args(args.steps, args.sync_every, seed), rule, attack)
                 r["seed"] = seed
                 runs.append(r)
