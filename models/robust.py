@@ -59,6 +59,7 @@ import torch
 from .outer import weighted_mean
 
 CENTERED_ITERATIONS = 3  # from the coordinate median, the centre settles within a few; each costs one pass
+CHUNK = 1 << 18  # coordinates sorted at a time: the sort's copies stay a few times M × CHUNK float64
 
 
 class MergeRule(enum.StrEnum):
@@ -126,11 +127,12 @@ def _check(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> None:
         raise ValueError("vectors must be flat and of one length")
 
 
-def trimmed_mean(vectors: Sequence[torch.Tensor], weights: Sequence[float], trim: int | None = None) -> torch.Tensor:
+def trimmed_mean(vectors: Sequence[torch.Tensor], weights: Sequence[float], trim: int | None = None,
+                 chunk: int = CHUNK) -> torch.Tensor:
     """Coordinate-wise trimmed mean in float64 (see the module docstring): per coordinate, drop the ``trim``
     (default ``trim_count(M)``) smallest and largest values (ties: the earlier member counts as smaller) and
     return the weighted mean of the rest, Σ v·(w/Σw_kept) summed in rank order. ``trim == 0`` is
-    ``outer.weighted_mean`` exactly."""
+    ``outer.weighted_mean`` exactly. Coordinates are independent: ``chunk`` of them at a time, same result."""
     _check(vectors, weights)
     m = len(vectors)
     b = trim_count(m) if trim is None else trim
@@ -138,29 +140,36 @@ def trimmed_mean(vectors: Sequence[torch.Tensor], weights: Sequence[float], trim
         raise ValueError(f"cannot trim {b} values at each end of {m}")
     if b == 0:
         return weighted_mean(vectors, weights)
-    stacked = torch.stack([v.double() for v in vectors])  # (M, n)
-    order = torch.sort(stacked, dim=0, stable=True).indices  # stable: equal values keep member order
-    ranked = torch.gather(stacked, 0, order)
-    w = torch.tensor([float(x) for x in weights], dtype=torch.float64)[order]  # each value's member's weight
-    kept = range(b, m - b)
-    total = torch.zeros(stacked.shape[1], dtype=torch.float64)
-    for k in kept:
-        total += w[k]
-    acc = torch.zeros(stacked.shape[1], dtype=torch.float64)
-    for k in kept:
-        acc += ranked[k] * (w[k] / total)
-    return acc
+    xs = [v.double() for v in vectors]
+    member_weights = torch.tensor([float(x) for x in weights], dtype=torch.float64)
+    out = torch.empty(xs[0].numel(), dtype=torch.float64)
+    for lo in range(0, out.numel(), chunk):
+        hi = min(lo + chunk, out.numel())
+        stacked = torch.stack([x[lo:hi] for x in xs])  # (M, chunk)
+        order = torch.sort(stacked, dim=0, stable=True).indices  # stable: equal values keep member order
+        ranked = torch.gather(stacked, 0, order)
+        w = member_weights[order]  # each value's member's weight
+        total = torch.zeros(hi - lo, dtype=torch.float64)
+        for k in range(b, m - b):
+            total += w[k]
+        acc = torch.zeros(hi - lo, dtype=torch.float64)
+        for k in range(b, m - b):
+            acc += ranked[k] * (w[k] / total)
+        out[lo:hi] = acc
+    return out
 
 
-def coordinate_median(vectors: Sequence[torch.Tensor]) -> torch.Tensor:
+def coordinate_median(vectors: Sequence[torch.Tensor], chunk: int = CHUNK) -> torch.Tensor:
     """Per coordinate the median of the M values in float64 (for even M the mean of the two middle ones)."""
     if not vectors:
         raise ValueError("need at least one vector")
-    ranked = torch.sort(torch.stack([v.double() for v in vectors]), dim=0).values
-    m = len(vectors)
-    if m % 2:
-        return ranked[m // 2].clone()
-    return (ranked[m // 2 - 1] + ranked[m // 2]) / 2
+    xs, m = [v.double() for v in vectors], len(vectors)
+    out = torch.empty(xs[0].numel(), dtype=torch.float64)
+    for lo in range(0, out.numel(), chunk):
+        hi = min(lo + chunk, out.numel())
+        ranked = torch.sort(torch.stack([x[lo:hi] for x in xs]), dim=0).values
+        out[lo:hi] = ranked[m // 2] if m % 2 else (ranked[m // 2 - 1] + ranked[m // 2]) / 2
+    return out
 
 
 def centered_clip(vectors: Sequence[torch.Tensor], weights: Sequence[float],

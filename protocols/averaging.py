@@ -45,7 +45,7 @@ import torch
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
-from atoll.models.outer import merged_delta, weighted_mean, weighted_norm
+from atoll.models.outer import merged_delta, weighted_norm
 from atoll.models.robust import MergeRule, clip_contributions, clip_scalars, lower_median, robust_merge
 
 from . import codecs
@@ -195,7 +195,7 @@ class _Reduction:
             clipped = set(cut) | set(cut_w) | set(cut_n)
         # The merge itself (the run's robust_merge): the weighted mean, or a direction-robust rule that also bounds
         # a member at a typical norm pointing anywhere (coordinate-wise trimmed mean, centered clipping).
-        merged = robust_merge(values, weights, self.spec.merge) if len(peers) > 1 else weighted_mean(values, weights)
+        merged = robust_merge(values, weights, self.spec.merge)  # one member: every rule returns its values
         payload = None
         if len(self.spec.members) > 1 or self.spec.codec != "none":
             # Others receive the encoded shard; the reducer applies exactly the values they will decode. A round of

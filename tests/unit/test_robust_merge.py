@@ -161,6 +161,16 @@ def test_trimmed_mean_is_independent_of_input_order_for_distinct_values():
     assert torch.equal(got, want)  # sums run in rank order, not member order
 
 
+def test_chunked_merges_equal_unchunked_bit_for_bit_and_empty_shards_work():
+    vectors, weights = random_case(6, 1001, 13, weighted=True)
+    for chunk in (1, 7, 1000):
+        assert torch.equal(trimmed_mean(vectors, weights, chunk=chunk), trimmed_mean(vectors, weights))
+        assert torch.equal(coordinate_median(vectors, chunk=chunk), coordinate_median(vectors))
+    empty = [torch.zeros(0, dtype=torch.float64) for _ in range(4)]
+    for rule in MergeRule:  # a shard can hold no values (more members than codec blocks)
+        assert robust_merge(empty, [1.0] * 4, rule).shape == (0,)
+
+
 # ---- centered clipping ---------------------------------------------------------------------------------------
 def test_coordinate_median_matches_naive_reference():
     for m in (1, 2, 3, 4, 7):
