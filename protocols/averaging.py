@@ -23,8 +23,9 @@ while it cools down. Valid but outsized parts are clipped before the merge (``mo
 contribution, declared weight or RDA norm above ``clip_factor`` × the lower median of the shard's is scaled to
 that median); clipping is per shard, because a reducer sees only its shard. The run's ``robust_merge``
 (``GroupSpec.merge``) then picks how the shard's contributions merge: the weighted mean, or a coordinate-wise
-trimmed mean or centered clipping, which also bound a member at a typical norm pointing anywhere. A hostile *reducer* can
-still spoil the shard it reduces for everyone (its members cannot check it without the other parts).
+trimmed mean or centered clipping, which also bound a member at a typical norm pointing anywhere. A hostile
+*reducer* can still spoil the shard it reduces for everyone (its members cannot check it without the other
+parts).
 
 A member that never sends its part costs its reducer at most ``timeout``; the shard is reduced without it.
 A reducer that fails is reported in ``AllreduceResult.failed`` so the caller can retry the round without it.
@@ -96,8 +97,8 @@ class GroupSpec:
     def group_id(self) -> str:
         text = (f"{self.run_id}|{self.fragment}|{self.version}|{self.base}|{self.attempt}|{','.join(self.members)}"
                 f"|{self.numel}|{self.mode}|{self.codec}|{self.block}")
-        if self.merge is not MergeRule.CLIP:  # the default leaves group ids as they were before merge rules
-            text += f"|{self.merge.value}"
+        if MergeRule(self.merge) is not MergeRule.CLIP:  # the default leaves group ids as they were before rules
+            text += f"|{MergeRule(self.merge).value}"
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 
     def bounds(self) -> list[tuple[int, int]]:

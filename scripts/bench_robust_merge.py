@@ -166,7 +166,8 @@ def report(runs: list[dict], meta: dict, out: Path, name: str) -> None:
     (out / f"{name}.json").write_text(json.dumps(doc, indent=1))
     plot(doc, out / f"{name}.png")
     for key, s in summary.items():
-        line = f"{key:22s} held-out {fmt(s['held_out_loss'], 4)}  / clip (same attack) {fmt(s['ratio_to_clip_same_attack'])}"
+        line = (f"{key:22s} held-out {fmt(s['held_out_loss'], 4)}  "
+                f"/ clip (same attack) {fmt(s['ratio_to_clip_same_attack'])}")
         if "ratio_to_honest_clip" in s:
             line += f"  / honest clip {fmt(s['ratio_to_honest_clip'])}"
         print(line)
