@@ -108,7 +108,7 @@ class RunConfig:
                                        "RDA norm) above F x the round's lower median to the lower median; 0 turns it "
                                        "off",
                              metavar="F")
-    # clip is the measured default (docs/results/bench_robust_merge.json: the direction-robust rules' cost and gain).
+    # clip stays the default (docs/results/bench_robust_merge_pooled.json: what the robust rules cost and gain).
     robust_merge: str = opt("clip", help="how a reducer merges its shard's contributions, after the norm clip: 'clip' "
                                          "the weighted mean; 'trimmed' a coordinate-wise trimmed mean (floor(M/4) "
                                          "values, at least 1 from 3 members on, dropped at each end); 'centered' "
