@@ -22,13 +22,55 @@ others to zero.
 
 Pure float64 torch, deterministic for given inputs (the reducer computes once and sends the result to everyone).
 ``factor == 0`` disables clipping; otherwise it must be ≥ 1 (a single contribution is never changed).
+
+**Direction-robust merges** (``MergeRule``, the run's ``robust_merge``). The norm clip bounds how *large* a
+contribution may be, not where it points: a member at the median norm pointing anywhere (the negation of its
+honest delta, say) passes it untouched and moves a mean of M by up to 2/M of a typical norm, every round. Two
+rules bound that too; they replace the weighted mean of the (norm-clipped) contributions, the norm clip and the
+clipping of declared scalars still apply before them:
+
+- ``trimmed``: the coordinate-wise trimmed mean. Per coordinate the M values are ordered (ties by member order,
+  i.e. peer id), the ``b = trim_count(M)`` smallest and ``b`` largest are dropped and the rest are averaged with
+  their members' weights (renormalized over what is kept, per coordinate). Weights decide nothing about *what*
+  is trimmed (a declared weight must not buy a member out of trimming), only how the kept values are averaged;
+  so with ``b`` ≥ the number of hostile members every coordinate of the result lies within the range of the
+  honest members' values, whatever the weights.
+- ``centered``: centered clipping (Karimireddy, He and Jaggi, arXiv 2012.10333). Start at the coordinate-wise
+  median v (the mean of the two middle values for even M) and iterate ``CENTERED_ITERATIONS`` times
+  v ← v + Σ (wᵢ/Σw)·clip(xᵢ − v, τ), clip(z, τ) = z·min(1, τ/‖z‖), with τ the lower median of the ‖xᵢ − v‖
+  (the typical distance of a member from the current centre; zeros count here, unlike in the norm clip: members
+  sitting on the centre are typical; the loop stops when τ is 0). A
+  hostile member moves v by at most its weight's share of τ per iteration, whatever its direction or norm.
+
+With one or two members both rules are the plain weighted mean (``outer.weighted_mean``, bit for bit): with two,
+no statistic can tell which one is honest, and the norm clip is all there is. Both are deterministic: float64,
+a fixed order of every sum (by rank for ``trimmed``, by member order for ``centered``), stable sorts. Inputs must
+be finite (the protocol rejects NaN/Inf parts before they get here).
 """
 
 from __future__ import annotations
 
+import enum
+import math
 from collections.abc import Sequence
 
 import torch
+
+from .outer import weighted_mean
+
+CENTERED_ITERATIONS = 3  # from the coordinate median, the centre settles within a few; each costs one pass
+CHUNK = 1 << 18  # coordinates sorted at a time: the sort's copies stay a few times M × CHUNK float64
+
+
+class MergeRule(enum.StrEnum):
+    """How a reducer merges the (norm-clipped) contributions of its shard."""
+
+    CLIP = "clip"  # the weighted mean (after the norm clip): the behaviour before direction-robust merges
+    TRIMMED = "trimmed"  # coordinate-wise trimmed mean
+    CENTERED = "centered"  # centered clipping from the coordinate median
+
+
+MERGE_RULES = tuple(rule.value for rule in MergeRule)
 
 
 def lower_median(values: Sequence[float]) -> float:
@@ -66,3 +108,103 @@ def clip_contributions(vectors: Sequence[torch.Tensor], factor: float) -> tuple[
         else:
             out.append(v)
     return out, clipped
+
+
+def trim_count(members: int) -> int:
+    """Values trimmed at each end per coordinate: ⌊M/4⌋, at least 1 from three members on, and never so many that
+    nothing is left (at most ⌊(M−1)/2⌋: M = 3 gives the median, M = 2 trims nothing)."""
+    if members < 1:
+        raise ValueError(f"need at least one member, got {members}")
+    return min((members - 1) // 2, max(1, members // 4))
+
+
+def _check(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> None:
+    if len(vectors) != len(weights) or not vectors:
+        raise ValueError("need one positive weight per vector, and at least one vector")
+    if any(not (w > 0 and math.isfinite(w)) for w in weights):
+        raise ValueError(f"weights must be positive and finite, got {list(weights)}")
+    if any(v.shape != vectors[0].shape or v.dim() != 1 for v in vectors):
+        raise ValueError("vectors must be flat and of one length")
+
+
+def trimmed_mean(vectors: Sequence[torch.Tensor], weights: Sequence[float], trim: int | None = None,
+                 chunk: int = CHUNK) -> torch.Tensor:
+    """Coordinate-wise trimmed mean in float64 (see the module docstring): per coordinate, drop the ``trim``
+    (default ``trim_count(M)``) smallest and largest values (ties: the earlier member counts as smaller) and
+    return the weighted mean of the rest, Σ v·(w/Σw_kept) summed in rank order. ``trim == 0`` is
+    ``outer.weighted_mean`` exactly. Coordinates are independent: ``chunk`` of them at a time, same result."""
+    _check(vectors, weights)
+    m = len(vectors)
+    b = trim_count(m) if trim is None else trim
+    if not 0 <= b <= (m - 1) // 2:
+        raise ValueError(f"cannot trim {b} values at each end of {m}")
+    if b == 0:
+        return weighted_mean(vectors, weights)
+    xs = [v.double() for v in vectors]
+    member_weights = torch.tensor([float(x) for x in weights], dtype=torch.float64)
+    out = torch.empty(xs[0].numel(), dtype=torch.float64)
+    for lo in range(0, out.numel(), chunk):
+        hi = min(lo + chunk, out.numel())
+        stacked = torch.stack([x[lo:hi] for x in xs])  # (M, chunk)
+        order = torch.sort(stacked, dim=0, stable=True).indices  # stable: equal values keep member order
+        ranked = torch.gather(stacked, 0, order)
+        w = member_weights[order]  # each value's member's weight
+        total = torch.zeros(hi - lo, dtype=torch.float64)
+        for k in range(b, m - b):
+            total += w[k]
+        acc = torch.zeros(hi - lo, dtype=torch.float64)
+        for k in range(b, m - b):
+            acc += ranked[k] * (w[k] / total)
+        out[lo:hi] = acc
+    return out
+
+
+def coordinate_median(vectors: Sequence[torch.Tensor], chunk: int = CHUNK) -> torch.Tensor:
+    """Per coordinate the median of the M values in float64 (for even M the mean of the two middle ones)."""
+    if not vectors:
+        raise ValueError("need at least one vector")
+    xs, m = [v.double() for v in vectors], len(vectors)
+    out = torch.empty(xs[0].numel(), dtype=torch.float64)
+    for lo in range(0, out.numel(), chunk):
+        hi = min(lo + chunk, out.numel())
+        ranked = torch.sort(torch.stack([x[lo:hi] for x in xs]), dim=0).values
+        out[lo:hi] = ranked[m // 2] if m % 2 else (ranked[m // 2 - 1] + ranked[m // 2]) / 2
+    return out
+
+
+def centered_clip(vectors: Sequence[torch.Tensor], weights: Sequence[float],
+                  iterations: int = CENTERED_ITERATIONS) -> torch.Tensor:
+    """Centered clipping in float64 (see the module docstring): from the coordinate median, ``iterations`` times
+    v ← v + Σ (wᵢ/Σw)·(xᵢ − v)·min(1, τ/‖xᵢ − v‖), τ the lower median of the distances, summed in member
+    order. With one or two members, ``outer.weighted_mean`` exactly."""
+    _check(vectors, weights)
+    if iterations < 1:
+        raise ValueError(f"need at least one iteration, got {iterations}")
+    if len(vectors) <= 2:
+        return weighted_mean(vectors, weights)
+    xs = [v.double() for v in vectors]
+    total = math.fsum(float(w) for w in weights)
+    shares = [float(w) / total for w in weights]
+    centre = coordinate_median(xs)
+    for _ in range(iterations):
+        diffs = [x - centre for x in xs]
+        dists = [float(torch.linalg.vector_norm(d)) for d in diffs]
+        tau = sorted(dists)[(len(dists) - 1) // 2]  # zeros count: members on the centre are typical members
+        if tau == 0.0:  # at least ⌈M/2⌉ members sit on the centre: everyone else is clipped to it
+            break
+        step = torch.zeros_like(centre)
+        for d, dist, share in zip(diffs, dists, shares):
+            if dist > 0:
+                step += d * (share * min(1.0, tau / dist))
+        centre = centre + step
+    return centre
+
+
+def robust_merge(vectors: Sequence[torch.Tensor], weights: Sequence[float], rule: MergeRule) -> torch.Tensor:
+    """Merge (norm-clipped) contributions with ``rule``: the weighted mean, the trimmed mean or centered clipping."""
+    rule = MergeRule(rule)
+    if rule is MergeRule.TRIMMED:
+        return trimmed_mean(vectors, weights)
+    if rule is MergeRule.CENTERED:
+        return centered_clip(vectors, weights)
+    return weighted_mean(vectors, weights)

@@ -19,6 +19,7 @@ from typing import Any
 from multiaddr import Multiaddr
 
 from atoll.models.configs import MODELS
+from atoll.models.robust import MERGE_RULES
 from atoll.protocols.codecs import CODECS
 
 from .algorithm import AlgorithmName, algorithm
@@ -110,6 +111,12 @@ class RunConfig:
                                        "RDA norm) above F x the round's lower median to the lower median; 0 turns it "
                                        "off",
                              metavar="F")
+    # clip stays the default (docs/results/bench_robust_merge_pooled.json: what the robust rules cost and gain).
+    robust_merge: str = opt("clip", help="how a reducer merges its shard's contributions, after the norm clip: 'clip' "
+                                         "the weighted mean; 'trimmed' a coordinate-wise trimmed mean (floor(M/4) "
+                                         "values, at least 1 from 3 members on, dropped at each end); 'centered' "
+                                         "centered clipping from the coordinate median. The last two also bound a "
+                                         "member at a typical norm pointing anywhere", known=MERGE_RULES)
 
     def validate(self) -> None:
         if self.model not in MODELS:
@@ -136,6 +143,8 @@ class RunConfig:
         factor = self.clip_factor
         if not (isinstance(factor, (int, float)) and (factor == 0 or 1 <= factor < math.inf)):
             raise ConfigError(f"clip_factor: must be 0 (off) or a finite number >= 1, got {self.clip_factor!r}")
+        if self.robust_merge not in MERGE_RULES:
+            raise ConfigError(f"robust_merge: unknown {self.robust_merge!r}; known: {', '.join(MERGE_RULES)}")
         if self.overlap >= self.sync_every:
             raise ConfigError(f"overlap: must be smaller than sync_every ({self.sync_every}), got {self.overlap}")
 

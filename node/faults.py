@@ -13,9 +13,10 @@ The faults, each triggered by the daemon's own step or round count (never by a c
   unknown codec, NaN), each kind until it has reached two completed rounds.
 - ``split_side=S`` with ``split_until=N``: until step N the daemon sees and meets only daemons of side S (a split
   swarm whose halves meet again later).
-- ``byzantine=K`` (scale, nan, shape) from the ``byzantine_from``-th multi-member round on (default 1): ``scale``
-  sends the delta ×1000, ``nan`` parts holding NaN, ``shape`` parts one block short (the daemon still reduces its
-  own shard honestly).
+- ``byzantine=K`` (scale, nan, shape, direction) from the ``byzantine_from``-th multi-member round on (default 1):
+  ``scale`` sends the delta ×1000, ``nan`` parts holding NaN, ``shape`` parts one block short, ``direction`` the
+  negated delta (the honest norm, the opposite direction: what the norm clip cannot see) (the daemon still reduces
+  its own shard honestly).
 - ``start_together=N``: hold the first step until N daemons train (runs compared step for step start in lockstep).
 - ``kill_in_checkpoint=N``: SIGKILL the process group in the middle of the N-th checkpoint write (the tensors'
   temporary file half written); ``checkpoint_kill_signal=1``: SIGUSR1 arms the same crash for the next write.
@@ -42,7 +43,7 @@ logger = logging.getLogger("atoll")
 KINDS: dict[str, type] = {"kill_in_round": int, "step_delay": float, "corrupt_round": int, "split_side": int,
                           "split_until": int, "byzantine": str, "byzantine_from": int, "start_together": int,
                           "kill_in_checkpoint": int, "checkpoint_kill_signal": int}
-BYZANTINE = ("scale", "nan", "shape")
+BYZANTINE = ("scale", "nan", "shape", "direction")
 CORRUPTIONS = ("truncated", "header", "codec", "nan")
 BYZANTINE_SCALE = 1000.0
 
@@ -119,6 +120,16 @@ class Scaled(Tamper):
         return sent / BYZANTINE_SCALE
 
 
+class Reversed(Tamper):
+    """A member that claims the negation of its delta, every round: its norm is honest, its direction hostile."""
+
+    def delta(self, flat: torch.Tensor) -> torch.Tensor:
+        return -flat
+
+    def own(self, sent: torch.Tensor) -> torch.Tensor:
+        return -sent  # error feedback keeps what quantization dropped of the honest delta, as for ``Scaled``
+
+
 class Faults:
     """The hooks through which injected faults reach a daemon; ``Faults()`` injects nothing."""
 
@@ -184,7 +195,7 @@ class Faults:
         kind = self.spec.get("byzantine")
         if kind is not None and self.rounds_attempted >= self.spec.get("byzantine_from", 1):
             logger.warning("fault injection: byzantine (%s) contribution in round %d", kind, self.rounds_attempted)
-            tamper = Scaled() if kind == "scale" else Hostile(kind)
+            tamper = Scaled() if kind == "scale" else Reversed() if kind == "direction" else Hostile(kind)
         return tamper
 
     def round_ended(self, tamper: Tamper, completed: bool) -> None:

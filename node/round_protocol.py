@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from hivemind.utils import get_dht_time
 
+from atoll.models.robust import MergeRule
 from atoll.protocols import dht_io
 from atoll.protocols.averaging import HONEST, AllreduceResult, AveragingServicer, GroupSpec, Tamper, allreduce
 from atoll.protocols.matchmaking import POLL_INTERVAL, form_group
@@ -182,7 +183,7 @@ class RoundProtocol:
         alive = list(members)
         for attempt in range(first_attempt, first_attempt + MAX_ATTEMPTS):
             spec = GroupSpec(ctx.cfg.run_id, p, version, attempt, tuple(alive), tensor.numel(), mode, codec,
-                             ctx.cfg.run.codec_block, base)
+                             ctx.cfg.run.codec_block, base, MergeRule(ctx.cfg.run.robust_merge))
             result = await allreduce(ctx.p2p, self.averager, spec, ctx.peer_id, tensor, weight,
                                      ctx.cfg.run.round_timeout, tamper)
             if result.merged is not None:

@@ -21,8 +21,11 @@ codec's exact encoded size, before anything is buffered); a rejected part is a m
 an offender (``protocols/cooldown.py``): its parts are treated as missing in the shards this daemon reduces
 while it cools down. Valid but outsized parts are clipped before the merge (``models/robust.py``: a
 contribution, declared weight or RDA norm above ``clip_factor`` × the lower median of the shard's is scaled to
-that median); clipping is per shard, because a reducer sees only its shard. A hostile *reducer* can
-still spoil the shard it reduces for everyone (its members cannot check it without the other parts).
+that median); clipping is per shard, because a reducer sees only its shard. The run's ``robust_merge``
+(``GroupSpec.merge``) then picks how the shard's contributions merge: the weighted mean, or a coordinate-wise
+trimmed mean or centered clipping, which also bound a member at a typical norm pointing anywhere. A hostile
+*reducer* can still spoil the shard it reduces for everyone (its members cannot check it without the other
+parts).
 
 A member that never sends its part costs its reducer at most ``timeout``; the shard is reduced without it.
 A reducer that fails is reported in ``AllreduceResult.failed`` so the caller can retry the round without it.
@@ -43,8 +46,8 @@ import torch
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
-from atoll.models.outer import merged_delta, weighted_mean, weighted_norm
-from atoll.models.robust import clip_contributions, clip_scalars, lower_median
+from atoll.models.outer import merged_delta, weighted_norm
+from atoll.models.robust import MergeRule, clip_contributions, clip_scalars, lower_median, robust_merge
 
 from . import codecs
 from .cooldown import Cooldown
@@ -89,11 +92,14 @@ class GroupSpec:
     codec: str = "none"
     block: int = 256
     base: str = ""  # the digest of the replica the round starts from: forks at one version are different groups
+    merge: MergeRule = MergeRule.CLIP  # how reducers merge (the run's robust_merge)
 
     @property
     def group_id(self) -> str:
         text = (f"{self.run_id}|{self.fragment}|{self.version}|{self.base}|{self.attempt}|{','.join(self.members)}"
                 f"|{self.numel}|{self.mode}|{self.codec}|{self.block}")
+        if MergeRule(self.merge) is not MergeRule.CLIP:  # the default leaves group ids as they were before rules
+            text += f"|{MergeRule(self.merge).value}"
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 
     def bounds(self) -> list[tuple[int, int]]:
@@ -189,7 +195,9 @@ class _Reduction:
             weights, cut_w = clip_scalars(weights, self.clip_factor)
             norms, cut_n = clip_scalars(norms, self.clip_factor)
             clipped = set(cut) | set(cut_w) | set(cut_n)
-        merged = weighted_mean(values, weights)
+        # The merge itself (the run's robust_merge): the weighted mean, or a direction-robust rule that also bounds
+        # a member at a typical norm pointing anywhere (coordinate-wise trimmed mean, centered clipping).
+        merged = robust_merge(values, weights, self.spec.merge)  # one member: every rule returns its values
         payload = None
         if len(self.spec.members) > 1 or self.spec.codec != "none":
             # Others receive the encoded shard; the reducer applies exactly the values they will decode. A round of
