@@ -135,7 +135,8 @@ class HostileMember:
 
     def _record_like(self, honest: ProgressRecord, **changes: Any) -> dict[str, Any]:
         record = honest.dict()
-        record.update(peer_id=self.peer_id, time=float(get_dht_time()), rejected=0, rejected_by_kind={}, **changes)
+        record.update({"peer_id": self.peer_id, "time": float(get_dht_time()), "rejected": 0, "rejected_by_kind": {},
+                       **changes})
         record["version"] = sum(record["fragment_versions"])
         return record
 
