@@ -85,23 +85,29 @@ class CatchUp:
         best = max(peer.fragment(p) for peer in heavier_ones)
         return [peer for peer in heavier_ones if peer.fragment(p) == best]
 
-    def plausible(self, state: ReplicaState) -> bool:
-        """Whether a downloaded state nobody vouched for is a fork of our replica (see the module's docstring)."""
+    def plausible(self, state: ReplicaState) -> str | None:
+        """Why a downloaded state nobody vouched for is no fork of our replica (see the module's docstring); None if
+        it is one."""
         p = state.fragment
         mine, step = self.ctx.replica.snapshot(p), self.ctx.replica.step_size(p)
         ours = {d: mine.version - (len(mine.ancestors) - 1 - i) for i, d in enumerate(mine.ancestors)}
         met = next(((state.version - (len(state.ancestors) - 1 - i), ours[d])
                     for i, d in reversed(list(enumerate(state.ancestors))) if d in ours), None)
-        if step is None or met is None:
-            return False
+        if step is None:
+            return "we have taken no outer step to judge it by"
+        if met is None:
+            return "its history and ours do not meet"
         theirs_since, ours_since = state.version - met[0], mine.version - met[1]
         if not (0 <= theirs_since <= MAX_FORK_DEPTH and 0 <= ours_since <= MAX_FORK_DEPTH):
-            return False
+            return f"it parted from ours {theirs_since} and {ours_since} versions ago (at most {MAX_FORK_DEPTH})"
         bound = PLAUSIBLE_FACTOR * step * (theirs_since + ours_since)
         distance = float(torch.linalg.vector_norm(state.params.double() - mine.params.double()))
         # The momentum too: a huge one would blow the next outer steps up. It is about step / lr in size.
         drift = float(torch.linalg.vector_norm(state.momentum.double() - mine.momentum.double()))
-        return distance <= bound and drift <= bound / self.ctx.outer.lr
+        if distance > bound or drift > bound / self.ctx.outer.lr:
+            return (f"it lies {distance:.3g} from ours (momentum {drift:.3g}), beyond {bound:.3g} for "
+                    f"{theirs_since}+{ours_since} versions of {step:.3g}")
+        return None
 
     def take_adopted(self) -> list[ReplicaState]:
         """Fragments adopted since the last call (the learner must reload them into θ); thread-safe."""
@@ -142,10 +148,12 @@ class CatchUp:
                 self._lonely_at[p] = time.monotonic()
             state = await self._download(p, [d.peer_id for d in donors])
             loop = asyncio.get_running_loop()
-            if state is not None and check and not await loop.run_in_executor(None, self.plausible, state):
-                logger.warning("fragment %d: the v%d replica %s sent is no fork of ours; not adopted", p,
-                               state.version, state.donor[-8:])
-                self.ctx.reject("implausible_state", state.donor)
+            problem = await loop.run_in_executor(None, self.plausible, state) if state is not None and check else None
+            if problem is not None:
+                # Counted, not held against the donor: an honest fork that grew too deep to check looks the same.
+                logger.warning("fragment %d: not adopting the v%d replica %s sent, vouched for by nobody: %s", p,
+                               state.version, state.donor[-8:], problem)
+                self.ctx.reject("implausible_state")
                 return
             if state is not None and await loop.run_in_executor(None, self.ctx.replica.adopt, state):
                 self._queue([state])

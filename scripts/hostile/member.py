@@ -283,3 +283,43 @@ class AveragingServicer(averaging.AveragingServicer):
         self.member.answers += 1
         yield pack_response({"ok": True, "weight": math.inf, "contributors": ["QmNobody"], "numel": numel,
                              "norm": 1e300})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run attacks in order, as a process of its own (so that its DHT shares nothing with the caller's):
+    ``python scripts/hostile/member.py --initial-peers M --token T --out result.json junk_records fake_heavier=12 ...``.
+    After each attack the results so far are written to ``--out``, with ``done`` naming the attacks finished."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run-id", default="atoll")
+    parser.add_argument("--initial-peers", nargs="+", required=True)
+    parser.add_argument("--token", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("attacks", nargs="+", help="junk_records, or NAME=SECONDS (fake_heavier, refuse, "
+                                                   "forged_rounds, hostile_reducer, open_rounds)")
+    args = parser.parse_args(argv)
+    with HostileMember(args.run_id, args.initial_peers, args.token) as member:
+        out: dict[str, Any] = {"member": member.peer_id, "zero_digests": member.zero_digests, "done": []}
+        for attack in args.attacks:
+            name, _, seconds = attack.partition("=")
+            if name == "junk_records":
+                out[name] = member.junk_records()
+            elif name == "refuse":
+                out[name] = member.fake_heavier(float(seconds), refuse=True)
+            else:
+                out[name] = getattr(member, name)(float(seconds))
+            out["done"].append(name)
+            tmp = args.out + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(out, f)
+            os.replace(tmp, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    raise SystemExit(main())
