@@ -17,10 +17,10 @@ it refuses, stalls or sends what does not check out, ``UNBACKED_OFFENCES`` times
 One case needs more: when every live daemon's replica of a fragment is its own (concurrent solo rounds forked the
 swarm three ways, say), no claim is vouched for and no two daemons ever meet in a round again. So a *lonely*
 daemon — one whose replica no live peer holds — that sees no vouched heavier claim may adopt the heaviest claim of
-one peer, at most once per ``LONELY_INTERVAL`` seconds per fragment, if the state checks out as a fork of ours:
-its history and ours meet within ``MAX_FORK_DEPTH`` versions on either side, and it lies no further from our
-replica than ``PLAUSIBLE_FACTOR`` of our recent outer steps per version on the two paths. A daemon that shares
-its replica with any peer never takes a claim of one; the all-zero model lies hundreds of steps away.
+one peer, at most once per ``LONELY_INTERVAL`` seconds per fragment, if it passes a gross filter (``plausible``:
+not as far from our replica as our replica is from zero, no blown-up momentum). That is no verification: a member
+can move a lonely daemon's replica within that bound (docs/security.md, Known limits). A daemon that shares its
+replica with any live peer never takes a claim of one.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ logger = logging.getLogger("atoll")
 UNBACKED_OFFENCES = 2  # failed downloads in a row from one donor (one may be bad luck: it died, or moved on)
 MAX_TRACKED_DONORS = 1024
 LONELY_INTERVAL = 10.0  # seconds between adoptions of a claim nobody vouches for, per fragment
-MAX_FORK_DEPTH = 8  # versions since the last shared replica, on each side, for such a claim to be checkable
-PLAUSIBLE_FACTOR = 4.0  # how many of our median outer steps per version such a state may lie away from ours
+MAX_RELATIVE_DISTANCE = 0.9  # such a state must lie closer to our replica than this share of its norm
+MOMENTUM_FACTOR = 4.0
 
 
 class CatchUp:
@@ -86,27 +86,17 @@ class CatchUp:
         return [peer for peer in heavier_ones if peer.fragment(p) == best]
 
     def plausible(self, state: ReplicaState) -> str | None:
-        """Why a downloaded state nobody vouched for is no fork of our replica (see the module's docstring); None if
-        it is one."""
-        p = state.fragment
-        mine, step = self.ctx.replica.snapshot(p), self.ctx.replica.step_size(p)
-        ours = {d: mine.version - (len(mine.ancestors) - 1 - i) for i, d in enumerate(mine.ancestors)}
-        met = next(((state.version - (len(state.ancestors) - 1 - i), ours[d])
-                    for i, d in reversed(list(enumerate(state.ancestors))) if d in ours), None)
-        if step is None:
-            return "we have taken no outer step to judge it by"
-        if met is None:
-            return "its history and ours do not meet"
-        theirs_since, ours_since = state.version - met[0], mine.version - met[1]
-        if not (0 <= theirs_since <= MAX_FORK_DEPTH and 0 <= ours_since <= MAX_FORK_DEPTH):
-            return f"it parted from ours {theirs_since} and {ours_since} versions ago (at most {MAX_FORK_DEPTH})"
-        bound = PLAUSIBLE_FACTOR * step * (theirs_since + ours_since)
+        """Why a downloaded state nobody vouched for is not taken (see the module's docstring); None if it may be. A
+        gross filter, not a proof: such a state may not lie as far from our replica as our replica lies from zero
+        (the review's all-zero model does), nor carry a momentum more than a few times ours."""
+        mine = self.ctx.replica.snapshot(state.fragment)
+        size = float(torch.linalg.vector_norm(mine.params.double()))
         distance = float(torch.linalg.vector_norm(state.params.double() - mine.params.double()))
-        # The momentum too: a huge one would blow the next outer steps up. It is about step / lr in size.
-        drift = float(torch.linalg.vector_norm(state.momentum.double() - mine.momentum.double()))
-        if distance > bound or drift > bound / self.ctx.outer.lr:
-            return (f"it lies {distance:.3g} from ours (momentum {drift:.3g}), beyond {bound:.3g} for "
-                    f"{theirs_since}+{ours_since} versions of {step:.3g}")
+        if not distance < MAX_RELATIVE_DISTANCE * size:
+            return f"it lies {distance:.3g} from ours, and ours {size:.3g} from zero"
+        momentum, ours = (float(torch.linalg.vector_norm(m.double())) for m in (state.momentum, mine.momentum))
+        if not momentum <= MOMENTUM_FACTOR * ours + 0.1 * size:
+            return f"its outer momentum is {momentum:.3g}, ours {ours:.3g}"
         return None
 
     def take_adopted(self) -> list[ReplicaState]:

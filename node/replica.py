@@ -24,7 +24,6 @@ from atoll.protocols import codecs
 from atoll.protocols.state_sync import MAX_ANCESTORS, MAX_REPLAY_ROUNDS, Replay, ReplicaState, RoundDelta
 
 logger = logging.getLogger("atoll")
-STEP_HISTORY = 16  # outer steps whose size a fragment remembers (the scale an unvouched download is checked against)
 
 
 class _Fragment:
@@ -36,7 +35,6 @@ class _Fragment:
         self.digest = tensor_hash(self.params, self.momentum)
         self.ancestors = [a for a in ancestors if a != self.digest][-(MAX_ANCESTORS - 1):] + [self.digest]
         self.log: list[RoundDelta] = []  # the last replayable rounds, an unbroken chain ending at ``digest``
-        self.steps: list[float] = []  # how far Θ_p moved (L2) in each of its last outer steps here
 
     def remember(self, rounds: Sequence[RoundDelta]) -> None:
         """Append rounds that end at the current replica; keep at most ``MAX_REPLAY_ROUNDS`` rounds, and no more
@@ -45,11 +43,6 @@ class _Fragment:
         budget = 4 * self.params.numel()
         while self.log and (len(self.log) > MAX_REPLAY_ROUNDS or sum(r.nbytes for r in self.log) > budget):
             self.log.pop(0)
-
-    def stepped(self, outer: NesterovOuter, delta: torch.Tensor) -> None:
-        """Note how far the outer step just taken moved Θ_p: lr·‖Δ + μ·buf‖ (buf as updated)."""
-        moved = outer.lr * float(torch.linalg.vector_norm(delta.double() + outer.momentum * self.momentum.double()))
-        self.steps = (self.steps + [moved])[-STEP_HISTORY:]
 
     def advanced(self) -> None:
         """Θ_p changed into a descendant of itself: new digest, and the old one joins the ancestors."""
@@ -86,13 +79,6 @@ class Replica:
         with self._lock:
             return [(f.version, f.weight, f.digest) for f in self._frags]
 
-    def step_size(self, p: int) -> float | None:
-        """The median distance Θ_p moved in its last outer steps here (None before any): how far one round moves
-        a replica, the scale against which a state vouched for by nobody is judged plausible."""
-        with self._lock:
-            steps = sorted(self._frags[p].steps)
-        return steps[(len(steps) - 1) // 2] if steps else None
-
     @property
     def total_version(self) -> int:
         """Sum of fragment versions: one number that grows with every merged round."""
@@ -124,7 +110,6 @@ class Replica:
                 return None
             base = f.digest
             outer.step(f.params, f.momentum, delta)
-            f.stepped(outer, delta)
             f.version += 1
             f.weight += float(weight)
             f.advanced()
