@@ -1,14 +1,15 @@
-"""A hostile member and an outsider attack a live private swarm; the honest daemons train on as if they were absent.
+"""A hostile member and an outsider attack a live private swarm; the honest daemons train as if they were absent.
 
-Two swarms, one after the other, with the same schedule: three honest daemons (decoupled, nano, H=10) start
-together and a fourth honest daemon joins a little later. In the attacked one, a member holding a valid join token
-(``scripts/hostile/member.py``) first stores junk records (fifty fake identities, malformed round values, a hijacked
-run config; the fourth daemon joins after that), then claims a fake heavier all-zero replica (serving it, then
-refusing to), forges round registrations and group decisions, answers as a hostile reducer and announces open rounds
-at every step; then an outsider without a token (``scripts/hostile/outsider.py``) sends a frame declaring 1 GiB, opens 1,400 idle streams and sends
-throwaway identities to wait for groups. The honest daemons must keep merging multi-member rounds, never adopt the
-fake replica, end rounds with identical replicas, stay within 2% of the held-out loss of the swarm without the
-attacks, count the offences by kind, and stay under a memory and fd bound.
+Two swarms of three honest daemons, one after the other, the same in every respect but the attacks (synchronous
+DiLoCo, nano, H=10, a fixed number of steps, started together: the run is deterministic, so the comparison is
+exact rather than statistical). In the attacked one, an outsider without a token (``scripts/hostile/outsider.py``)
+first sends a frame declaring 1 GiB, opens 1,400 idle streams and sends throwaway identities to wait for groups;
+then a member holding a valid join token (``scripts/hostile/member.py``, a process of its own) stores junk
+records (fifty fake identities, malformed round values, a hijacked run config), claims a fake heavier all-zero
+replica (serving it, then refusing to), forges round registrations and group decisions, and answers as a hostile
+reducer. The honest daemons must merge every round with each other, never adopt the fake replica or the forged
+config, end with identical replicas, stay within 2% of the held-out loss of the swarm without the attacks, count
+the offences by kind, and stay under a memory and fd bound.
 """
 
 import asyncio
@@ -21,23 +22,25 @@ import time
 from pathlib import Path
 
 import pytest
+from hivemind import DHT
 from hostile import outsider
 from swarm import LocalSwarm
-from test_swarm import assert_replicas_agree, peer_id, wait_for
+from test_swarm import peer_id, wait_for
 
-from atoll.protocols.auth import RunKey
+from atoll.node.join import choose_config
+from atoll.protocols import dht_io
+from atoll.protocols.auth import JoinToken, RunKey
+from atoll.protocols.records import config_key, make_validators, unwrap_subkeys
 
 pytestmark = pytest.mark.integration
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
-STEPS = 1000
-COMMON = ["--model", "nano", "--batch-size", "4", "--algorithm", "decoupled", "--sync-every", "10",
+STEPS = 300
+COMMON = ["--model", "nano", "--batch-size", "4", "--algorithm", "diloco", "--sync-every", "10",
           "--max-steps", str(STEPS), "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1",
           "--fault", "step_delay=0.1", "--eval-budget", "1"]
 HONEST = ("a", "b", "c")
-PHASES = (("fake_heavier", 12.0), ("refuse", 8.0), ("forged_rounds", 12.0), ("hostile_reducer", 12.0),
-          ("open_rounds", 10.0))
-OUTSIDER_S = 20.0  # about what the outsider's three attacks take
+PHASES = (("fake_heavier", 10.0), ("refuse", 6.0), ("forged_rounds", 10.0), ("hostile_reducer", 10.0))
 
 
 def tree_usage(pid: int) -> tuple[int, int]:
@@ -65,13 +68,26 @@ def run(root: Path, attack: bool) -> dict:
         for name in HONEST[1:]:
             swarm.start(name, together)
         a = swarm.daemons["a"]
-        wait_for(lambda: any(len(r["contributors"]) > 1 for r in a.rounds()), 180, "a first multi-member round")
+        wait_for(lambda: a.rounds(), 180, "a first round")
         observed: dict = {}
-        token = root / "hostile.token"
-        RunKey.load_or_create(swarm.run_key)[0].issue_token("atoll").save(token)
         started = time.monotonic()
         if attack:
-            # The member is a process of its own (scripts/hostile/member.py), as an attacker would be.
+            # An outsider, without a token, at a.
+            me, maddr, pid = peer_id(a), a.maddrs[0], a.proc.pid
+            observed["outsider"] = {
+                "frame": asyncio.run(outsider.oversized_frame(maddr, me, outsider.handler("atoll", outsider.AGGREGATE),
+                                                              sample=lambda: tree_usage(pid)[0])),
+                "idle": asyncio.run(outsider.idle_streams(maddr, me, outsider.handler("atoll", outsider.DOWNLOAD),
+                                                          count=1400, hold=8.0, sample=lambda: tree_usage(pid))),
+                "strangers": asyncio.run(outsider.strangers_aggregate(maddr, me, "atoll", identities=8,
+                                                                      per_identity=8, wait=60.0)),
+            }
+            observed["peak"] = max(observed["outsider"]["idle"]["samples"], key=lambda u: u[1])
+            observed["usage"] = {n: tree_usage(swarm.daemons[n].proc.pid) for n in HONEST}
+            # A member, as a process of its own.
+            key = RunKey.load_or_create(swarm.run_key)[0]
+            token = root / "hostile.token"
+            key.issue_token("atoll").save(token)
             result = root / "hostile.json"
             cmd = [sys.executable, str(SCRIPTS / "hostile" / "member.py"), "--initial-peers", *swarm.bootstrap,
                    "--token", str(token), "--out", str(result), "junk_records",
@@ -81,38 +97,38 @@ def run(root: Path, attack: bool) -> dict:
             try:
                 read = lambda: json.loads(result.read_text()) if result.exists() else {"done": []}  # noqa: E731
                 wait_for(lambda: "junk_records" in read()["done"], 120, "the junk records")
-                swarm.start("d")  # a late joiner: it must find the run's own config and its true state
+                observed["config_seen_by_joiner"] = joiner_config(swarm, key, root)
                 assert member.wait(sum(s for _, s in PHASES) + 240) == 0, (root / "hostile.log").read_text()[-3000:]
             finally:
                 if member.poll() is None:
                     os.killpg(member.pid, signal.SIGKILL)
             observed.update(read())
-            # And an outsider, without a token, at a: a frame declaring 1 GiB, 1,400 idle streams from one
-            # identity, and eight throwaway identities asking to wait for groups (scripts/hostile/outsider.py).
-            me, maddr, pid = peer_id(a), a.maddrs[0], a.proc.pid
-            observed["outsider"] = {
-                "frame": asyncio.run(outsider.oversized_frame(maddr, me, outsider.handler("atoll", outsider.AGGREGATE))),
-                "idle": asyncio.run(outsider.idle_streams(maddr, me, outsider.handler("atoll", outsider.DOWNLOAD),
-                                                          count=1400, hold=8.0, sample=lambda: tree_usage(pid))),
-                "strangers": asyncio.run(outsider.strangers_aggregate(maddr, me, "atoll", identities=8,
-                                                                      per_identity=8, wait=60.0)),
-            }
-            observed["usage"] = {n: tree_usage(swarm.daemons[n].proc.pid) for n in HONEST}
-            observed["peak"] = max(observed["outsider"]["idle"]["samples"], key=lambda u: u[1])
         else:
-            swarm.start("d")
-            time.sleep(sum(s for _, s in PHASES) + OUTSIDER_S)
+            time.sleep(20)  # about when the attacked swarm's usage is sampled
             observed["usage"] = {n: tree_usage(swarm.daemons[n].proc.pid) for n in HONEST}
         observed["attack_s"] = time.monotonic() - started
-        assert all(swarm.daemons[n].alive() for n in HONEST), "a daemon ended before the attacks did"
         codes = {n: d.proc.wait(600) for n, d in swarm.daemons.items()}
         assert all(code == 0 for code in codes.values()), codes
-        observed["rounds"] = {n: swarm.daemons[n].rounds() for n in swarm.daemons}
+        observed["rounds"] = {n: swarm.daemons[n].rounds() for n in HONEST}
         observed["summary"] = {n: next(m for m in swarm.daemons[n].metrics() if m.get("event") == "summary")
-                               for n in swarm.daemons}
-        observed["log"] = {n: swarm.daemons[n].log() for n in swarm.daemons}
-        assert_replicas_agree(swarm, HONEST + ("d",))
+                               for n in HONEST}
+        observed["log"] = {n: swarm.daemons[n].log() for n in HONEST}
         return observed
+
+
+def joiner_config(swarm: LocalSwarm, key: RunKey, root: Path) -> dict:
+    """The run config a joiner (a fresh token) takes from what the DHT holds, the hijacked record included."""
+    token_path = root / "joiner.token"
+    key.issue_token("atoll").save(token_path)
+    token = JoinToken.load(token_path)
+    dht = DHT(initial_peers=swarm.bootstrap, start=True, client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+              record_validators=make_validators("atoll", token))
+    try:
+        values = unwrap_subkeys(dht_io.get_blocking(dht, config_key("atoll"))).values()
+        chosen = choose_config("atoll", token, list(values))
+        return {"records": len(values), "chosen": None if chosen is None else chosen.dict(exclude={"signature"})}
+    finally:
+        dht.shutdown()
 
 
 def held_out(observed: dict) -> float:
@@ -135,29 +151,29 @@ def attacked(tmp_path_factory):
 
 
 @pytest.mark.timeout(1500)  # both swarms run here (the fixtures)
-def test_the_honest_daemons_train_as_if_the_hostile_member_were_absent(baseline, attacked):
+def test_the_honest_daemons_train_as_if_the_attackers_were_absent(baseline, attacked):
     print(f"held-out loss: baseline {held_out(baseline):.4f}, attacked {held_out(attacked):.4f}; multi-member "
-          f"merges: {merges(baseline)} vs {merges(attacked)}; attacks: "
+          f"rounds: {merges(baseline)} vs {merges(attacked)}; attack took {attacked['attack_s']:.0f} s: "
           f"{ {k: v for k, v in attacked.items() if k in dict(PHASES) or k == 'junk_records'} }")
-    assert held_out(attacked) <= 1.02 * held_out(baseline)
-    assert merges(attacked) >= 0.5 * merges(baseline)
-    # The attacks reached the swarm: the member published its claims and registrations and was asked as a reducer.
+    assert abs(held_out(attacked) - held_out(baseline)) <= 0.02 * held_out(baseline)
+    assert merges(attacked) >= merges(baseline) - 2  # every round merged with the others, but for at most two
+    hashes = {attacked["rounds"][n][-1]["hash"] for n in HONEST}
+    assert len(hashes) == 1, hashes  # identical replicas at the end
+    # The attacks reached the swarm: claims and registrations were published, the member was asked as a reducer.
     assert attacked["fake_heavier"]["claims_published"] > 0 and attacked["forged_rounds"]["registrations"] > 0
     assert attacked["hostile_reducer"]["hostile_answers"] > 0
-    # Announced open rounds do not make the honest daemons contribute at every step.
-    rounds = {k: sum(len(observed["rounds"][n]) for n in HONEST) for k, observed in (("baseline", baseline),
-                                                                                    ("attacked", attacked))}
-    assert attacked["open_rounds"]["announced"] > 0 and rounds["attacked"] <= 1.5 * rounds["baseline"], rounds
 
 
-def test_no_honest_daemon_adopted_the_fake_replica_or_followed_the_forged_config(attacked):
-    for name in HONEST + ("d",):
+def test_no_honest_daemon_adopted_the_fake_replica_or_the_forged_config(attacked):
+    for name in HONEST:
         log = attacked["log"][name]
         assert "Traceback" not in log
         assert attacked["member"][-8:] not in _download_lines(log)  # never a donor
         assert not {r["hash"] for r in attacked["rounds"][name]} & set(attacked["zero_digests"])
-    assert "joined run 'atoll'" in attacked["log"]["d"]
-    assert attacked["summary"]["d"]["rounds"] > 0  # the late joiner trains the run's nano model with the others
+        assert all(attacked["member"] not in r["contributors"] for r in attacked["rounds"][name])
+    seen = attacked["config_seen_by_joiner"]
+    assert seen["records"] >= 2 and seen["chosen"]["access"] == "private", seen  # the hijack was there, unchosen
+    assert seen["chosen"]["fields"]["model"] == "nano" and seen["chosen"]["fields"]["clip_factor"] == 4.0
 
 
 def _download_lines(log: str) -> str:
@@ -169,7 +185,7 @@ def test_the_offences_are_counted_by_kind(attacked):
     for name in HONEST:
         for kind, count in attacked["summary"][name]["rejected_by_kind"].items():
             kinds[kind] = kinds.get(kind, 0) + count
-    print("rejected by kind:", kinds)
+    print("rejected by kind:", json.dumps(kinds, sort_keys=True))
     assert kinds.get("reducer_weight", 0) + kinds.get("reducer_contributors", 0) >= 1, kinds
     assert kinds.get("round_record_time", 0) >= 1, kinds
     assert any(k.startswith("group_record") for k in kinds), kinds
@@ -179,8 +195,12 @@ def test_the_offences_are_counted_by_kind(attacked):
 
 def test_memory_and_fds_stay_bounded(baseline, attacked):
     rss, fds = attacked["peak"]  # a's, while 1,400 idle streams were open to it
-    print(f"a under 1,400 idle streams: rss {rss / 2**20:.0f} MiB, fds {fds}")
+    frame_peak = max(attacked["outsider"]["frame"]["samples"])
+    print(f"a under 1,400 idle streams: rss {rss / 2**20:.0f} MiB, fds {fds}; under the 1 GiB frame: rss "
+          f"{frame_peak / 2**20:.0f} MiB; baseline a: {baseline['usage']['a'][0] / 2**20:.0f} MiB, "
+          f"{baseline['usage']['a'][1]} fds")
     assert fds <= baseline["usage"]["a"][1] + 128
+    assert frame_peak <= baseline["usage"]["a"][0] + 200 * 2**20
     for name in HONEST:
         rss, fds = attacked["usage"][name]
         base_rss, base_fds = baseline["usage"][name]
