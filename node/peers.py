@@ -183,6 +183,7 @@ class PeerTable:
     async def _read_table(self) -> dict[str, ProgressRecord]:
         ctx = self.ctx
         entry = await dht_io.get(ctx.dht, progress_key(ctx.namespace()), on_timeout=ctx.reject)
+        now = get_dht_time()
         peers, everyone = {}, {}
         for subkey, value in unwrap_subkeys(entry).items():
             if ctx.cooldown.active(subkey):
@@ -190,6 +191,9 @@ class PeerTable:
             rec = parse_progress(value)
             if rec is None or len(rec.fragment_versions) != ctx.replica.num_fragments:
                 ctx.reject("progress_record", subkey)
+                continue
+            if rec.time > now + MAX_CLOCK_SKEW:
+                ctx.reject("progress_record_time")  # from the future: counted, not held against the key (clocks drift)
                 continue
             if ctx.run_public_key is not None:
                 # Our DHT's validator refuses these already; a record it stored before it knew, or one a node

@@ -51,3 +51,31 @@ def test_plain_reads_always_go_to_the_dht():
         assert "peer1" not in await table.refresh() and len(reads) == 4
 
     asyncio.run(main())
+
+
+def test_a_progress_record_from_the_future_is_left_out_and_counted(monkeypatch):
+    """A member's record claiming a time ahead of the reader's clock (to outlive its expiry in others' eyes, or to
+    look fresher than it is) is not a live peer; it is counted, not held against the key (clocks drift)."""
+    from types import SimpleNamespace
+
+    from hivemind.utils import get_dht_time
+
+    from atoll.protocols.cooldown import Cooldown
+    from atoll.protocols.stats import TrafficStats
+    from test_state_sync import record
+
+    now = get_dht_time()
+    fresh, ahead = record("b", [1], ["x"]), record("m", [1], ["x"])
+    fresh.time, ahead.time = now, now + 3600
+    entry = SimpleNamespace(value={b"kb": SimpleNamespace(value=fresh.dict()),
+                                   b"km": SimpleNamespace(value=ahead.dict())})
+
+    async def get(dht, key, on_timeout=None):
+        return entry
+
+    monkeypatch.setattr("atoll.node.peers.dht_io.get", get)
+    stats = TrafficStats()
+    ctx = SimpleNamespace(dht=None, namespace=lambda: "run", reject=stats.reject, cooldown=Cooldown(60.0),
+                          replica=SimpleNamespace(num_fragments=1), peer_id="me", run_public_key=None)  # open run
+    peers = asyncio.run(PeerTable(ctx)._read_table())
+    assert set(peers) == {"b"} and stats.rejected_by_kind == {"progress_record_time": 1}
