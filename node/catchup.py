@@ -71,13 +71,17 @@ class CatchUp:
         return bool(self.heavier_peers(p))
 
     def lonely_claim(self, p: int) -> list[ProgressRecord]:
-        """When no live peer holds our replica of fragment ``p`` and none vouches for a heavier one: the holders of
-        the heaviest claim (to download, then check with ``plausible``), at most once per ``LONELY_INTERVAL``."""
+        """When no live peer holds our replica of fragment ``p`` or one it descends from, and none vouches for a
+        heavier one: the holders of the heaviest claim (to download, then check with ``plausible``), at most once
+        per ``LONELY_INTERVAL``."""
         if time.monotonic() - self._lonely_at.get(p, -1e9) < LONELY_INTERVAL:
             return []
         mine = self.ctx.replica.identity(p)
+        line = set(self.ctx.replica.snapshot(p).ancestors)  # ours and the replicas it descends from
         training = self.peers.training()
-        if any(peer.fragment(p) == mine for peer in training):
+        # A peer holding ours, or one we descend from (just behind us: its record predates the round we merged),
+        # is on our line: we are not alone.
+        if any(peer.fragment(p) == mine or peer.fragment(p)[2] in line for peer in training):
             return []
         heavier_ones = [peer for peer in training if heavier(peer.fragment(p), mine)]
         if not heavier_ones:

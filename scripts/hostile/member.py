@@ -36,6 +36,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
 from atoll.models.configs import get_model_config
+from atoll.node.algorithm import algorithm
 from atoll.models.fragments import make_fragments
 from atoll.models.gpt import GPT
 from atoll.models.outer import tensor_hash
@@ -60,12 +61,14 @@ class HostileMember:
     """A member of ``run_id`` (``token``: its join token file) on the DHT of ``initial_peers``; use as a context
     manager. ``model`` and ``fragments`` must be the run's (the zero replica it serves has the run's sizes)."""
 
-    def __init__(self, run_id: str, initial_peers: list[str], token: str, model: str = "nano", fragments: int = 4,
-                 sync_every: int = 10, gather_timeout: float = 8.0) -> None:
+    def __init__(self, run_id: str, initial_peers: list[str], token: str, model: str = "nano",
+                 algorithm_name: str = "decoupled", fragments: int = 4, sync_every: int = 10,
+                 gather_timeout: float = 8.0) -> None:
         self.run_id, self.initial_peers, self.gather_timeout = run_id, initial_peers, gather_timeout
         self.token = JoinToken.load(token)
         gpt = GPT(get_model_config(model))
-        frags = make_fragments(list(gpt.parameters()), fragments, sync_every, embedding=gpt.embed.weight)
+        frags = make_fragments(list(gpt.parameters()), algorithm(algorithm_name).num_fragments(fragments), sync_every,
+                               embedding=gpt.embed.weight)
         self.numels = [f.numel for f in frags]
         self.mode = "serve"  # what the state servicer does: "serve" zeros, or "refuse"
         self.reducer_hostile = False
@@ -299,10 +302,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--initial-peers", nargs="+", required=True)
     parser.add_argument("--token", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--model", default="nano")
+    parser.add_argument("--algorithm", default="decoupled")
+    parser.add_argument("--fragments", type=int, default=4)
+    parser.add_argument("--sync-every", type=int, default=10)
+    parser.add_argument("--gather-timeout", type=float, default=8.0)
     parser.add_argument("attacks", nargs="+", help="junk_records, or NAME=SECONDS (fake_heavier, refuse, "
                                                    "forged_rounds, hostile_reducer, open_rounds)")
     args = parser.parse_args(argv)
-    with HostileMember(args.run_id, args.initial_peers, args.token) as member:
+    with HostileMember(args.run_id, args.initial_peers, args.token, args.model, args.algorithm, args.fragments,
+                       args.sync_every, args.gather_timeout) as member:
         out: dict[str, Any] = {"member": member.peer_id, "zero_digests": member.zero_digests, "done": []}
         for attack in args.attacks:
             name, _, seconds = attack.partition("=")

@@ -90,7 +90,7 @@ def run(root: Path, attack: bool) -> dict:
             key.issue_token("atoll").save(token)
             result = root / "hostile.json"
             cmd = [sys.executable, str(SCRIPTS / "hostile" / "member.py"), "--initial-peers", *swarm.bootstrap,
-                   "--token", str(token), "--out", str(result), "junk_records",
+                   "--token", str(token), "--out", str(result), "--algorithm", "diloco", "junk_records",
                    *(f"{name}={seconds}" for name, seconds in PHASES)]
             with open(root / "hostile.log", "wb") as log:
                 member = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -156,7 +156,8 @@ def test_the_honest_daemons_train_as_if_the_attackers_were_absent(baseline, atta
           f"rounds: {merges(baseline)} vs {merges(attacked)}; attack took {attacked['attack_s']:.0f} s: "
           f"{ {k: v for k, v in attacked.items() if k in dict(PHASES) or k == 'junk_records'} }")
     assert abs(held_out(attacked) - held_out(baseline)) <= 0.02 * held_out(baseline)
-    assert merges(attacked) >= merges(baseline) - 2  # every round merged with the others, but for at most two
+    # Every round merged with the others, but for at most one (a member's first hostile answer can cost a round).
+    assert merges(attacked) >= merges(baseline) - len(HONEST)
     hashes = {attacked["rounds"][n][-1]["hash"] for n in HONEST}
     assert len(hashes) == 1, hashes  # identical replicas at the end
     # The attacks reached the swarm: claims and registrations were published, the member was asked as a reducer.

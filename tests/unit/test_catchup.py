@@ -118,3 +118,16 @@ def test_a_daemon_that_shares_its_replica_never_takes_a_lone_claim():
     assert cu.lonely_claim(0)
     cu._lonely_at[0] = __import__("time").monotonic()
     assert cu.lonely_claim(0) == []
+
+
+def test_a_peer_just_behind_us_on_our_line_means_we_are_not_lonely():
+    """Right after a round, the others' records still show the replica it started from: a member's lone heavier
+    claim must not find us 'lonely' in that moment."""
+    from atoll.models.outer import NesterovOuter
+
+    cu, ctx = catch_up([])
+    before = ctx.replica.identity(0)
+    ctx.replica.apply_outer_step(0, before[0], torch.ones(4), 1.0, NesterovOuter())
+    behind = record("b", [before[0]], [before[2]])
+    cu.peers = Table([behind, record("m", [before[0] + 5], ["zeros"])])
+    assert cu.lonely_claim(0) == []
