@@ -170,8 +170,9 @@ class HostileMember:
         return self._run(self._forged_rounds(seconds), timeout=seconds + 60)
 
     async def _forged_rounds(self, seconds: float) -> dict[str, int]:
+        self.reducer_hostile = True  # put in a group by its plausible registrations, it answers as a reducer too
         counts = {"registrations": 0, "decisions": 0}
-        end = time.monotonic() + seconds
+        end, turn = time.monotonic() + seconds, 0
         while time.monotonic() < end:
             honest = await self._honest()
             if honest:
@@ -179,18 +180,22 @@ class HostileMember:
                 await self._publish(self._record_like(top))  # live, and at the swarm's versions: a registrant
                 now = get_dht_time()
                 lifetime = 4 * self.gather_timeout + 60
-                for p, (version, _, base) in enumerate(top.fragment(q) for q in range(len(top.fragment_versions))):
-                    when = now - lifetime + 5 if p % 2 == 0 else -1e12
-                    key = round_key(self.run_id, p, version, base)
+                # By turns: an absurd time, the earliest plausible one (a coordinator that never decides), and the
+                # present (a registrant whose decisions are read).
+                when = (-1e12, now - lifetime + 5, now)[turn % 3]
+                turn += 1
+                for p in range(len(top.fragment_versions)):
+                    version, _, base = top.fragment(p)
                     counts["registrations"] += await dht_io.store(
-                        self.dht, key, {"peer_id": self.peer_id, "weight": 1.0, "time": float(when)},
-                        now + lifetime, self.subkey)
+                        self.dht, round_key(self.run_id, p, version, base),
+                        {"peer_id": self.peer_id, "weight": 1.0, "time": float(when)}, now + lifetime, self.subkey)
                     others = sorted({r.peer_id for r in honest})
                     groups = [[m] for m in sorted(others + [self.peer_id])] if p % 2 == 0 else [[self.peer_id]]
                     counts["decisions"] += await dht_io.store(
                         self.dht, group_key(self.run_id, p, version, base),
                         {"groups": groups, "time": float(get_dht_time())}, now + lifetime, self.subkey)
             await asyncio.sleep(1.0)
+        self.reducer_hostile = False
         return counts
 
     def hostile_reducer(self, seconds: float) -> dict[str, int]:
