@@ -126,9 +126,24 @@ class PeerTable:
         by the run key (kept on disk, applied to the DHT's validator), republish the newest every
         ``REVOCATION_REPUBLISH`` seconds, and add the DHT's refusal counts (``dht_*`` kinds) to ours."""
         ctx = self.ctx
-        if ctx.run_public_key is None or time.monotonic() - self._revocations_read < REVOCATION_POLL:
+        if time.monotonic() - self._revocations_read < REVOCATION_POLL:
             return
         self._revocations_read = time.monotonic()
+        if ctx.run_public_key is not None:  # an open run has no revocations; its DHT's refusals are counted too
+            await self._read_revocations()
+        refused = await dht_io.run_in_dht(ctx.dht, functools.partial(sync_run_validator, ctx.revocation),
+                                          on_timeout=ctx.reject)
+        for kind, count in (refused or {}).items():
+            if count > self._dht_refused.get(kind, 0):
+                ctx.stats.reject(kind, count=count - self._dht_refused.get(kind, 0))
+                self._dht_refused[kind] = count
+        if ctx.revocation is not None and time.monotonic() - self._revocation_published > REVOCATION_REPUBLISH:
+            await dht_io.store(ctx.dht, revoked_key(ctx.cfg.run_id), ctx.revocation.to_record(),
+                               get_dht_time() + REVOCATION_TTL, ctx.subkey, on_timeout=ctx.reject)
+            self._revocation_published = time.monotonic()
+
+    async def _read_revocations(self) -> None:
+        ctx = self.ctx
         entry = await dht_io.get(ctx.dht, revoked_key(ctx.cfg.run_id), on_timeout=ctx.reject)
         newest, bad = newest_revocation(ctx.cfg.run_id, ctx.run_public_key, list(unwrap_subkeys(entry).values()),
                                         ctx.revocation)
@@ -146,16 +161,6 @@ class PeerTable:
         if ctx.revocation is not None and ctx.revoked(ctx.peer_id) and not self._told_revoked:
             self._told_revoked = True
             logger.error("this daemon's membership was revoked by the run key: the others refuse its records")
-        refused = await dht_io.run_in_dht(ctx.dht, functools.partial(sync_run_validator, ctx.revocation),
-                                          on_timeout=ctx.reject)
-        for kind, count in (refused or {}).items():
-            if count > self._dht_refused.get(kind, 0):
-                ctx.stats.reject(kind, count=count - self._dht_refused.get(kind, 0))
-                self._dht_refused[kind] = count
-        if ctx.revocation is not None and time.monotonic() - self._revocation_published > REVOCATION_REPUBLISH:
-            await dht_io.store(ctx.dht, revoked_key(ctx.cfg.run_id), ctx.revocation.to_record(),
-                               get_dht_time() + REVOCATION_TTL, ctx.subkey, on_timeout=ctx.reject)
-            self._revocation_published = time.monotonic()
 
     def _drop_revoked(self) -> None:
         with self._lock:

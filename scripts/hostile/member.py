@@ -7,8 +7,8 @@ its own, and serves the run's two RPCs with answers of its choosing. Each attack
 - ``fake_heavier``: its progress record claims a replica five versions ahead of the swarm's, and it serves an
   all-zero model whose digest matches the claim (``refuse=True``: it claims the same and refuses to serve).
 - ``forged_rounds``: it registers for every fragment's next round with a back-dated time (the earliest
-  plausible one: it becomes the coordinator and never decides) or an absurd one, and publishes group decisions
-  that impose singleton groups or leave everyone else out.
+  plausible one: it becomes the coordinator and never decides) or an absurd one, then with the present time
+  and group decisions that impose singleton groups or leave everyone else out.
 - ``hostile_reducer``: it registers for the rounds like an honest member and, as the reducer of its shard,
   answers with an infinite weight, a huge norm and contributors that are not members.
 - ``open_rounds``: it announces an open round of every fragment at the swarm's version twice a second.
@@ -172,7 +172,8 @@ class HostileMember:
     async def _forged_rounds(self, seconds: float) -> dict[str, int]:
         self.reducer_hostile = True  # put in a group by its plausible registrations, it answers as a reducer too
         counts = {"registrations": 0, "decisions": 0}
-        end, turn = time.monotonic() + seconds, 0
+        start = time.monotonic()
+        end, turn = start + seconds, 0
         while time.monotonic() < end:
             honest = await self._honest()
             if honest:
@@ -180,21 +181,24 @@ class HostileMember:
                 await self._publish(self._record_like(top))  # live, and at the swarm's versions: a registrant
                 now = get_dht_time()
                 lifetime = 4 * self.gather_timeout + 60
-                # By turns: an absurd time, the earliest plausible one (a coordinator that never decides), and the
-                # present (a registrant whose decisions are read).
-                when = (-1e12, now - lifetime + 5, now)[turn % 3]
+                # First half: absurd and back-dated times, by turns (the earliest plausible one makes a coordinator
+                # that never decides). Second half: the present, so that its decisions are read, and forged.
+                deciding = time.monotonic() > start + seconds / 2
+                when = now if deciding else (-1e12, now - lifetime + 5)[turn % 2]
                 turn += 1
                 for p in range(len(top.fragment_versions)):
                     version, _, base = top.fragment(p)
                     counts["registrations"] += await dht_io.store(
                         self.dht, round_key(self.run_id, p, version, base),
                         {"peer_id": self.peer_id, "weight": 1.0, "time": float(when)}, now + lifetime, self.subkey)
+                    if not deciding:
+                        continue
                     others = sorted({r.peer_id for r in honest})
                     groups = [[m] for m in sorted(others + [self.peer_id])] if p % 2 == 0 else [[self.peer_id]]
                     counts["decisions"] += await dht_io.store(
                         self.dht, group_key(self.run_id, p, version, base),
                         {"groups": groups, "time": float(get_dht_time())}, now + lifetime, self.subkey)
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(0.5)
         self.reducer_hostile = False
         return counts
 
