@@ -31,7 +31,6 @@ from .peers import PeerTable
 
 logger = logging.getLogger("atoll")
 MAX_ATTEMPTS = 3
-REFUSALS_OFFENCE = 2  # rounds in a row a member may refuse before it cools down
 OPEN_ROUND_POLL = 0.5  # seconds between reads of the rounds others opened (decoupled)
 PEERS_MAX_AGE = 1.0  # seconds a peer table read may be reused while forming a group (it is polled)
 
@@ -89,7 +88,6 @@ class RoundProtocol:
     def __init__(self, ctx: SyncContext, peers: PeerTable, catch_up: CatchUp) -> None:
         self.ctx, self.peers, self.catch_up = ctx, peers, catch_up
         self.averager: AveragingServicer | None = None  # set once the event loop has started
-        self._refusals: dict[str, int] = {}  # member -> rounds in a row it refused (group disagreements)
         self.last_group: list[str] | None = None  # ddp: the members of the last completed all-reduce
         self.sync_time = EMA()
         self.quorum_time = EMA()
@@ -177,16 +175,11 @@ class RoundProtocol:
                 self.catch_up.maybe_catch_up()
 
     def _refused(self, refusers: list[str]) -> None:
-        """Members that refused our group. Honest views of a group disagree now and then; a member that refuses
-        ``REFUSALS_OFFENCE`` rounds in a row is an offender (a member answering "unknown group" to every round it
-        was put in would otherwise make each of them skip, and never cool down)."""
-        for m in refusers:
-            self._refusals[m] = self._refusals.get(m, 0) + 1
-            if self._refusals[m] >= REFUSALS_OFFENCE:
-                del self._refusals[m]
-                self.ctx.reject("group_refusal", m)
-        if len(self._refusals) > 1024:
-            self._refusals.clear()
+        """Members that refused our group, counted (``group_refusal``) but not held against them: in a swarm under
+        faults honest views of a group disagree often enough that cooling a refuser down split the swarm (a
+        member refusing every group it is put in still makes those rounds skip: docs/security.md)."""
+        for _ in refusers:
+            self.ctx.reject("group_refusal")
 
     async def allreduce(self, p: int, version: int, members: list[str], tensor: torch.Tensor, weight: float,
                         mode: str, codec: str, tamper: Tamper = HONEST, first_attempt: int = 0,
@@ -201,8 +194,6 @@ class RoundProtocol:
             result = await allreduce(ctx.p2p, self.averager, spec, ctx.peer_id, tensor, weight,
                                      ctx.cfg.run.round_timeout, tamper)
             if result.merged is not None:
-                for m in alive:
-                    self._refusals.pop(m, None)
                 return result, alive
             if result.refused:
                 # Live members disagree about the group. Merging without them would fork the replica;
