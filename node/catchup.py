@@ -18,8 +18,8 @@ One case needs more: when every live daemon's replica of a fragment is its own (
 swarm three ways, say), no claim is vouched for and no two daemons ever meet in a round again. So a *lonely*
 daemon — one whose replica no live peer holds — that sees no vouched heavier claim may adopt the heaviest claim of
 one peer, at most once per ``LONELY_INTERVAL`` seconds per fragment, if it passes a gross filter (``plausible``:
-not as far from our replica as our replica is from zero, no blown-up momentum). That is no verification: a member
-can move a lonely daemon's replica within that bound (docs/security.md, Known limits). A daemon that shares its
+a norm within 2x of our replica's, no blown-up momentum). That is no verification: a member can replace a lonely
+daemon's replica with any state of about its norm (docs/security.md, Known limits). A daemon that shares its
 replica with any live peer never takes a claim of one.
 """
 
@@ -43,7 +43,7 @@ logger = logging.getLogger("atoll")
 UNBACKED_OFFENCES = 2  # failed downloads in a row from one donor (one may be bad luck: it died, or moved on)
 MAX_TRACKED_DONORS = 1024
 LONELY_INTERVAL = 10.0  # seconds between adoptions of a claim nobody vouches for, per fragment
-MAX_RELATIVE_DISTANCE = 0.9  # such a state must lie closer to our replica than this share of its norm
+MAX_NORM_RATIO = 2.0  # such a state's norm may differ from our replica's by at most this factor
 MOMENTUM_FACTOR = 4.0
 
 
@@ -91,13 +91,13 @@ class CatchUp:
 
     def plausible(self, state: ReplicaState) -> str | None:
         """Why a downloaded state nobody vouched for is not taken (see the module's docstring); None if it may be. A
-        gross filter, not a proof: such a state may not lie as far from our replica as our replica lies from zero
-        (the review's all-zero model does), nor carry a momentum more than a few times ours."""
+        gross filter, not a proof: such a state's norm must be within a factor ``MAX_NORM_RATIO`` of our replica's
+        (the review's all-zero model is not; honest forks, even one far from ours, are), and its outer momentum at
+        most ``MOMENTUM_FACTOR`` times ours."""
         mine = self.ctx.replica.snapshot(state.fragment)
-        size = float(torch.linalg.vector_norm(mine.params.double()))
-        distance = float(torch.linalg.vector_norm(state.params.double() - mine.params.double()))
-        if not distance < MAX_RELATIVE_DISTANCE * size:
-            return f"it lies {distance:.3g} from ours, and ours {size:.3g} from zero"
+        size, theirs = (float(torch.linalg.vector_norm(t.double())) for t in (mine.params, state.params))
+        if not size / MAX_NORM_RATIO <= theirs <= size * MAX_NORM_RATIO:
+            return f"its norm is {theirs:.3g}, ours {size:.3g}"
         momentum, ours = (float(torch.linalg.vector_norm(m.double())) for m in (state.momentum, mine.momentum))
         if not momentum <= MOMENTUM_FACTOR * ours + 0.1 * size:
             return f"its outer momentum is {momentum:.3g}, ours {ours:.3g}"

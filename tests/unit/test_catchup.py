@@ -101,8 +101,10 @@ def test_a_lonely_daemon_takes_a_claim_nobody_vouches_for_only_through_a_gross_f
         return ReplicaState(9, 99.0, "b-line", params, momentum, 0, "b", 0, ("b-line",))
 
     assert cu.plausible(state(torch.ones(4) * 1.3)) is None  # a fork: 30% away
-    assert "from zero" in cu.plausible(state(torch.zeros(4)))  # the review's all-zero model
-    assert "from zero" in cu.plausible(state(-torch.ones(4)))
+    assert cu.plausible(state(-torch.ones(4))) is None  # far from ours, but of its size: an honest fork can be
+    assert "norm" in cu.plausible(state(torch.zeros(4)))  # the review's all-zero model
+    assert "norm" in cu.plausible(state(torch.ones(4) * 0.2))  # most of the way to it
+    assert "norm" in cu.plausible(state(torch.ones(4) * 1e3))
     assert "momentum" in cu.plausible(state(torch.ones(4), momentum=torch.full((4,), 1e6)))
 
 
