@@ -77,14 +77,14 @@ class CatchUp:
         if time.monotonic() - self._lonely_at.get(p, -1e9) < LONELY_INTERVAL:
             return []
         mine = self.ctx.replica.identity(p)
-        line = set(self.ctx.replica.snapshot(p).ancestors)  # ours and the replicas it descends from
         training = self.peers.training()
-        # A peer holding ours, or one we descend from (just behind us: its record predates the round we merged),
-        # is on our line: we are not alone.
-        if any(peer.fragment(p) == mine or peer.fragment(p)[2] in line for peer in training):
-            return []
         heavier_ones = [peer for peer in training if heavier(peer.fragment(p), mine)]
         if not heavier_ones:
+            return []
+        # A peer holding ours, or one we descend from (just behind us: its record predates the round we merged),
+        # is on our line: we are not alone. (Called on the event loop every heartbeat: no tensor copy here.)
+        line = set(self.ctx.replica.ancestors(p))
+        if any(peer.fragment(p) == mine or peer.fragment(p)[2] in line for peer in training):
             return []
         best = max(peer.fragment(p) for peer in heavier_ones)
         return [peer for peer in heavier_ones if peer.fragment(p) == best]

@@ -79,6 +79,11 @@ class Replica:
         with self._lock:
             return [(f.version, f.weight, f.digest) for f in self._frags]
 
+    def ancestors(self, p: int) -> tuple[str, ...]:
+        """The digests of fragment ``p``'s recent versions, oldest first, the current one last (no tensor copy)."""
+        with self._lock:
+            return tuple(self._frags[p].ancestors)
+
     @property
     def total_version(self) -> int:
         """Sum of fragment versions: one number that grows with every merged round."""

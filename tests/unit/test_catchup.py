@@ -4,6 +4,7 @@ No sockets: ``CatchUp`` runs against a stand-in context whose peer table is a fi
 """
 
 import random
+import time
 from types import SimpleNamespace
 
 import torch
@@ -118,7 +119,7 @@ def test_a_daemon_that_shares_its_replica_never_takes_a_lone_claim():
     # Alone, it may take one, then not again for LONELY_INTERVAL seconds.
     cu.peers = Table([record("m", [version + 5], ["zeros"])])
     assert cu.lonely_claim(0)
-    cu._lonely_at[0] = __import__("time").monotonic()
+    cu._lonely_at[0] = time.monotonic()
     assert cu.lonely_claim(0) == []
 
 
