@@ -69,10 +69,13 @@ class LocalSwarm:
         self.run_key = self.root / "run.key"
 
     def credentials(self, workdir: Path, joining: bool) -> list[str]:
-        """The first daemon holds the run key; each joiner gets its own join token (issued once, kept on restart)."""
-        if not joining:
-            return ["--run-key", str(self.run_key)]
+        """The first daemon holds the run key, and keeps it when it restarts (its peer id is the run key's member
+        key); each joiner gets its own join token (issued once, kept on restart)."""
         token = workdir / "join.token"
+        founder = workdir / "founder"
+        if founder.exists() or (not joining and not token.exists()):
+            founder.touch()
+            return ["--run-key", str(self.run_key)]
         if not token.exists():
             from atoll.protocols.auth import RunKey
 
