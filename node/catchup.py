@@ -8,7 +8,8 @@ before their first step; a daemon restored from a checkpoint downloads the ones 
 A replica is only a claim in a progress record, and the bytes a donor sends can only be checked against the digest
 the donor itself announced: one member could otherwise make everyone adopt a model it made up (the review's
 all-zero replica). So a claim counts only when it is *vouched for*: at least ``state_vouchers`` distinct live peers
-(all of them, when fewer are live) publish that very (version, weight, digest). A heavier claim of one peer alone
+(all of them, when fewer are live) publish that very (version, weight, digest); in a swarm that small the claim
+is also vetted before it is adopted, as a lonely daemon's is (below). A heavier claim of one peer alone
 is neither downloaded nor a reason to abandon a round; honest swarms do not need it, since the members of a round
 all hold its result, and a lone daemon that merged alone is overtaken by the others' next round (or, if it is
 heavier, adopted once a second daemon holds its replica). And a donor that does not back a claim it vouches for —
@@ -16,11 +17,12 @@ it refuses, stalls or sends what does not check out, ``UNBACKED_OFFENCES`` times
 
 One case needs more: when every live daemon's replica of a fragment is its own (concurrent solo rounds forked the
 swarm three ways, say), no claim is vouched for and no two daemons ever meet in a round again. So a *lonely*
-daemon — one whose replica no live peer holds — that sees no vouched heavier claim may adopt the heaviest claim of
-one peer, at most once per ``LONELY_INTERVAL`` seconds per fragment, if it passes a gross filter (``plausible``:
-a norm within 2x of our replica's, no blown-up momentum). That is no verification: a member can replace a lonely
-daemon's replica with any state of about its norm (docs/security.md, Known limits). A daemon that shares its
-replica with any live peer never takes a claim of one.
+daemon — one whose replica no live peer holds — that sees no vouched heavier claim may take the heaviest claim of
+one peer at most ``MAX_LONELY_LEAD`` versions ahead of ours, at most once per ``LONELY_INTERVAL`` seconds per
+fragment. It downloads it, drops it if it fails a gross filter (``plausible``: a norm within 2x of our replica's,
+no blown-up momentum), and hands it to the learner as a *candidate* (``take_candidates``), which adopts it only if
+the daemon's own held-out loss says it is no worse than ours (``vetting``; ``settle``). A daemon that shares
+its replica with any live peer never takes a claim of one.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ MAX_TRACKED_DONORS = 1024
 LONELY_INTERVAL = 10.0  # seconds between adoptions of a claim nobody vouches for, per fragment
 MAX_NORM_RATIO = 2.0  # such a state's norm may differ from our replica's by at most this factor
 MOMENTUM_FACTOR = 4.0
+MAX_LONELY_LEAD = 32  # versions: forked honest daemons merge at about the same pace, a made-up claim need not
 
 
 class CatchUp:
@@ -56,6 +59,8 @@ class CatchUp:
         self._open_stream = None
         self._failures: dict[str, int] = {}  # donor -> failed downloads in a row
         self._lonely_at: dict[int, float] = {}  # fragment -> when we last took a claim nobody vouched for
+        self._candidates: dict[int, ReplicaState] = {}  # fragment -> a claim nobody vouched for, for the learner
+        self._refused_at: dict[int, float] = {}  # fragment -> when the learner last refused a candidate of it
 
     def start(self) -> None:
         """On the event loop, once the P2P is up."""
@@ -78,7 +83,8 @@ class CatchUp:
             return []
         mine = self.ctx.replica.identity(p)
         training = self.peers.training()
-        heavier_ones = [peer for peer in training if heavier(peer.fragment(p), mine)]
+        heavier_ones = [peer for peer in training
+                        if heavier(peer.fragment(p), mine) and peer.fragment(p)[0] <= mine[0] + MAX_LONELY_LEAD]
         if not heavier_ones:
             return []
         # A peer holding ours, or one we descend from (just behind us: its record predates the round we merged),
@@ -103,6 +109,25 @@ class CatchUp:
             return f"its outer momentum is {momentum:.3g}, ours {ours:.3g}"
         return None
 
+    def take_candidates(self) -> list[ReplicaState]:
+        """Downloaded claims nobody vouches for, one per fragment at most, for the learner to vet; thread-safe."""
+        with self._lock:
+            states, self._candidates = list(self._candidates.values()), {}
+            return states
+
+    def settle(self, state: ReplicaState, passed: bool) -> bool:
+        """The learner's verdict on a candidate: adopt it if it ``passed`` (queued for ``take_adopted``), else count
+        it (not held against the donor: an honest fork can be worse than ours on our held-out data). True if it
+        was adopted (False also when ours became at least as heavy meanwhile). Thread-safe."""
+        if not passed:
+            self._refused_at[state.fragment] = time.monotonic()
+            self.ctx.reject("worse_state")
+            return False
+        if not self.ctx.replica.adopt(state):
+            return False
+        self._queue([state])
+        return True
+
     def take_adopted(self) -> list[ReplicaState]:
         """Fragments adopted since the last call (the learner must reload them into θ); thread-safe."""
         with self._lock:
@@ -122,9 +147,13 @@ class CatchUp:
         if ctx.leaving or ctx.counters.status == Status.JOINING:
             return
         for p in range(ctx.replica.num_fragments):
-            if p in self._downloading or p in ctx.in_round:
+            if p in self._downloading or p in ctx.in_round or p in self._candidates:
                 continue
-            donors, check = donor_order(p, self.heavier_peers(p)), False
+            donors = donor_order(p, self.heavier_peers(p))
+            # Vouched for by fewer than ``state_vouchers`` peers (all of them, in a swarm that small): vetted too.
+            check = len([d for d in donors if d.fragment(p) == donors[0].fragment(p)]) < ctx.cfg.state_vouchers
+            if donors and check and time.monotonic() - self._refused_at.get(p, -1e9) < LONELY_INTERVAL:
+                continue
             if not donors:
                 donors, check = donor_order(p, self.lonely_claim(p)), True
             if donors:
@@ -132,12 +161,13 @@ class CatchUp:
                 ctx.spawn(self._catch_up(p, donors, check))
 
     async def _catch_up(self, p: int, donors: list[ProgressRecord], check: bool = False) -> None:
-        """Download fragment ``p`` from ``donors`` and adopt it; ``check``: nobody vouched for it (``plausible``)."""
+        """Download fragment ``p`` from ``donors`` and adopt it; ``check``: too few vouched for it (``plausible``,
+        then the learner's vetting)."""
         try:
             mine = self.ctx.replica.identity(p)
             logger.info("peer %s holds a heavier replica of fragment %d (v%d vs our v%d%s); downloading it",
                         donors[0].peer_id[-8:], p, donors[0].fragment(p)[0], mine[0],
-                        "; no live peer holds ours, nobody vouches for it" if check else "")
+                        "; too few peers vouch for it: it will be vetted" if check else "")
             if check:
                 self._lonely_at[p] = time.monotonic()
             state = await self._download(p, [d.peer_id for d in donors])
@@ -149,7 +179,10 @@ class CatchUp:
                                state.version, state.donor[-8:], problem)
                 self.ctx.reject("implausible_state")
                 return
-            if state is not None and await loop.run_in_executor(None, self.ctx.replica.adopt, state):
+            if state is not None and check:
+                with self._lock:
+                    self._candidates[p] = state  # the learner vets it (the module's docstring)
+            elif state is not None and await loop.run_in_executor(None, self.ctx.replica.adopt, state):
                 self._queue([state])
         finally:
             self._downloading.discard(p)

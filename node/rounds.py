@@ -3,7 +3,8 @@
 At a fragment's due step (or when a peer opened its round, decoupled) θ_p is copied to host memory without
 holding up the next steps; once there, the pseudo-gradient Θ_base − θ_p goes to the syncer as a round. τ steps
 later the round's result is merged into θ_p (the synchronous algorithms wait for it; decoupled merges whenever it
-lands). A replica the syncer adopted from a peer replaces θ_p at the next step boundary. Every token of work that
+lands). A replica the syncer adopted from a peer replaces θ_p at the next step boundary; one nobody vouches for
+(a lonely daemon's, see ``catchup``) is first vetted on the held-out data (``vetting``). Every token of work that
 no merge keeps is counted as lost: the steps a merge overwrites, unmerged work an adoption drops, and our part of
 rounds a fork lost.
 
@@ -32,6 +33,7 @@ from .metrics import Counters, HeldOut, MetricsLog
 from .replica import Replica
 from .round_protocol import Outcome, RoundOutcome
 from .syncer import Syncer
+from .vetting import Vetting
 
 logger = logging.getLogger("atoll")
 # A peer's open round is joined once we have done at least 1/4 of a period's steps on the fragment since our last
@@ -80,6 +82,7 @@ class Rounds:
         self.pending: dict[int, _Pending] = {}
         self.snapshots: dict[int, _Snapshot] = {}  # rounds whose θ_p snapshot is still on its way to the host
         self.merged_rounds: dict[int, list[_MergedRound]] = {}  # per fragment, newest last
+        self.vetting = Vetting(learner, fragments, replica, held_out.batches)
 
     def before_step(self) -> None:
         """Load the replicas the syncer adopted into θ."""
@@ -102,6 +105,8 @@ class Rounds:
     def _apply_adopted(self) -> None:
         learner, counters = self.learner, self.counters
         n = len(self.fragments)
+        for candidate in self.syncer.take_candidates():
+            self.syncer.settle(candidate, self.vetting.vet(candidate))
         for state in self.syncer.take_adopted():
             p = state.fragment
             new, base_id = self.replica.params_and_id(p)

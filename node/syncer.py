@@ -180,6 +180,15 @@ class Syncer:
         """Fragments adopted since the last call (the learner must reload them into θ)."""
         return self.catch_up.take_adopted()
 
+    def take_candidates(self) -> list[ReplicaState]:
+        """Replicas nobody vouches for that a lonely daemon downloaded, for the learner to vet (``node/vetting.py``);
+        each must be answered with ``settle``."""
+        return self.catch_up.take_candidates()
+
+    def settle(self, state: ReplicaState, passed: bool) -> bool:
+        """Adopt a candidate that ``passed`` the learner's check (then ``take_adopted`` returns it); True if adopted."""
+        return self.catch_up.settle(state, passed)
+
     def take_open_rounds(self) -> set[int]:
         """Fragments whose round at our version a peer has opened since the last call (decoupled)."""
         return self.rounds.take_open_rounds()

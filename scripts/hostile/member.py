@@ -6,6 +6,8 @@ its own, and serves the run's two RPCs with answers of its choosing. Each attack
 
 - ``fake_heavier``: its progress record claims a replica five versions ahead of the swarm's, and it serves an
   all-zero model whose digest matches the claim (``refuse=True``: it claims the same and refuses to serve).
+- ``seed_heavier``: the same claim, serving the run's initial model Θ₀ (the seed's: it would reset the run) with
+  zero momentum: of the trained replica's norm, so that only a check of its quality can refuse it.
 - ``forged_rounds``: it registers for every fragment's next round with a back-dated time (the earliest
   plausible one: it becomes the coordinator and never decides) or an absurd one, then with the present time
   and group decisions that impose singleton groups or leave everyone else out.
@@ -63,14 +65,18 @@ class HostileMember:
 
     def __init__(self, run_id: str, initial_peers: list[str], token: str, model: str = "nano",
                  algorithm_name: str = "decoupled", fragments: int = 4, sync_every: int = 10,
-                 gather_timeout: float = 8.0) -> None:
+                 gather_timeout: float = 8.0, namespace: str | None = None, seed: int = 0) -> None:
         self.run_id, self.initial_peers, self.gather_timeout = run_id, initial_peers, gather_timeout
+        self.namespace = namespace or run_id  # where it reads and writes progress records (a split swarm's side)
         self.token = JoinToken.load(token)
+        torch.manual_seed(seed)  # as the learner does: Θ₀
         gpt = GPT(get_model_config(model))
         frags = make_fragments(list(gpt.parameters()), algorithm(algorithm_name).num_fragments(fragments), sync_every,
                                embedding=gpt.embed.weight)
         self.numels = [f.numel for f in frags]
-        self.mode = "serve"  # what the state servicer does: "serve" zeros, or "refuse"
+        self.initial = [f.gather(list(gpt.parameters())) for f in frags]
+        self.mode = "serve"  # what the state servicer does: "serve" its claim, or "refuse"
+        self.served = [torch.zeros(n) for n in self.numels]  # the Θ of its claim, per fragment (zeros, or Θ₀)
         self.reducer_hostile = False
         self.answers = 0
         self._ahead = [(0, 0.0)] * len(self.numels)  # the versions and weights it claims (fake_heavier)
@@ -113,13 +119,13 @@ class HostileMember:
     def _zero_state(self, p: int) -> state_sync.ReplicaState | None:
         if self.mode == "refuse":
             return None
-        zeros = torch.zeros(self.numels[p])
-        version, weight, _ = self._claim(p)
-        return state_sync.ReplicaState(version, weight, tensor_hash(zeros, zeros), zeros, zeros, 0, fragment=p)
+        params, momentum = self.served[p], torch.zeros(self.numels[p])
+        version, weight, digest = self._claim(p)
+        return state_sync.ReplicaState(version, weight, digest, params.clone(), momentum, 0, fragment=p)
 
     # ---- what the honest daemons publish -------------------------------------------------------------------------
     async def _honest(self) -> list[ProgressRecord]:
-        entry = await dht_io.get(self.dht, progress_key(self.run_id))
+        entry = await dht_io.get(self.dht, progress_key(self.namespace))
         records = [parse_progress(v) for v in unwrap_subkeys(entry).values()]
         return [r for r in records if r is not None and r.peer_id != self.peer_id and r.status == "training"]
 
@@ -130,11 +136,10 @@ class HostileMember:
 
     def _claim(self, p: int) -> tuple[int, float, str]:
         version, weight = self._ahead[p]
-        zeros = torch.zeros(self.numels[p])
-        return version, weight, tensor_hash(zeros, zeros)
+        return version, weight, tensor_hash(self.served[p], torch.zeros(self.numels[p]))
 
     async def _publish(self, record: dict[str, Any], ttl: float = 6.0) -> bool:
-        return await dht_io.store(self.dht, progress_key(self.run_id), record, get_dht_time() + ttl, self.subkey)
+        return await dht_io.store(self.dht, progress_key(self.namespace), record, get_dht_time() + ttl, self.subkey)
 
     def _record_like(self, honest: ProgressRecord, **changes: Any) -> dict[str, Any]:
         record = honest.dict()
@@ -148,8 +153,14 @@ class HostileMember:
         """Claim a replica five versions ahead (weight ×10), all zeros; serve it, or refuse to."""
         return self._run(self._fake_heavier(seconds, refuse), timeout=seconds + 60)
 
-    async def _fake_heavier(self, seconds: float, refuse: bool) -> dict[str, int]:
+    def seed_heavier(self, seconds: float) -> dict[str, int]:
+        """Claim a replica five versions ahead (weight ×10) and serve the run's initial model Θ₀."""
+        return self._run(self._fake_heavier(seconds, False, self.initial), timeout=seconds + 60)
+
+    async def _fake_heavier(self, seconds: float, refuse: bool,
+                            served: list[torch.Tensor] | None = None) -> dict[str, int]:
         self.mode = "refuse" if refuse else "serve"
+        self.served = served or [torch.zeros(n) for n in self.numels]
         published, end = 0, time.monotonic() + seconds
         while time.monotonic() < end:
             honest = await self._honest()
@@ -163,7 +174,7 @@ class HostileMember:
                 published += await self._publish(record)
             await asyncio.sleep(1.0)
         self.mode = "serve"
-        return {"claims_published": published}
+        return {"claims_published": published, "digests": [self._claim(p)[2] for p in range(len(self.numels))]}
 
     def forged_rounds(self, seconds: float) -> dict[str, int]:
         """Back-dated or absurd registrations for every fragment's next round, and forged group decisions."""
@@ -316,11 +327,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fragments", type=int, default=4)
     parser.add_argument("--sync-every", type=int, default=10)
     parser.add_argument("--gather-timeout", type=float, default=8.0)
+    parser.add_argument("--namespace", default=None, help="the progress records' namespace (default: the run id)")
     parser.add_argument("attacks", nargs="+", help="junk_records, or NAME=SECONDS (fake_heavier, refuse, "
-                                                   "forged_rounds, hostile_reducer, open_rounds)")
+                                                   "forged_rounds, hostile_reducer, open_rounds, seed_heavier)")
     args = parser.parse_args(argv)
     with HostileMember(args.run_id, args.initial_peers, args.token, args.model, args.algorithm, args.fragments,
-                       args.sync_every, args.gather_timeout) as member:
+                       args.sync_every, args.gather_timeout, args.namespace) as member:
         out: dict[str, Any] = {"member": member.peer_id, "zero_digests": member.zero_digests, "done": []}
         for attack in args.attacks:
             name, _, seconds = attack.partition("=")

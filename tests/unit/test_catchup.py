@@ -134,3 +134,59 @@ def test_a_peer_just_behind_us_on_our_line_means_we_are_not_lonely():
     behind = record("b", [before[0]], [before[2]])
     cu.peers = Table([behind, record("m", [before[0] + 5], ["zeros"])])
     assert cu.lonely_claim(0) == []
+
+
+def test_a_lonely_claim_far_ahead_of_ours_is_not_taken():
+    from atoll.node.catchup import MAX_LONELY_LEAD
+
+    cu, ctx = catch_up([])
+    version = ctx.replica.identity(0)[0]
+    cu.peers = Table([record("m", [version + MAX_LONELY_LEAD + 1], ["made-up"]), record("c", [version - 1], ["c"])])
+    assert cu.lonely_claim(0) == []
+    cu.peers = Table([record("m", [version + MAX_LONELY_LEAD], ["fork"]), record("c", [version - 1], ["c"])])
+    assert [peer.peer_id for peer in cu.lonely_claim(0)] == ["m"]
+
+
+def test_a_lonely_download_goes_to_the_learner_and_is_adopted_only_if_it_passes():
+    import asyncio
+
+    from atoll.protocols.state_sync import ReplicaState
+
+    cu, ctx = catch_up([])
+    ctx.replica = Replica([torch.ones(4)], momentum=[torch.full((4,), 0.1)], versions=[5], weights=[5.0])
+    cu.peers = Table([record("m", [7], ["m-line"]), record("c", [5], ["c-line"])])
+    sent = ReplicaState(7, 7.0, "m-line", torch.ones(4) * 1.1, torch.full((4,), 0.1), 0, "m", 0, ("m-line",))
+
+    async def download(p, donors):
+        return sent
+
+    cu._download = download
+    donors = cu.lonely_claim(0)
+    asyncio.run(cu._catch_up(0, donors, check=True))
+    assert ctx.replica.identity(0)[0] == 5 and cu.take_adopted() == []  # not adopted by the syncer
+    assert cu.take_candidates() == [sent] and cu.take_candidates() == []
+    assert not cu.settle(sent, passed=False)
+    assert ctx.stats.rejected_by_kind == {"worse_state": 1} and ctx.replica.identity(0)[0] == 5
+    assert not ctx.cooldown.active("m")  # counted, not held against the donor
+    assert cu.settle(sent, passed=True)
+    assert ctx.replica.identity(0)[0] == 7 and cu.take_adopted() == [sent]
+
+
+def test_a_claim_vouched_for_by_fewer_than_the_threshold_is_vetted_and_a_refused_one_waits():
+    from atoll.protocols.records import Status
+
+    spawned = []
+    cu, ctx = catch_up([record("b", [9], ["b-line"])])  # a swarm of two: b vouches for itself
+    ctx.leaving, ctx.in_round, ctx.counters = False, set(), SimpleNamespace(status=Status.TRAINING)
+    ctx.spawn = lambda coro: (spawned.append(coro.cr_frame.f_locals["check"]), coro.close())
+    cu.maybe_catch_up()
+    assert spawned == [True]  # downloaded, then vetted
+    cu._downloading.clear()
+    cu.peers = Table([record("b", [9], ["b-line"]), record("c", [9], ["b-line"])])
+    cu.maybe_catch_up()
+    assert spawned == [True, False]  # two vouch for it: adopted straight away
+    cu._downloading.clear()
+    cu.peers = Table([record("b", [9], ["b-line"])])
+    cu._refused_at[0] = time.monotonic()  # the learner refused b's last one just now
+    cu.maybe_catch_up()
+    assert spawned == [True, False]
