@@ -8,8 +8,7 @@ before their first step; a daemon restored from a checkpoint downloads the ones 
 A replica is only a claim in a progress record, and the bytes a donor sends can only be checked against the digest
 the donor itself announced: one member could otherwise make everyone adopt a model it made up (the review's
 all-zero replica). So a claim counts only when it is *vouched for*: at least ``state_vouchers`` distinct live peers
-(all of them, when fewer are live) publish that very (version, weight, digest); in a swarm that small the claim
-is also vetted before it is adopted, as a lonely daemon's is (below). A heavier claim of one peer alone
+(all of them, when fewer are live) publish that very (version, weight, digest). A heavier claim of one peer alone
 is neither downloaded nor a reason to abandon a round; honest swarms do not need it, since the members of a round
 all hold its result, and a lone daemon that merged alone is overtaken by the others' next round (or, if it is
 heavier, adopted once a second daemon holds its replica). And a donor that does not back a claim it vouches for —
@@ -60,7 +59,6 @@ class CatchUp:
         self._failures: dict[str, int] = {}  # donor -> failed downloads in a row
         self._lonely_at: dict[int, float] = {}  # fragment -> when we last took a claim nobody vouched for
         self._candidates: dict[int, ReplicaState] = {}  # fragment -> a claim nobody vouched for, for the learner
-        self._refused_at: dict[int, float] = {}  # fragment -> when the learner last refused a candidate of it
 
     def start(self) -> None:
         """On the event loop, once the P2P is up."""
@@ -120,7 +118,6 @@ class CatchUp:
         it (not held against the donor: an honest fork can be worse than ours on our held-out data). True if it
         was adopted (False also when ours became at least as heavy meanwhile). Thread-safe."""
         if not passed:
-            self._refused_at[state.fragment] = time.monotonic()
             self.ctx.reject("worse_state")
             return False
         if not self.ctx.replica.adopt(state):
@@ -149,11 +146,7 @@ class CatchUp:
         for p in range(ctx.replica.num_fragments):
             if p in self._downloading or p in ctx.in_round or p in self._candidates:
                 continue
-            donors = donor_order(p, self.heavier_peers(p))
-            # Vouched for by fewer than ``state_vouchers`` peers (all of them, in a swarm that small): vetted too.
-            check = len([d for d in donors if d.fragment(p) == donors[0].fragment(p)]) < ctx.cfg.state_vouchers
-            if donors and check and time.monotonic() - self._refused_at.get(p, -1e9) < LONELY_INTERVAL:
-                continue
+            donors, check = donor_order(p, self.heavier_peers(p)), False
             if not donors:
                 donors, check = donor_order(p, self.lonely_claim(p)), True
             if donors:
@@ -161,13 +154,13 @@ class CatchUp:
                 ctx.spawn(self._catch_up(p, donors, check))
 
     async def _catch_up(self, p: int, donors: list[ProgressRecord], check: bool = False) -> None:
-        """Download fragment ``p`` from ``donors`` and adopt it; ``check``: too few vouched for it (``plausible``,
+        """Download fragment ``p`` from ``donors`` and adopt it; ``check``: nobody vouched for it (``plausible``,
         then the learner's vetting)."""
         try:
             mine = self.ctx.replica.identity(p)
             logger.info("peer %s holds a heavier replica of fragment %d (v%d vs our v%d%s); downloading it",
                         donors[0].peer_id[-8:], p, donors[0].fragment(p)[0], mine[0],
-                        "; too few peers vouch for it: it will be vetted" if check else "")
+                        "; no live peer holds ours, nobody vouches for it: it will be vetted" if check else "")
             if check:
                 self._lonely_at[p] = time.monotonic()
             state = await self._download(p, [d.peer_id for d in donors])

@@ -31,7 +31,7 @@ from .learner import Learner
 from .replica import Replica
 
 logger = logging.getLogger("atoll")
-LOSS_MARGIN = 0.05  # relative: honest forks of one run differ in held-out loss by training noise (docs/security.md)
+LOSS_MARGIN = 0.25  # relative: an honest fork, and our replica with one fragment of it, can be far worse (docs/security.md)
 REFERENCE_SECONDS = 600.0
 
 

@@ -6,8 +6,13 @@ its own, and serves the run's two RPCs with answers of its choosing. Each attack
 
 - ``fake_heavier``: its progress record claims a replica five versions ahead of the swarm's, and it serves an
   all-zero model whose digest matches the claim (``refuse=True``: it claims the same and refuses to serve).
-- ``seed_heavier``: the same claim, serving the run's initial model Θ₀ (the seed's: it would reset the run) with
-  zero momentum: of the trained replica's norm, so that only a check of its quality can refuse it.
+- ``scrambled_heavier``: the same claim, serving the run's initial model Θ₀ with its values shuffled, and zero
+  momentum: a replica of about the trained one's norm (the gross filter lets it through) that is no model at all,
+  and none of the daemons' ancestors (Θ₀ itself is every young replica's ancestor).
+- ``decoy``: its progress record claims a replica at the swarm's version that nobody holds, and that loses every
+  tie (a fork nobody waits for in a round, and nobody downloads): one more live peer that holds no honest
+  daemon's replica (with a second member's ``scrambled_heavier``, a daemon alone on its side of a split sees only
+  strangers' replicas: it is lonely).
 - ``forged_rounds``: it registers for every fragment's next round with a back-dated time (the earliest
   plausible one: it becomes the coordinator and never decides) or an absurd one, then with the present time
   and group decisions that impose singleton groups or leave everyone else out.
@@ -74,10 +79,13 @@ class HostileMember:
         frags = make_fragments(list(gpt.parameters()), algorithm(algorithm_name).num_fragments(fragments), sync_every,
                                embedding=gpt.embed.weight)
         self.numels = [f.numel for f in frags]
-        self.initial = [f.gather(list(gpt.parameters())) for f in frags]
+        generator = torch.Generator().manual_seed(1)
+        self.scrambled = [t[torch.randperm(t.numel(), generator=generator)]
+                          for t in (f.gather(list(gpt.parameters())) for f in frags)]
         self.mode = "serve"  # what the state servicer does: "serve" its claim, or "refuse"
-        self.served = [torch.zeros(n) for n in self.numels]  # the Θ of its claim, per fragment (zeros, or Θ₀)
+        self.served = [torch.zeros(n) for n in self.numels]  # the Θ of its claim, per fragment
         self.reducer_hostile = False
+        self.min_peers = 1  # fake_heavier and scrambled_heavier claim only once this many other live records are seen
         self.answers = 0
         self._ahead = [(0, 0.0)] * len(self.numels)  # the versions and weights it claims (fake_heavier)
         self._loop = asyncio.new_event_loop()
@@ -153,9 +161,9 @@ class HostileMember:
         """Claim a replica five versions ahead (weight ×10), all zeros; serve it, or refuse to."""
         return self._run(self._fake_heavier(seconds, refuse), timeout=seconds + 60)
 
-    def seed_heavier(self, seconds: float) -> dict[str, int]:
-        """Claim a replica five versions ahead (weight ×10) and serve the run's initial model Θ₀."""
-        return self._run(self._fake_heavier(seconds, False, self.initial), timeout=seconds + 60)
+    def scrambled_heavier(self, seconds: float) -> dict[str, int]:
+        """Claim a replica five versions ahead (weight ×10) and serve Θ₀ with its values shuffled."""
+        return self._run(self._fake_heavier(seconds, False, self.scrambled), timeout=seconds + 60)
 
     async def _fake_heavier(self, seconds: float, refuse: bool,
                             served: list[torch.Tensor] | None = None) -> dict[str, int]:
@@ -164,7 +172,7 @@ class HostileMember:
         published, end = 0, time.monotonic() + seconds
         while time.monotonic() < end:
             honest = await self._honest()
-            if honest:
+            if len(honest) >= self.min_peers:
                 top = max(honest, key=lambda r: r.version)
                 self._ahead = [(v + 5, 10.0 * w + 1.0) for v, w in zip(top.fragment_versions, top.fragment_weights)]
                 claims = [self._claim(p) for p in range(len(self.numels))]
@@ -175,6 +183,22 @@ class HostileMember:
             await asyncio.sleep(1.0)
         self.mode = "serve"
         return {"claims_published": published, "digests": [self._claim(p)[2] for p in range(len(self.numels))]}
+
+    def decoy(self, seconds: float) -> dict[str, int]:
+        """Claim a replica at the version of the honest daemon furthest behind, with the lowest digest, for
+        ``seconds``."""
+        return self._run(self._decoy(seconds), timeout=seconds + 60)
+
+    async def _decoy(self, seconds: float) -> dict[str, int]:
+        published, end = 0, time.monotonic() + seconds
+        while time.monotonic() < end:
+            honest = await self._honest()
+            if honest:
+                low = min(honest, key=lambda r: r.version)  # behind the honest daemons, not behind a member's claim
+                record = self._record_like(low, fragment_hashes=["0" * 16 for _ in low.fragment_versions])
+                published += await self._publish(record)
+            await asyncio.sleep(1.0)
+        return {"claims_published": published}
 
     def forged_rounds(self, seconds: float) -> dict[str, int]:
         """Back-dated or absurd registrations for every fragment's next round, and forged group decisions."""
@@ -328,11 +352,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sync-every", type=int, default=10)
     parser.add_argument("--gather-timeout", type=float, default=8.0)
     parser.add_argument("--namespace", default=None, help="the progress records' namespace (default: the run id)")
+    parser.add_argument("--min-peers", type=int, default=1, help="claim a heavier replica only once this many "
+                                                                 "other live progress records are seen")
     parser.add_argument("attacks", nargs="+", help="junk_records, or NAME=SECONDS (fake_heavier, refuse, "
-                                                   "forged_rounds, hostile_reducer, open_rounds, seed_heavier)")
+                                                   "forged_rounds, hostile_reducer, open_rounds, scrambled_heavier, decoy)")
     args = parser.parse_args(argv)
     with HostileMember(args.run_id, args.initial_peers, args.token, args.model, args.algorithm, args.fragments,
                        args.sync_every, args.gather_timeout, args.namespace) as member:
+        member.min_peers = args.min_peers
         out: dict[str, Any] = {"member": member.peer_id, "zero_digests": member.zero_digests, "done": []}
         for attack in args.attacks:
             name, _, seconds = attack.partition("=")

@@ -1,12 +1,16 @@
 """Lonely daemons: a swarm forked three ways, where no replica is vouched for by two peers, heals by vetting the
 claims it cannot verify on its own held-out data, and a member's claim of a heavier replica that is the run's
-initial model (of the trained model's norm: the gross filter lets it through) is refused by that check.
+initial model with its values shuffled (of the trained model's norm: the gross filter lets it through) is refused
+by that check.
 
 Three honest daemons each train on a side of their own (``split_side``) until step ``SPLIT``: three lines, each
-merged alone. While they are apart, a member (``scripts/hostile/member.py``) on a's side claims a replica five
-versions ahead of a's and serves Θ₀. a is lonely (no peer holds its replica; the member's claim vouches for
-itself alone), downloads it, and its learner refuses it (``worse_state``). When the sides meet, every daemon is
-lonely; the heaviest line passes the others' checks, and afterwards rounds span all three with identical replicas.
+merged alone. While they are apart, two members (``scripts/hostile/member.py``) join a's side: one claims a
+replica at a's version that nobody holds and that loses every tie (a decoy), the other, once it sees the decoy, a replica five
+versions ahead of a's, serving the shuffled Θ₀. a is lonely (neither of its two live peers holds its replica, nobody vouches
+for the heavier claim), downloads it, and its learner refuses it (``worse_state``). (With the member alone on its
+side, a would trust it: in a swarm smaller than ``--state-vouchers`` the other daemon is trusted; docs/security.md.)
+When the sides meet, every daemon is lonely; the heaviest line passes the others' checks, and afterwards rounds
+span all three with identical replicas.
 """
 
 import json
@@ -34,28 +38,32 @@ HONEST = ("a", "b", "c")
 REFUSED = "vouched for by nobody: its held-out loss is"  # the learner's log line when vetting refuses
 
 
-def test_a_forked_swarm_heals_and_the_seed_model_is_refused(tmp_path):
+def test_a_forked_swarm_heals_and_a_scrambled_model_is_refused(tmp_path):
     with LocalSwarm(tmp_path, COMMON) as swarm:
         for side, name in enumerate(HONEST):
             swarm.start(name, ["--fault", f"split_side={side}"], join=name != "a")
         a = swarm.daemons["a"]
         wait_for(lambda: len(a.rounds()) >= 3, 180, "a's first rounds")
-        token = tmp_path / "hostile.token"
-        RunKey.load(swarm.run_key).issue_token("atoll").save(token)
-        result = tmp_path / "hostile.json"
-        cmd = [sys.executable, str(SCRIPTS / "hostile" / "member.py"), "--initial-peers", *swarm.bootstrap,
-               "--token", str(token), "--out", str(result), "--algorithm", "diloco", "--namespace", "atoll-side0",
-               "seed_heavier=15"]
-        with open(tmp_path / "hostile.log", "wb") as log:
-            member = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        members = {}
+        for name, attack in (("decoy", "decoy=25"), ("scrambled", "scrambled_heavier=15")):
+            token = tmp_path / f"{name}.token"
+            RunKey.load(swarm.run_key).issue_token("atoll").save(token)
+            cmd = [sys.executable, str(SCRIPTS / "hostile" / "member.py"), "--initial-peers", *swarm.bootstrap,
+                   "--token", str(token), "--out", str(tmp_path / f"{name}.json"), "--algorithm", "diloco",
+                   "--namespace", "atoll-side0", "--min-peers", "2", attack]
+            with open(tmp_path / f"{name}.log", "wb") as log:
+                members[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            assert member.wait(180) == 0, (tmp_path / "hostile.log").read_text()[-3000:]
+            for name, member in members.items():
+                assert member.wait(180) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
         finally:
-            if member.poll() is None:
-                os.killpg(member.pid, signal.SIGKILL)
-        attack = json.loads(result.read_text())["seed_heavier"]
+            for member in members.values():
+                if member.poll() is None:
+                    os.killpg(member.pid, signal.SIGKILL)
+        attack = json.loads((tmp_path / "scrambled.json").read_text())["scrambled_heavier"]
         assert attack["claims_published"] > 0
-        wait_for(lambda: REFUSED in a.log(), 60, "a to refuse the seed model")
+        assert json.loads((tmp_path / "decoy.json").read_text())["decoy"]["claims_published"] > 0
+        wait_for(lambda: REFUSED in a.log(), 60, "a to refuse the scrambled model")
         ids = {peer_id(swarm.daemons[n]) for n in HONEST}
 
         def joint():
@@ -63,10 +71,10 @@ def test_a_forked_swarm_heals_and_the_seed_model_is_refused(tmp_path):
 
         wait_for(lambda: len(joint()) >= 3, 300, "rounds of all three after the split")
         assert all(r["step"] >= SPLIT for r in joint())
-        seed = set(attack["digests"])
+        scrambled = set(attack["digests"])
         for name in HONEST:
             rounds = swarm.daemons[name].rounds()
-            assert not seed & {r["hash"] for r in rounds}
+            assert not scrambled & {r["hash"] for r in rounds}
             assert [r for r in rounds if r["step"] < SPLIT and len(r["contributors"]) == 1]  # it merged alone
         assert_replicas_agree(swarm, HONEST)
         codes = swarm.stop_all(timeout=60)
@@ -74,7 +82,7 @@ def test_a_forked_swarm_heals_and_the_seed_model_is_refused(tmp_path):
         summaries = [next(m for m in d.metrics() if m.get("event") == "summary") for d in swarm.daemons.values()]
         refused = summaries[0]["rejected_by_kind"]
         assert refused.get("worse_state", 0) >= 1
-        assert "implausible_state" not in refused  # Θ₀ got past the gross filter: the vetting refused it
+        assert "implausible_state" not in refused  # it got past the gross filter: the vetting refused it
         assert sum(s["forks_healed"] for s in summaries) >= 2  # two of the three lines were given up
         held_out = [r["held_out_loss"] for r in joint()]
-        assert held_out[-1] < 4.0  # a trained model, not the seed's (about 5.5)
+        assert held_out[-1] < 4.0  # a trained model, not a scrambled one (about 5.5)

@@ -170,23 +170,3 @@ def test_a_lonely_download_goes_to_the_learner_and_is_adopted_only_if_it_passes(
     assert not ctx.cooldown.active("m")  # counted, not held against the donor
     assert cu.settle(sent, passed=True)
     assert ctx.replica.identity(0)[0] == 7 and cu.take_adopted() == [sent]
-
-
-def test_a_claim_vouched_for_by_fewer_than_the_threshold_is_vetted_and_a_refused_one_waits():
-    from atoll.protocols.records import Status
-
-    spawned = []
-    cu, ctx = catch_up([record("b", [9], ["b-line"])])  # a swarm of two: b vouches for itself
-    ctx.leaving, ctx.in_round, ctx.counters = False, set(), SimpleNamespace(status=Status.TRAINING)
-    ctx.spawn = lambda coro: (spawned.append(coro.cr_frame.f_locals["check"]), coro.close())
-    cu.maybe_catch_up()
-    assert spawned == [True]  # downloaded, then vetted
-    cu._downloading.clear()
-    cu.peers = Table([record("b", [9], ["b-line"]), record("c", [9], ["b-line"])])
-    cu.maybe_catch_up()
-    assert spawned == [True, False]  # two vouch for it: adopted straight away
-    cu._downloading.clear()
-    cu.peers = Table([record("b", [9], ["b-line"])])
-    cu._refused_at[0] = time.monotonic()  # the learner refused b's last one just now
-    cu.maybe_catch_up()
-    assert spawned == [True, False]

@@ -40,7 +40,7 @@ def corpus():
 def setup(corpus, parts=2, clock=None):
     learner = Learner(RUN, resolve_device("cpu"), corpus, shard=0, batch_size=4)
     fragments = make_fragments(learner.params, parts, 10, embedding=learner.model.embed.weight)
-    for _ in range(30):  # Θ: a model that learned something, so that a broken candidate shows
+    for _ in range(200):  # Θ: a model that learned something, so that a broken candidate shows
         learner.train_step()
     replica = Replica([f.gather(learner.params) for f in fragments], versions=[3] * parts, weights=[3.0] * parts)
     for _ in range(3):  # θ moves on from Θ: local progress no round merged yet
@@ -87,13 +87,13 @@ def test_losses_measure_the_replica_not_theta(corpus):
 def test_the_reference_is_the_best_loss_of_the_window():
     now = [0.0]
     vetting = Vetting(None, [], None, [], clock=lambda: now[0])
-    losses = iter([(2.0, 2.0 * (1 + 0.9 * LOSS_MARGIN)), (2.0 * 1.02, 2.0 * 1.02 * (1 + 0.9 * LOSS_MARGIN)),
-                   (2.1, 2.1)])
+    step = 1 + 0.9 * LOSS_MARGIN  # each candidate a little less than one margin worse than ours
+    losses = iter([(2.0, 2.0 * step), (2.0 * step, 2.0 * step * step), (2.1, 2.1)])
     vetting.losses = lambda state: next(losses)
     vetting.replica = type("R", (), {"numel": lambda self, p: 4})()
     state = ReplicaState(1, 1.0, "x", torch.ones(4), torch.zeros(4), 0, "b", 0)
     assert vetting.vet(state)  # within the margin of ours
-    # Ours is now a little worse (we took the candidate): the next must beat the best of the window, not ours.
+    # Ours is now the candidate we took: the next must be within the margin of the window's best, not of ours.
     assert not vetting.vet(state)
     assert vetting.reference(0, 5.0) == 2.0
     now[0] += REFERENCE_SECONDS + 1
