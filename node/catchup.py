@@ -203,11 +203,16 @@ class CatchUp:
 
     async def _download(self, p: int, donors: list[str]) -> ReplicaState | None:
         """Fragment ``p``'s replica from the first of ``donors`` that delivers one: by replaying the rounds from
-        ours when a donor still holds them, else (or when a replay does not check out) in full."""
+        ours when a donor still holds them, else (or when a replay does not check out) in full.
+
+        A donor that failed counts towards ``_unbacked`` only if no other donor delivered the replica it claims:
+        then the claim itself was not backed. One that was down (frozen, restarting, gone) while a peer holding
+        the same replica served it merely failed."""
         ctx, replica = self.ctx, self.ctx.replica
         timeout = ctx.cfg.run.round_timeout
+        failed: list[str] = []
         state = await download_state(self._open_stream, donors, p, replica.numel(p), timeout, ctx.stats,
-                                     have=replica.identity(p)[2], on_failure=self._unbacked)
+                                     have=replica.identity(p)[2], on_failure=lambda d, e: failed.append(d))
         if isinstance(state, Replay):
             replayed = await asyncio.get_running_loop().run_in_executor(None, replica.replay, state, ctx.outer)
             if replayed is not None:
@@ -217,7 +222,13 @@ class CatchUp:
                 ctx.reject("replay", state.donor)
                 self._unbacked(state.donor, None)
             state = await download_state(self._open_stream, donors, p, replica.numel(p), timeout, ctx.stats,
-                                         on_failure=self._unbacked)
+                                         on_failure=lambda d, e: failed.append(d))
+        delivered = None if state is None else (state.version, state.weight, state.digest)
+        known = self.peers.everyone()
+        for donor in dict.fromkeys(failed):
+            claim = known[donor].fragment(p) if donor in known else None
+            if delivered is None or claim != delivered:
+                self._unbacked(donor, None)
         if state is not None:
             self._failures.pop(state.donor, None)
         return state

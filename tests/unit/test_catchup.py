@@ -170,3 +170,38 @@ def test_a_lonely_download_goes_to_the_learner_and_is_adopted_only_if_it_passes(
     assert not ctx.cooldown.active("m")  # counted, not held against the donor
     assert cu.settle(sent, passed=True)
     assert ctx.replica.identity(0)[0] == 7 and cu.take_adopted() == [sent]
+
+
+def test_a_donor_that_was_down_while_another_served_its_claim_is_no_offender(monkeypatch):
+    import asyncio
+
+    import atoll.node.catchup as catchup_module
+    from atoll.protocols.state_sync import ReplicaState
+
+    def table(peers):
+        t = Table(peers)
+        t.everyone = lambda: {peer.peer_id: peer for peer in peers}
+        return t
+
+    def serve(delivered):
+        async def download_state(open_stream, donors, p, numel, timeout, stats, have=None, on_failure=None):
+            on_failure(donors[0], ConnectionResetError("frozen"))  # the first donor is down
+            version, weight, digest = delivered
+            return ReplicaState(version, weight, digest, torch.zeros(4), torch.zeros(4), 0, donors[1], p)
+        return download_state
+
+    b, c = record("b", [9], ["x"]), record("c", [9], ["x"])
+    cu, ctx = catch_up([b, c])
+    ctx.cfg.run = SimpleNamespace(round_timeout=1.0)
+    cu.peers = table([b, c])
+    monkeypatch.setattr(catchup_module, "download_state", serve(b.fragment(0)))
+    for _ in range(UNBACKED_OFFENCES + 1):
+        assert asyncio.run(cu._download(0, ["b", "c"])) is not None
+    assert not ctx.cooldown.active("b") and "unbacked_claim" not in ctx.stats.rejected_by_kind
+    # Now c holds another (lighter) replica: what b claimed was never delivered, so b's failures count.
+    c = record("c", [8], ["y"])
+    cu.peers = table([b, c])
+    monkeypatch.setattr(catchup_module, "download_state", serve(c.fragment(0)))
+    for _ in range(UNBACKED_OFFENCES):
+        asyncio.run(cu._download(0, ["b", "c"]))
+    assert ctx.cooldown.active("b") and ctx.stats.rejected_by_kind["unbacked_claim"] == 1
