@@ -193,7 +193,7 @@ class CatchUp:
                 held = replica.snapshot(p)
                 held.schedule_step, held.donor = donors[0].schedule_step, donors[0].peer_id
                 return held
-            state = await self._download(p, [d.peer_id for d in donors])
+            state = await self._download(p, [d.peer_id for d in donors], blame=False)
             if state is not None and not await asyncio.get_running_loop().run_in_executor(None, replica.adopt, state):
                 # Not heavier than ours: fine if it is ours (identical), else ours moved on meanwhile.
                 return state if state.digest == replica.identity(p)[2] else None
@@ -201,13 +201,15 @@ class CatchUp:
 
         return list(await asyncio.gather(*(fetch(p) for p in fragments)))
 
-    async def _download(self, p: int, donors: list[str]) -> ReplicaState | None:
+    async def _download(self, p: int, donors: list[str], blame: bool = True) -> ReplicaState | None:
         """Fragment ``p``'s replica from the first of ``donors`` that delivers one: by replaying the rounds from
         ours when a donor still holds them, else (or when a replay does not check out) in full.
 
         A donor that failed counts towards ``_unbacked`` only if no other donor delivered the replica it claims:
         then the claim itself was not backed. One that was down (frozen, restarting, gone) while a peer holding
-        the same replica served it merely failed."""
+        the same replica served it merely failed. ``blame`` False (joining, restoring): no donor is blamed at all;
+        a joiner's concurrent downloads of every fragment fail together while its donors do not know it yet, and
+        an unserved claim only delays a join, where it would abort rounds later."""
         ctx, replica = self.ctx, self.ctx.replica
         timeout = ctx.cfg.run.round_timeout
         failed: list[str] = []
@@ -225,7 +227,7 @@ class CatchUp:
                                          on_failure=lambda d, e: failed.append(d))
         delivered = None if state is None else (state.version, state.weight, state.digest)
         known = self.peers.everyone()
-        for donor in dict.fromkeys(failed):
+        for donor in dict.fromkeys(failed) if blame else ():
             claim = known[donor].fragment(p) if donor in known else None
             if delivered is None or claim != delivered:
                 self._unbacked(donor, None)

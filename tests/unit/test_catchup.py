@@ -205,3 +205,10 @@ def test_a_donor_that_was_down_while_another_served_its_claim_is_no_offender(mon
     for _ in range(UNBACKED_OFFENCES):
         asyncio.run(cu._download(0, ["b", "c"]))
     assert ctx.cooldown.active("b") and ctx.stats.rejected_by_kind["unbacked_claim"] == 1
+    # Joining or restoring: nobody is blamed, even for a claim nobody delivered.
+    cu, ctx = catch_up([b, c])
+    ctx.cfg.run = SimpleNamespace(round_timeout=1.0)
+    cu.peers = table([b, c])
+    for _ in range(UNBACKED_OFFENCES + 1):
+        asyncio.run(cu._download(0, ["b", "c"], blame=False))
+    assert not ctx.cooldown.active("b") and "unbacked_claim" not in ctx.stats.rejected_by_kind
