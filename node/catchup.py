@@ -35,7 +35,7 @@ from collections import Counter
 import torch
 
 from atoll.protocols.records import ProgressRecord, Status, heavier
-from atoll.protocols.state_sync import Replay, ReplicaState, download_state, p2p_opener
+from atoll.protocols.state_sync import DonorRefused, Replay, ReplicaState, download_state, p2p_opener
 
 from .context import SyncContext
 from .peers import PeerTable
@@ -205,16 +205,21 @@ class CatchUp:
         """Fragment ``p``'s replica from the first of ``donors`` that delivers one: by replaying the rounds from
         ours when a donor still holds them, else (or when a replay does not check out) in full.
 
-        A donor that failed counts towards ``_unbacked`` only if no other donor delivered the replica it claims:
-        then the claim itself was not backed. One that was down (frozen, restarting, gone) while a peer holding
-        the same replica served it merely failed. ``blame`` False (joining, restoring): no donor is blamed at all;
+        A donor counts towards ``_unbacked`` only if it refused to serve the replica it claims and no other donor
+        delivered that replica: then the claim itself was not backed. One that did not answer (frozen,
+        restarting, gone: an attacker that stalls looks the same, so only vouching bounds it) merely failed. ``blame`` False (joining, restoring): no donor is blamed at all;
         a joiner's concurrent downloads of every fragment fail together while its donors do not know it yet, and
         an unserved claim only delays a join, where it would abort rounds later."""
         ctx, replica = self.ctx, self.ctx.replica
         timeout = ctx.cfg.run.round_timeout
         failed: list[str] = []
+
+        def refused(donor: str, error: BaseException) -> None:
+            if isinstance(error, DonorRefused):
+                failed.append(donor)
+
         state = await download_state(self._open_stream, donors, p, replica.numel(p), timeout, ctx.stats,
-                                     have=replica.identity(p)[2], on_failure=lambda d, e: failed.append(d))
+                                     have=replica.identity(p)[2], on_failure=refused)
         if isinstance(state, Replay):
             replayed = await asyncio.get_running_loop().run_in_executor(None, replica.replay, state, ctx.outer)
             if replayed is not None:
@@ -224,7 +229,7 @@ class CatchUp:
                 ctx.reject("replay", state.donor)
                 self._unbacked(state.donor, None)
             state = await download_state(self._open_stream, donors, p, replica.numel(p), timeout, ctx.stats,
-                                         on_failure=lambda d, e: failed.append(d))
+                                         on_failure=refused)
         delivered = None if state is None else (state.version, state.weight, state.digest)
         known = self.peers.everyone()
         for donor in dict.fromkeys(failed) if blame else ():

@@ -170,8 +170,8 @@ class Deciders:
     writer, it was made between that registration and the writer's gather deadline (a registration back-dated to
     become the coordinator cannot decide), and it does not leave out this daemon although it registered well
     before, and it splits its registrants as ``split_groups`` does (a member cannot impose singleton or fake groups
-    on the others). A decision that fails is ignored,
-    counted, and bypassed like a coordinator that never decided."""
+    on the others). A decision that fails is ignored, counted, and bypassed like a coordinator that never decided;
+    its writer is an offender only for what no honest coordinator writes (``HONEST_NEVER``)."""
 
     def __init__(self, registered: dict[str, float], signers: dict[bytes, str], peer_id: str, since: float,
                  gather_timeout: float, max_group: int = MAX_GROUP) -> None:
@@ -202,6 +202,7 @@ class Deciders:
 
 
 OMISSION_GRACE = 5.0  # seconds after our registration within which a decision may not have seen it yet
+HONEST_NEVER = ("group_record_writer", "group_record_split")  # what no honest coordinator writes: offences
 
 
 def _first_decision(group_entry: Any, gather_timeout: float, on_reject: Callable[..., None],
@@ -224,5 +225,7 @@ def _first_decision(group_entry: Any, gather_timeout: float, on_reject: Callable
             if problem is None:
                 decisions.append((value["time"], groups))
             elif problem != "group_record_signer":  # a registration we do not see yet is no offence
-                on_reject(problem, source)
+                # A late decision or one that missed us is counted, not held against its writer: an honest
+                # coordinator that was frozen, or read the registrations slowly, writes one too.
+                on_reject(problem, source if problem in HONEST_NEVER else None)
     return min(decisions, key=lambda d: (d[0], d[1]))[1] if decisions else None

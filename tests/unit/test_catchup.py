@@ -172,20 +172,20 @@ def test_a_lonely_download_goes_to_the_learner_and_is_adopted_only_if_it_passes(
     assert ctx.replica.identity(0)[0] == 7 and cu.take_adopted() == [sent]
 
 
-def test_a_donor_that_was_down_while_another_served_its_claim_is_no_offender(monkeypatch):
+def test_only_a_refusal_of_a_claim_nobody_delivered_counts_against_its_donor(monkeypatch):
     import asyncio
 
     import atoll.node.catchup as catchup_module
-    from atoll.protocols.state_sync import ReplicaState
+    from atoll.protocols.state_sync import DonorRefused, ReplicaState
 
     def table(peers):
         t = Table(peers)
         t.everyone = lambda: {peer.peer_id: peer for peer in peers}
         return t
 
-    def serve(delivered):
+    def serve(delivered, error=DonorRefused("no")):
         async def download_state(open_stream, donors, p, numel, timeout, stats, have=None, on_failure=None):
-            on_failure(donors[0], ConnectionResetError("frozen"))  # the first donor is down
+            on_failure(donors[0], error)  # the first donor fails
             version, weight, digest = delivered
             return ReplicaState(version, weight, digest, torch.zeros(4), torch.zeros(4), 0, donors[1], p)
         return download_state
@@ -205,6 +205,14 @@ def test_a_donor_that_was_down_while_another_served_its_claim_is_no_offender(mon
     for _ in range(UNBACKED_OFFENCES):
         asyncio.run(cu._download(0, ["b", "c"]))
     assert ctx.cooldown.active("b") and ctx.stats.rejected_by_kind["unbacked_claim"] == 1
+    # A donor that does not answer at all (frozen, restarting) is never blamed.
+    cu, ctx = catch_up([b, c])
+    ctx.cfg.run = SimpleNamespace(round_timeout=1.0)
+    cu.peers = table([b, c])
+    monkeypatch.setattr(catchup_module, "download_state", serve(c.fragment(0), ConnectionResetError("frozen")))
+    for _ in range(UNBACKED_OFFENCES + 1):
+        asyncio.run(cu._download(0, ["b", "c"]))
+    assert not ctx.cooldown.active("b") and "unbacked_claim" not in ctx.stats.rejected_by_kind
     # Joining or restoring: nobody is blamed, even for a claim nobody delivered.
     cu, ctx = catch_up([b, c])
     ctx.cfg.run = SimpleNamespace(round_timeout=1.0)

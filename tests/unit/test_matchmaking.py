@@ -193,22 +193,24 @@ def test_a_decision_by_a_key_that_did_not_register_is_ignored(monkeypatch):
     assert b"a" in shared[gkey]
 
 
-@pytest.mark.parametrize("groups, time, kind", [
-    ([["evil"]], 5012.0, "group_record_omission"),  # leaves a out, long after a registered
-    ([["a"], ["evil"]], 5001.0, "group_record_split"),  # singletons imposed on a round of two
-    ([["a"]], 5001.0, "group_record_writer"),  # a decision that does not list its writer
-    ([["a", "evil"]], 4987.0, "group_record_time"),  # made well before its writer registered
+@pytest.mark.parametrize("groups, time, kind, offender", [
+    ([["evil"]], 5012.0, "group_record_omission", None),  # leaves a out, long after a registered
+    ([["a"], ["evil"]], 5001.0, "group_record_split", b"evil"),  # singletons imposed on a round of two
+    ([["a"]], 5001.0, "group_record_writer", b"evil"),  # a decision that does not list its writer
+    ([["a", "evil"]], 4987.0, "group_record_time", None),  # made well before its writer registered
 ])
-def test_a_registrant_cannot_impose_a_forged_decision(monkeypatch, groups, time, kind):
+def test_a_registrant_cannot_impose_a_forged_decision(monkeypatch, groups, time, kind, offender):
     """The earliest registrant's decision counts only if it looks like one ``form_group`` makes: it lists its
     writer, splits as ``split_groups`` does, was made within its writer's turn, and includes every daemon that
-    registered well before it. Otherwise it is counted, ignored, and the writer is bypassed like a mute one."""
+    registered well before it. Otherwise it is counted, ignored, and the writer is bypassed like a mute one. Its
+    writer is an offender only for what no honest coordinator writes: a frozen or slow one can decide late, or
+    without a registration it had not read yet."""
     from atoll.protocols.matchmaking import group_key, round_key
 
     key, gkey = round_key("run", 0, 13, "D"), group_key("run", 0, 13, "D")
     shared = {key: {b"evil": {"peer_id": "evil", "weight": 1.0, "time": 4999.0}},
               gkey: {b"evil": {"groups": groups, "time": time}}}
     members, rejected = _form(shared, "a", monkeypatch, 5000, {"evil": 13})
-    assert (kind, b"evil") in rejected
+    assert (kind, offender) in rejected
     assert members == ["a", "evil"]  # a took over once evil's turn was over, with evil still in
     assert shared[gkey][b"a"]["groups"] == [["a", "evil"]]
