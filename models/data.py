@@ -81,39 +81,47 @@ def load_corpus(spec: str) -> tuple[np.ndarray, int]:
     return tokens, vocab
 
 
+def min_corpus_tokens(seq_len: int) -> int:
+    """The smallest corpus that trains: ``HELD_OUT_EVERY`` blocks of one window each (one of them held out)."""
+    return HELD_OUT_EVERY * (seq_len + 1)
+
+
 class Corpus:
     """A token array cut into blocks: every ``HELD_OUT_EVERY``-th block is held out, the rest are dealt
     round-robin to ``num_shards`` shards. Interleaving keeps shards and the held-out split alike in
     distribution even when the source is a sorted list of very different files.
+
+    A corpus too small for ``HELD_OUT_EVERY`` blocks of ``block`` tokens gets smaller blocks (down to one window),
+    and one with fewer training blocks than ``num_shards`` fewer shards: shard ``s`` reads shard
+    ``s mod shards`` (``shards``), the same on every daemon. Below ``min_corpus_tokens``, ``ValueError`` naming
+    that minimum.
     """
 
     def __init__(self, tokens: np.ndarray, seq_len: int, num_shards: int, block: int = BLOCK_TOKENS) -> None:
-        self.seq_len, self.num_shards, self.block = seq_len, num_shards, block
         window = seq_len + 1
-        if block < window:
-            raise ValueError(f"block of {block} tokens is shorter than a window of {window}")
+        if tokens.size < min_corpus_tokens(seq_len):
+            raise ValueError(f"corpus too small: {tokens.size} tokens; a model of sequence length {seq_len} needs "
+                             f"at least {min_corpus_tokens(seq_len)} (one held-out window in {HELD_OUT_EVERY})")
+        block = max(window, min(block, tokens.size // HELD_OUT_EVERY))
+        self.seq_len, self.num_shards, self.block = seq_len, num_shards, block
         n_blocks = tokens.size // block
         ids = np.arange(n_blocks)
         held = ids[ids % HELD_OUT_EVERY == HELD_OUT_EVERY - 1]
         train = ids[ids % HELD_OUT_EVERY != HELD_OUT_EVERY - 1]
-        if train.size < num_shards or held.size == 0:
-            raise ValueError(
-                f"corpus too small: {tokens.size} tokens make {n_blocks} blocks of {block}; need at least "
-                f"{num_shards} training blocks and one held-out block (HELD_OUT_EVERY={HELD_OUT_EVERY})"
-            )
+        self.shards = min(num_shards, train.size)
         blocks = tokens[: n_blocks * block].reshape(n_blocks, block)
-        self._shards = [blocks[train[s::num_shards]].reshape(-1) for s in range(num_shards)]
+        self._shards = [blocks[train[s::self.shards]].reshape(-1) for s in range(self.shards)]
         self._held_out = blocks[held].reshape(-1)
 
     def windows_in_shard(self, shard: int) -> int:
-        return self._shards[shard].size // (self.seq_len + 1)
+        return self._shards[shard % self.shards].size // (self.seq_len + 1)
 
     def batch_at(self, shard: int, position: int, batch_size: int) -> torch.Tensor:
         """Windows ``position .. position+batch_size-1`` of ``shard`` (wrapping), as int64 [B, seq_len+1]."""
         window = self.seq_len + 1
         starts = ((position + np.arange(batch_size)) % self.windows_in_shard(shard)) * window
         idx = starts[:, None] + np.arange(window)[None, :]
-        return torch.from_numpy(self._shards[shard][idx].astype(np.int64))
+        return torch.from_numpy(self._shards[shard % self.shards][idx].astype(np.int64))
 
     def held_out(self, num_batches: int, batch_size: int) -> list[torch.Tensor]:
         """A fixed list of held-out batches (the same on every daemon), spread evenly over the held-out split."""

@@ -47,7 +47,7 @@ def check_name(name: str) -> None:
     from .configs import MODELS
 
     if name not in MODELS and not is_factory(name):
-        raise ModelError(f"unknown model {name!r}: a preset ({', '.join(MODELS)}) or package.module:factory")
+        raise ModelError(f"unknown {name!r}: a preset ({', '.join(MODELS)}) or package.module:factory")
 
 
 def build_model(name: str, seed: int) -> tuple[nn.Module, ModelShape]:
@@ -68,16 +68,16 @@ def _from_factory(name: str) -> nn.Module:
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # noqa: BLE001 - any failure of the user's import is one line
-        raise ModelError(f"model {name!r}: cannot import {module_name}: {type(e).__name__}: {e}") from None
+        raise ModelError(f"{name!r}: cannot import {module_name}: {type(e).__name__}: {e}") from None
     factory = getattr(module, attr, None)
     if not callable(factory):
-        raise ModelError(f"model {name!r}: {module_name} has no callable {attr!r}")
+        raise ModelError(f"{name!r}: {module_name} has no callable {attr!r}")
     try:
         model = factory()
     except Exception as e:  # noqa: BLE001
-        raise ModelError(f"model {name!r}: the factory raised {type(e).__name__}: {e}") from None
+        raise ModelError(f"{name!r}: the factory raised {type(e).__name__}: {e}") from None
     if not isinstance(model, nn.Module):
-        raise ModelError(f"model {name!r}: the factory returned a {type(model).__name__}, not a torch.nn.Module")
+        raise ModelError(f"{name!r}: the factory returned a {type(model).__name__}, not a torch.nn.Module")
     return model
 
 
@@ -92,9 +92,9 @@ def shape_of(model: nn.Module, name: str = "model") -> ModelShape:
                 values[field] = value
                 break
         else:
-            raise ModelError(f"model {name!r}: it has no positive integer {field!r} (on the module, or its cfg)")
+            raise ModelError(f"{name!r}: it has no positive integer {field!r} (on the module, or its cfg)")
     if not any(p.requires_grad for p in model.parameters()):
-        raise ModelError(f"model {name!r}: it has no trainable parameters")
+        raise ModelError(f"{name!r}: it has no trainable parameters")
     return ModelShape(**values)
 
 

@@ -19,6 +19,7 @@ from typing import Any
 from multiaddr import Multiaddr
 
 from atoll.models.configs import MODELS
+from atoll.models.registry import ModelError, check_name
 from atoll.models.robust import MERGE_RULES
 from atoll.protocols.codecs import CODECS
 
@@ -65,7 +66,8 @@ class ConfigError(ValueError):
 class RunConfig:
     """Shared by every daemon of a run (published in the DHT by the daemon that starts the run)."""
 
-    model: str = opt("tiny", help="named model shape", known=MODELS)
+    model: str = opt("tiny", help="a named model shape, or package.module:factory: a function returning your own "
+                                  "torch module (docs/models.md)", known=MODELS)
     algorithm: str = opt("decoupled", help="outer algorithm; ddp is a gradient all-reduce every inner step",
                          known=ALGORITHMS)
     data: str = opt("builtin", help="'builtin', a text file or folder, or uint16 .bin shards", metavar="PATH")
@@ -112,6 +114,8 @@ class RunConfig:
                                        "off",
                              metavar="F")
     # clip stays the default (docs/results/bench_robust_merge_pooled.json: what the robust rules cost and gain).
+    model_digest: str = opt("", help="digest of the model's parameter names, shapes and dtypes; set by the daemon "
+                                     "that starts the run, checked by every joiner", hidden=True)
     robust_merge: str = opt("clip", help="how a reducer merges its shard's contributions, after the norm clip: 'clip' "
                                          "the weighted mean; 'trimmed' a coordinate-wise trimmed mean (floor(M/4) "
                                          "values, at least 1 from 3 members on, dropped at each end); 'centered' "
@@ -119,8 +123,10 @@ class RunConfig:
                                          "member at a typical norm pointing anywhere", known=MERGE_RULES)
 
     def validate(self) -> None:
-        if self.model not in MODELS:
-            raise ConfigError(f"model: unknown {self.model!r}; known: {', '.join(MODELS)}")
+        try:
+            check_name(self.model)
+        except ModelError as e:
+            raise ConfigError(f"model: {e}") from None
         if self.algorithm not in ALGORITHMS:
             raise ConfigError(f"algorithm: unknown {self.algorithm!r}; known: {', '.join(ALGORITHMS)}")
         if self.data != "builtin" and not Path(self.data).exists():

@@ -23,7 +23,7 @@ import torch
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
-from atoll.models.configs import get_model_config
+from atoll.models.registry import ModelError, build_model, embedding_of, model_digest
 from atoll.models.data import Corpus, load_corpus, shard_for_peer
 from atoll.models.fragments import make_fragments
 from atoll.protocols.records import Status, make_validators
@@ -31,7 +31,7 @@ from atoll.protocols.records import Status, make_validators
 from . import persist
 from .algorithm import algorithm
 from .checkpoint import CheckpointWriter, load_checkpoint
-from .config import ConfigError, NodeConfig
+from .config import ConfigError, NodeConfig, RunConfig
 from .ddp import DDP
 from .device import resolve_device
 from .faults import Faults
@@ -85,7 +85,8 @@ class Daemon:
         for maddr in dht.get_visible_maddrs():
             print(maddr, flush=True)
         logger.info("peer id %s; to join this run: atoll start --initial-peers <one of the lines above>", peer_id)
-        self.cfg, config_record = agree_on_run_config(dht, self.cfg, self.explicit, token, subkey)
+        self.cfg, config_record = agree_on_run_config(dht, self.cfg, self.explicit, token, subkey,
+                                                      digest=run_model_digest)
         cfg, run = self.cfg, self.cfg.run
         algo = algorithm(run.algorithm)
         self.counters.algorithm = run.algorithm
@@ -132,16 +133,26 @@ class Daemon:
         on every daemon (initialised on the CPU). Returns the shard and the held-out evaluation."""
         cfg, run = self.cfg, self.cfg.run
         tokens, vocab = load_corpus(run.data)
-        model_cfg = get_model_config(run.model)
-        if vocab > model_cfg.vocab_size:
-            raise ConfigError(f"data: tokens go up to {vocab - 1} but model {run.model!r} has vocab {model_cfg.vocab_size}")
-        corpus = Corpus(tokens, model_cfg.seq_len, run.num_shards)
+        try:
+            model, shape = build_model(run.model, run.seed)
+        except ModelError as e:
+            raise ConfigError(f"model: {e}") from None
+        digest = model_digest(model)
+        if run.model_digest and digest != run.model_digest:
+            raise ConfigError(f"model: this daemon's {run.model!r} has parameters (names, shapes, dtypes: digest "
+                              f"{digest}) other than the run's (digest {run.model_digest}); build the run's model")
+        if vocab > shape.vocab_size:
+            raise ConfigError(f"data: tokens go up to {vocab - 1} but model {run.model!r} has vocab {shape.vocab_size}")
+        try:
+            corpus = Corpus(tokens, shape.seq_len, run.num_shards)
+        except ValueError as e:
+            raise ConfigError(f"data: {e}") from None
         shard = shard_for_peer(peer_id, run.num_shards)
         held_out = HeldOut(corpus.held_out(cfg.eval_batches, cfg.batch_size), cfg.eval_budget, self.counters)
-        self.learner = learner = Learner(run, self.device, corpus, shard, cfg.batch_size)
+        self.learner = learner = Learner(run, self.device, corpus, shard, cfg.batch_size, model=model)
         try:
             self.fragments = make_fragments(learner.params, run.num_fragments, run.sync_every,
-                                            embedding=learner.model.embed.weight)
+                                            embedding=embedding_of(learner.model))
         except ValueError as e:
             raise ConfigError(f"fragments: {e}") from None
         self.replica = replica = Replica([f.gather(learner.params) for f in self.fragments])
@@ -328,3 +339,17 @@ def run_daemon(cfg: NodeConfig, explicit: set[str]) -> int:
         return 0
     finally:
         sys.stdout.flush()
+
+
+def run_model_digest(run: RunConfig) -> str:
+    """The digest of the run's model (``models/registry.py``), built without memory on the meta device when the
+    model allows it, else on the CPU."""
+    try:
+        with torch.device("meta"):
+            model, _ = build_model(run.model, run.seed)
+    except ModelError:
+        try:
+            model, _ = build_model(run.model, run.seed)  # a factory that needs real tensors (it loads weights, say)
+        except ModelError as e:
+            raise ConfigError(f"model: {e}") from None
+    return model_digest(model)

@@ -14,7 +14,7 @@ import os
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from hivemind import DHT
@@ -36,7 +36,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 import msgpack
 from atoll.protocols.records import RunConfigRecord, config_key, config_payload, parse_run_config, unwrap_subkeys
 
-from .config import ConfigError, NodeConfig, reconcile_run_config
+from .config import ConfigError, NodeConfig, RunConfig, reconcile_run_config
 
 logger = logging.getLogger("atoll")
 CONFIG_TTL = 24 * 3600.0
@@ -238,9 +238,11 @@ def _content(rec: RunConfigRecord) -> str:
 
 
 def agree_on_run_config(dht: DHT, cfg: NodeConfig, explicit: set[str], token: JoinToken | None,
-                        subkey: bytes) -> tuple[NodeConfig, dict[str, Any]]:
+                        subkey: bytes, digest: Callable[[RunConfig], str] | None = None) -> tuple[NodeConfig, dict[str, Any]]:
     """Adopt the run's published config (joiners) or publish ours (the daemon that starts the run). Returns the
-    config to run with and the run's config record (which the syncer keeps re-publishing)."""
+    config to run with and the run's config record (which the syncer keeps re-publishing). ``digest``: the model
+    digest of a run config (``models/registry.py``), published by the daemon that starts the run so that every
+    joiner can check its model against it."""
     key = config_key(cfg.run_id)
     published = None
     if cfg.initial_peers:
@@ -265,6 +267,8 @@ def agree_on_run_config(dht: DHT, cfg: NodeConfig, explicit: set[str], token: Jo
         logger.info("joined run %r started by %s", cfg.run_id, published.started_by[-8:])
     else:
         private = token is not None
+        if digest is not None:
+            cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, model_digest=digest(cfg.run)))
         published = RunConfigRecord(
             fields=cfg.run.published(), started_by=str(dht.peer_id), started_at=float(get_dht_time()),
             access="private" if private else "open", run_key=fingerprint(token.run_public_key) if private else None,

@@ -29,9 +29,8 @@ from collections.abc import Sequence
 
 import torch
 
-from atoll.models.configs import get_model_config
 from atoll.models.data import Corpus
-from atoll.models.gpt import GPT
+from atoll.models.registry import ModelShape, build_model, shape_of
 from atoll.models.fragments import copy_into, flatten
 
 from .config import RunConfig
@@ -40,16 +39,18 @@ from .device import PRECISIONS, Device
 
 class Learner:
     def __init__(self, run: RunConfig, device: Device, corpus: Corpus, shard: int, batch_size: int,
-                 precision: str | None = None) -> None:
+                 precision: str | None = None, model: torch.nn.Module | None = None) -> None:
         self.run, self.device, self.corpus, self.shard, self.batch_size = run, device, corpus, shard, batch_size
         self.precision = precision or device.precision
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         self._autocast_device = Device(device.kind, device.torch_device, self.precision)
-        self.model_cfg = get_model_config(run.model)
-        torch.manual_seed(run.seed)
-        self.model = GPT(self.model_cfg).to(device.torch_device)  # initialised on the CPU: the same θ₀ everywhere
-        self.params = list(self.model.parameters())
+        if model is None:  # initialised on the CPU from the run's seed: the same θ₀ everywhere
+            model, self.shape = build_model(run.model, run.seed)
+        else:
+            self.shape: ModelShape = shape_of(model, run.model)
+        self.model = model.to(device.torch_device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
         # capturable: the step count and bias corrections are device tensors, so the optimizer's graph is the
         # same at every step on xla (a host-side step count would change constants and recompile).
         self.optimizer = torch.optim.AdamW(self.params, lr=run.inner_lr, betas=(0.9, 0.95),
@@ -63,7 +64,7 @@ class Learner:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.batch_size * self.model_cfg.seq_len
+        return self.batch_size * self.shape.seq_len
 
     def _lr(self) -> float:
         warm = self.run.warmup_steps

@@ -42,8 +42,8 @@ def test_help_shows_each_dataclass_default():
     for action in _subparser("start")._actions:
         if action.dest not in defaults:
             continue
-        if action.dest == "faults":
-            assert action.help == argparse.SUPPRESS and "--fault" not in text
+        if action.dest in ("faults", "model_digest"):  # the hidden ones
+            assert action.help == argparse.SUPPRESS and action.option_strings[0] + " " not in text
             continue
         shown = f"default: {show_default(defaults[action.dest])})"
         assert shown in action.help, action.dest
@@ -120,7 +120,7 @@ def test_toml_file_with_every_key(tmp_path, access):
                inner_lr=2e-3, weight_decay=0.05, warmup_steps=10, seed=3, num_shards=8, gather_timeout=10.0,
                round_timeout=12.5, fragments=2, overlap=1, alpha=0.25, quorum=2, max_group=8, grace_gamma=0.25,
                join_window=False, stale_contributions=True, rda=False, compression="int8", error_feedback=False,
-               codec_block=128, clip_factor=3.0, robust_merge="trimmed")
+               codec_block=128, clip_factor=3.0, robust_merge="trimmed", model_digest="0123456789abcdef")
     node = dict(run_id="exp-1", initial_peers=(PEER,), host_maddrs=("/ip4/127.0.0.1/tcp/0",),
                 announce_maddrs=("/ip4/127.0.0.1/tcp/4001",), identity=str(tmp_path / "identity.key"),
                 checkpoint_dir=str(tmp_path / "ckpt"), device="cpu", batch_size=4, threads=2, max_steps=100,
