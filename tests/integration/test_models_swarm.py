@@ -14,7 +14,9 @@ from swarm import LocalSwarm
 from test_swarm import assert_replicas_agree, peer_id, wait_for
 
 pytestmark = pytest.mark.integration
-COMMON = ["--batch-size", "4", "--algorithm", "decoupled", "--fragments", "2", "--sync-every", "10",
+# Synchronous DiLoCo: every round waits for every live daemon, so "3-member rounds" holds on a loaded machine too
+# (decoupled at H=10 merged mostly alone there; the model is what these tests are about, not the algorithm).
+COMMON = ["--batch-size", "4", "--algorithm", "diloco", "--sync-every", "20",
           "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1", "--eval-budget", "1",
           "--fault", "step_delay=0.05"]
 
