@@ -41,6 +41,10 @@ from .round_protocol import RoundOutcome, RoundProtocol
 
 logger = logging.getLogger("atoll")
 LEAVE_TIMEOUT = 3.0  # seconds the leaving announcement may take
+# Before its P2P stops, a leaving daemon serves the streams peers still have open (the reduced shard of the last
+# round, which a member may still be fetching: a ddp daemon that left at --max-steps cut one off), for at most
+# LINGER seconds, and until none has been open for LINGER_QUIET (a request may be on its way).
+LINGER, LINGER_QUIET = 5.0, 0.5
 
 
 class Syncer:
@@ -49,6 +53,7 @@ class Syncer:
                  config_record: dict[str, Any] | None = None,
                  error_feedback: dict[str, torch.Tensor] | None = None, run_public_key: bytes | None = None,
                  revocation: Any = None) -> None:
+        self.guard: StreamGuard | None = None  # bounds our handlers' streams (set once the P2P is up)
         self.ctx = ctx = SyncContext(
             cfg=cfg, algorithm=algorithm(cfg.run.algorithm), dht=dht, peer_id=str(dht.peer_id), subkey=subkey,
             replica=replica, fragments=fragments, counters=counters, faults=faults, private=private,
@@ -96,7 +101,8 @@ class Syncer:
         # anything of its stream is read. Streams from peers in the table have a budget strangers cannot take.
         known = lambda peer: peer in self.table.peers()  # noqa: E731
         gate = MemberGate(known, self.table.is_member) if ctx.private else None
-        StreamGuard(ctx.stats.reject, known, gate).attach(ctx.p2p)
+        self.guard = StreamGuard(ctx.stats.reject, known, gate)
+        self.guard.attach(ctx.p2p)
         self.rounds.averager = AveragingServicer(
             ctx.cfg.run_id, ctx.peer_id, ctx.stats, ctx.cooldown, run.clip_factor, run.round_timeout,
             past=lambda p, v: 0 <= p < replica.num_fragments and replica.identity(p)[0] > v,
@@ -163,7 +169,24 @@ class Syncer:
         await asyncio.gather(self.table.publish_head(force=True),
                              self.table.publish(status=Status.LEAVING, ttl=self.ctx.cfg.heartbeat,
                                                 timeout=LEAVE_TIMEOUT))
+        await self._linger()
         await self.ctx.p2p.shutdown()
+
+    async def _linger(self) -> None:
+        """Wait (up to ``LINGER``) until no peer has had a stream open to us for ``LINGER_QUIET`` seconds."""
+        guard = self.guard
+        if guard is None:
+            return
+        loop = asyncio.get_running_loop()
+        deadline, quiet_since = loop.time() + LINGER, None
+        while loop.time() < deadline:
+            if guard.limits.open_total:
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = loop.time()
+            elif loop.time() - quiet_since >= LINGER_QUIET:
+                return
+            await asyncio.sleep(0.05)
 
     # ---- the facade the training loop uses -----------------------------------------------------------------
     def submit_round(self, p: int, delta: torch.Tensor, weight: float,
