@@ -42,7 +42,9 @@ COMMON = ["--model", "nano", "--batch-size", "4", "--algorithm", "diloco", "--sy
           # A short cooldown: an offence in one attack must not hide the member from the next one's defence.
           "--peer-cooldown", "5"]
 HONEST = ("a", "b", "c")
-PHASES = (("fake_heavier", 10.0), ("refuse", 6.0), ("forged_rounds", 12.0), ("hostile_reducer", 12.0))
+# forged_rounds: its second half (forged decisions) must outlast the cooldown its first half earns (absurd times:
+# round_record_time offences, then --peer-cooldown 5 s during which its decisions are ignored uncounted).
+PHASES = (("fake_heavier", 10.0), ("refuse", 6.0), ("forged_rounds", 24.0), ("hostile_reducer", 12.0))
 
 
 def tree_usage(pid: int) -> tuple[int, int]:
