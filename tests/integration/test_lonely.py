@@ -82,7 +82,9 @@ def test_a_forked_swarm_heals_and_a_scrambled_model_is_refused(tmp_path):
         summaries = [next(m for m in d.metrics() if m.get("event") == "summary") for d in swarm.daemons.values()]
         refused = summaries[0]["rejected_by_kind"]
         assert refused.get("worse_state", 0) >= 1
-        assert "implausible_state" not in refused  # it got past the gross filter: the vetting refused it
+        # worse_state: the scrambled state got past the gross filter and the held-out check refused it. Its norm
+        # is Θ₀'s, so once a's replica has grown past twice that, the gross filter refuses it first
+        # (implausible_state), as it should.
         assert sum(s["forks_healed"] for s in summaries) >= 2  # two of the three lines were given up
         held_out = [r["held_out_loss"] for r in joint()]
         assert held_out[-1] < 4.0  # a trained model, not a scrambled one (about 5.5)
