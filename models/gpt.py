@@ -85,6 +85,16 @@ class Block(nn.Module):
         return x + self.fc_out(F.gelu(self.fc_in(self.norm2(x))))
 
 
+def init_normal(model: nn.Module, n_layers: int, residual: tuple[str, ...], std: float = 0.02) -> None:
+    """Normal(0, std) for every matrix, in parameter order; the residual projections (names ending in one of
+    ``residual``) scaled down with depth (GPT-2), so deep stacks start near identity. Vectors keep their init."""
+    for name, p in model.named_parameters():
+        if p.dim() < 2:
+            continue
+        scale = 1.0 / math.sqrt(2 * n_layers) if name.endswith(residual) else 1.0
+        nn.init.normal_(p, mean=0.0, std=std * scale)
+
+
 class GPT(nn.Module):
     """Decoder-only language model. ``forward(idx, targets)`` returns the mean next-token cross-entropy."""
 
@@ -100,13 +110,7 @@ class GPT(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        std = 0.02
-        for name, p in self.named_parameters():
-            if p.dim() < 2:
-                continue
-            # Residual projections scaled down with depth (GPT-2), so deep stacks start near identity.
-            scale = 1.0 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("proj.weight", "fc_out.weight")) else 1.0
-            nn.init.normal_(p, mean=0.0, std=std * scale)
+        init_normal(self, self.cfg.n_layers, ("proj.weight", "fc_out.weight"))
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]

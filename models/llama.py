@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .gpt import RMSNorm, apply_rotary, rotary_tables
+from .gpt import RMSNorm, apply_rotary, init_normal, rotary_tables
 
 
 @dataclass(frozen=True)
@@ -124,13 +124,7 @@ class Llama(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        std = 0.02
-        for name, p in self.named_parameters():
-            if p.dim() < 2:
-                continue
-            # Residual projections scaled down with depth, so deep stacks start near identity.
-            scale = 1.0 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("o.weight", "down.weight")) else 1.0
-            nn.init.normal_(p, mean=0.0, std=std * scale)
+        init_normal(self, self.cfg.n_layers, ("o.weight", "down.weight"))
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]

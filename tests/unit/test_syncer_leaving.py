@@ -44,7 +44,7 @@ def test_a_leaving_syncer_serves_open_streams_first_within_a_bound(monkeypatch):
     import atoll.node.syncer as syncer_module
     from atoll.protocols.p2p_guard import StreamLimits
 
-    monkeypatch.setattr(syncer_module, "LINGER", 1.0)
+    monkeypatch.setattr(syncer_module, "LINGER", 4.0)
     monkeypatch.setattr(syncer_module, "LINGER_QUIET", 0.1)
 
     async def main():
@@ -55,14 +55,14 @@ def test_a_leaving_syncer_serves_open_streams_first_within_a_bound(monkeypatch):
         loop.call_later(0.3, setattr, syncer.guard.limits, "open_total", 0)
         t0 = loop.time()
         await syncer._linger()
-        assert 0.35 <= loop.time() - t0 < 0.9  # waited for the stream, then a quiet spell, not the whole bound
+        assert 0.35 <= loop.time() - t0 < 3.5  # waited for the stream, then a quiet spell, not the whole bound
         syncer.guard.limits.open_total = 1  # a stream that never ends: the bound holds
         t0 = loop.time()
         await syncer._linger()
-        assert 0.95 <= loop.time() - t0 < 1.5
+        assert 3.95 <= loop.time() - t0 < 8.0
         syncer.guard = None  # no P2P yet: nothing to wait for
         t0 = loop.time()
         await syncer._linger()
-        assert loop.time() - t0 < 0.05
+        assert loop.time() - t0 < 1.0
 
     asyncio.run(main())
