@@ -16,7 +16,7 @@ XLA_KEY := $(shell (echo xla-venv-2; cat pyproject.toml) | sha256sum | cut -c1-1
 XLA_STAMP := $(XLA_VENV)/.installed-$(XLA_KEY)
 XLA_PATH := build/xla-path
 
-.PHONY: test test-unit test-integration test-xla xla-venv demo bench clean
+.PHONY: system-packages test test-unit test-integration test-xla xla-venv demo bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,7 +37,11 @@ $(XLA_STAMP):
 
 xla-venv: $(XLA_STAMP)
 
-test: $(STAMP)
+# System packages a test needs: nft (nftables) for the WAN emulator's NAT regions (tests/unit/test_wan.py).
+system-packages:
+	command -v nft >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables)
+
+test: $(STAMP) system-packages
 	$(PY) -m pytest -q tests
 	$(MAKE) test-xla
 
@@ -46,12 +50,13 @@ test: $(STAMP)
 test-xla: $(XLA_STAMP)
 	mkdir -p $(XLA_PATH)/atoll
 	for p in node protocols models; do ln -sfn ../../../$$p $(XLA_PATH)/atoll/$$p; done
+	ln -sfn ../../../atoll/__init__.py $(XLA_PATH)/atoll/__init__.py
 	PYTHONPATH=$(CURDIR)/$(XLA_PATH) PJRT_DEVICE=CPU ATOLL_REQUIRE_XLA=1 $(XLA_PY) -m pytest -q tests/xla tests/unit/test_xla.py
 
-test-unit: $(STAMP)
+test-unit: $(STAMP) system-packages
 	$(PY) -m pytest -q tests/unit
 
-test-integration: $(STAMP)
+test-integration: $(STAMP) system-packages
 	$(PY) -m pytest -q tests/integration
 
 demo: $(STAMP)

@@ -1,4 +1,5 @@
-"""Token streams: the built-in corpus, text files/folders, and pre-tokenized uint16 ``.bin`` shards.
+"""Token streams: the built-in corpus, prepared datasets (``models/dataset.py``), text files/folders, and
+pre-tokenized uint16 ``.bin`` shards.
 
 A corpus is one flat token array split into a training part and a fixed held-out part. The training part is
 cut into ``num_shards`` shards; a daemon reads the shard chosen from its peer id, sequentially, in
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from .dataset import PreparedDataset, is_prepared, read_manifest
 
 BLOCK_TOKENS = 1 << 14
 HELD_OUT_EVERY = 50  # one block in 50 (2%) is held out
@@ -59,15 +62,22 @@ def _bytes_to_tokens(raw: bytes) -> np.ndarray:
 
 
 def load_corpus(spec: str) -> tuple[np.ndarray, int]:
-    """Load ``builtin``, a text file, a folder of text files, or ``.bin`` uint16 shards (a file or a folder).
+    """Load ``builtin``, a prepared dataset (a folder holding ``atoll data prepare``'s manifest.json), a text file,
+    a folder of text files, or ``.bin`` uint16 shards (a file or a folder).
 
-    Returns (tokens, vocab_size needed). Raises ``ValueError`` with a clear message for a bad path.
+    Returns (tokens, vocab_size needed). A prepared dataset gives its training split only (its held-out split is
+    never trained on; ``Corpus`` holds out blocks of these tokens for the daemon's own evaluation) and its
+    tokenizer's vocabulary size, even where the tokens use fewer ids. Raises ``ValueError`` with a clear one-line
+    message for a bad path or a manifest or shard that does not check out.
     """
     if spec == "builtin":
         return load_builtin_corpus(), 256
     path = Path(spec)
     if not path.exists():
         raise ValueError(f"data path {spec!r} does not exist")
+    if is_prepared(path):  # before the .bin rule below: a prepared dataset's shards are .bin files too
+        dataset = PreparedDataset(path)
+        return dataset.tokens("train"), dataset.manifest.vocab_size
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     bins = [p for p in files if p.suffix == ".bin"]
     if bins:
@@ -81,37 +91,76 @@ def load_corpus(spec: str) -> tuple[np.ndarray, int]:
     return tokens, vocab
 
 
+BYTES = "bytes"  # ``tokenizer_of`` byte-level data: the built-in corpus, text files
+
+
+def tokenizer_of(spec: str) -> str:
+    """How the data ``spec`` names was tokenized: ``BYTES`` (the built-in corpus, text files), a prepared dataset's
+    tokenizer sha256, or "" (uint16 ``.bin`` shards: nobody says). Reads no more than a manifest;
+    ``ValueError`` as ``load_corpus`` for a bad path or manifest."""
+    if spec == "builtin":
+        return BYTES
+    path = Path(spec)
+    if not path.exists():
+        raise ValueError(f"data path {spec!r} does not exist")
+    if is_prepared(path):
+        return read_manifest(path).tokenizer_sha256
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    return "" if any(p.suffix == ".bin" for p in files) else BYTES
+
+
+MIN_WINDOWS = 2  # one window to train on and one held out: with wrapping, each makes a batch of any size
+
+
 def min_corpus_tokens(seq_len: int) -> int:
-    """The smallest corpus that trains: ``HELD_OUT_EVERY`` blocks of one window each (one of them held out)."""
-    return HELD_OUT_EVERY * (seq_len + 1)
+    """The smallest corpus that trains: one training window and one held-out window of ``seq_len + 1`` tokens."""
+    return MIN_WINDOWS * (seq_len + 1)
+
+
+def load_held_out(spec: str) -> np.ndarray | None:
+    """A prepared dataset's own held-out split (``atoll data prepare --held-out``), or None where ``spec`` has
+    none (any other kind of data, or a split with no tokens): ``Corpus`` then holds out blocks of the training
+    tokens. ``ValueError`` as ``load_corpus``."""
+    path = Path(spec)
+    if spec == "builtin" or not is_prepared(path):
+        return None
+    tokens = PreparedDataset(path).tokens("held_out")
+    return tokens if tokens.size else None
 
 
 class Corpus:
     """A token array cut into blocks: every ``HELD_OUT_EVERY``-th block is held out, the rest are dealt
     round-robin to ``num_shards`` shards. Interleaving keeps shards and the held-out split alike in
-    distribution even when the source is a sorted list of very different files.
+    distribution even when the source is a sorted list of very different files. Given ``held_out`` tokens (a
+    prepared dataset's own split, at least one window), those are the held-out split and every block trains.
 
-    A corpus too small for ``HELD_OUT_EVERY`` blocks of ``block`` tokens gets smaller blocks (down to one window),
-    and one with fewer training blocks than ``num_shards`` fewer shards: shard ``s`` reads shard
-    ``s mod shards`` (``shards``), the same on every daemon. Below ``min_corpus_tokens``, ``ValueError`` naming
-    that minimum.
+    A corpus too small for ``HELD_OUT_EVERY`` blocks of ``block`` tokens gets smaller blocks (down to one window,
+    then one held out in as many as there are, at least two), and one with fewer training blocks than
+    ``num_shards`` fewer shards: shard ``s`` reads shard ``s mod shards`` (``shards``), the same on every daemon.
+    Below ``min_corpus_tokens`` (one training window and one held out), ``ValueError`` naming that minimum.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, num_shards: int, block: int = BLOCK_TOKENS) -> None:
+    def __init__(self, tokens: np.ndarray, seq_len: int, num_shards: int, block: int = BLOCK_TOKENS,
+                 held_out: np.ndarray | None = None) -> None:
         window = seq_len + 1
-        if tokens.size < min_corpus_tokens(seq_len):
+        if held_out is not None and held_out.size < window:
+            held_out = None  # not one window: hold out blocks of ``tokens`` as for any corpus
+        need = window if held_out is not None else min_corpus_tokens(seq_len)
+        if tokens.size < need:
             raise ValueError(f"corpus too small: {tokens.size} tokens; a model of sequence length {seq_len} needs "
-                             f"at least {min_corpus_tokens(seq_len)} (one held-out window in {HELD_OUT_EVERY})")
+                             f"at least {need} (" + ("one training window)" if held_out is not None else
+                                                     "one training window and one held out)"))
         block = max(window, min(block, tokens.size // HELD_OUT_EVERY))
         self.seq_len, self.num_shards, self.block = seq_len, num_shards, block
         n_blocks = tokens.size // block
         ids = np.arange(n_blocks)
-        held = ids[ids % HELD_OUT_EVERY == HELD_OUT_EVERY - 1]
-        train = ids[ids % HELD_OUT_EVERY != HELD_OUT_EVERY - 1]
+        every = min(HELD_OUT_EVERY, n_blocks)  # at least 2 blocks here: one is held out, the others train
+        held = ids[ids % every == every - 1] if held_out is None else ids[:0]
+        train = ids[ids % every != every - 1] if held_out is None else ids
         self.shards = min(num_shards, train.size)
         blocks = tokens[: n_blocks * block].reshape(n_blocks, block)
         self._shards = [blocks[train[s::self.shards]].reshape(-1) for s in range(self.shards)]
-        self._held_out = blocks[held].reshape(-1)
+        self._held_out = blocks[held].reshape(-1) if held_out is None else held_out
 
     def windows_in_shard(self, shard: int) -> int:
         return self._shards[shard % self.shards].size // (self.seq_len + 1)

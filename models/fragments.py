@@ -25,7 +25,9 @@ def copy_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     """Copy ``flat`` into ``tensors`` in place, in ``flatten`` order, converted to each one's device and dtype.
 
     In place, so the tensors an optimizer holds stay the same objects. Raises ``ValueError`` when ``flat`` does
-    not hold exactly as many values as ``tensors``."""
+    not hold exactly as many values as ``tensors``. Each tensor copies from ``flat``'s own memory (``copy_``
+    moves it across devices): on xla a tensor sharded over an SPMD mesh keeps its sharding and is written
+    shard-wise, where a copy from an xla tensor would leave it replicated (``node/spmd.py``)."""
     needed = sum(t.numel() for t in tensors)
     if needed != flat.numel():
         raise ValueError(f"flat tensor has {flat.numel()} elements, the tensors need {needed}")
@@ -33,7 +35,7 @@ def copy_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     with torch.no_grad():
         for t in tensors:
             n = t.numel()
-            t.copy_(flat[offset : offset + n].view_as(t).to(t.device, t.dtype))
+            t.copy_(flat[offset : offset + n].view_as(t).to(dtype=t.dtype))
             offset += n
 
 

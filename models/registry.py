@@ -1,7 +1,10 @@
-"""Which model a run trains: a named preset, or the user's own factory, and the digest every daemon checks.
+"""Which model a run trains: a named preset, a Hugging Face model or the user's own factory, and the digest every
+daemon checks.
 
-``--model`` is either a preset name (``models/configs.py``: the GPT shapes and the Llama-style ones) or
-``package.module:factory``, a callable of no arguments that returns an ``nn.Module`` meeting atoll's contract:
+``--model`` is a preset name (``models/configs.py``: the GPT shapes and the Llama-style ones), ``hf:PATH`` (a
+Hugging Face ``transformers`` causal LM from a local ``config.json`` or a directory holding one, optionally with
+weights: ``models/hf.py``, the extra ``atoll[hf]``), or ``package.module:factory``, a callable of no arguments that
+returns an ``nn.Module`` meeting atoll's contract:
 
 - ``forward(idx, targets)`` returns the mean next-token loss as a scalar tensor (``idx``, ``targets``: int64
   token ids of shape (batch, seq_len));
@@ -24,6 +27,7 @@ import torch
 import torch.nn as nn
 
 FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+HF = "hf:"  # hf:PATH, a Hugging Face model (checked before factories: a module named hf cannot be one)
 
 
 class ModelError(ValueError):
@@ -42,12 +46,21 @@ def is_factory(name: str) -> bool:
     return bool(FACTORY.match(name))
 
 
+def is_hf(name: str) -> bool:
+    return name.startswith(HF)
+
+
 def check_name(name: str) -> None:
-    """``ModelError`` unless ``name`` is a preset or looks like ``package.module:factory`` (not imported here)."""
+    """``ModelError`` unless ``name`` is a preset, ``hf:PATH`` with a PATH, or looks like ``package.module:factory``
+    (neither read nor imported here)."""
     from .configs import MODELS
 
+    if is_hf(name):
+        if not name[len(HF):].strip():
+            raise ModelError(f"{name!r}: hf:PATH needs the PATH of a local config.json or of a directory with one")
+        return
     if name not in MODELS and not is_factory(name):
-        raise ModelError(f"unknown {name!r}: a preset ({', '.join(MODELS)}) or package.module:factory")
+        raise ModelError(f"unknown {name!r}: a preset ({', '.join(MODELS)}), hf:PATH or package.module:factory")
 
 
 def build_model(name: str, seed: int) -> tuple[nn.Module, ModelShape]:
@@ -58,6 +71,13 @@ def build_model(name: str, seed: int) -> tuple[nn.Module, ModelShape]:
     torch.manual_seed(seed)
     if name in MODELS:
         model = instantiate(MODELS[name])
+    elif is_hf(name):
+        from .hf import from_path
+
+        try:
+            model = from_path(name[len(HF):])
+        except ModelError as e:
+            raise ModelError(f"{name!r}: {e}") from None
     else:
         model = _from_factory(name)
     return model, shape_of(model, name)
@@ -99,8 +119,17 @@ def shape_of(model: nn.Module, name: str = "model") -> ModelShape:
 
 
 def embedding_of(model: nn.Module) -> torch.Tensor | None:
-    """The token embedding's weight, found by identity: the weight of the model's first ``nn.Embedding`` (a tied
-    output head is the same tensor, so it is seen once). None if the model has none."""
+    """The token embedding's weight, found by identity: the weight of the module the model's
+    ``get_input_embeddings()`` returns when it has one (Hugging Face models), else of its first ``nn.Embedding``
+    (a tied output head is the same tensor, so it is seen once). None if the model has none."""
+    get = getattr(model, "get_input_embeddings", None)
+    if callable(get):
+        try:
+            module = get()
+        except Exception:  # noqa: BLE001 - a model that does not say: the first nn.Embedding below
+            module = None
+        if isinstance(module, nn.Embedding) and any(module.weight is p for p in model.parameters()):
+            return module.weight
     for module in model.modules():
         if isinstance(module, nn.Embedding):
             return module.weight

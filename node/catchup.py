@@ -14,6 +14,11 @@ all hold its result, and a lone daemon that merged alone is overtaken by the oth
 heavier, adopted once a second daemon holds its replica). And a donor that does not back a claim it vouches for —
 it refuses, stalls or sends what does not check out, ``UNBACKED_OFFENCES`` times in a row — is an offender.
 
+A lone daemon's fork can also run ahead: alone, its rounds close at once, so its versions can outpace the
+others' while their merged weight grows faster. Version first, its claim stays the heaviest but nobody vouches for
+it, and it never takes theirs: the fork would never heal. So a lonely daemon (below) also takes a vouched claim
+that carries more merged weight than ours, whatever its version: the line most of the swarm's work went into.
+
 One case needs more: when every live daemon's replica of a fragment is its own (concurrent solo rounds forked the
 swarm three ways, say), no claim is vouched for and no two daemons ever meet in a round again. So a *lonely*
 daemon — one whose replica no live peer holds — that sees no vouched heavier claim may take the heaviest claim of
@@ -65,10 +70,27 @@ class CatchUp:
         self._open_stream = p2p_opener(self.ctx.p2p, self.ctx.cfg.run_id)
 
     def heavier_peers(self, p: int) -> list[ProgressRecord]:
-        """The live peers holding a vouched-for replica of fragment ``p`` heavier than ours."""
+        """The live peers holding a vouched-for replica of fragment ``p`` heavier than ours; or, when no live peer
+        holds ours (``alone``), one that carries more merged weight than ours whatever its version (``outweighing``)."""
         mine = self.ctx.replica.identity(p)
-        return [peer for peer in vouched(p, self.peers.training(), self.ctx.cfg.state_vouchers)
-                if heavier(peer.fragment(p), mine)]
+        training = self.peers.training()
+        backed = vouched(p, training, self.ctx.cfg.state_vouchers)
+        return [peer for peer in backed if heavier(peer.fragment(p), mine)] or self.outweighing(p, backed, training)
+
+    def outweighing(self, p: int, backed: list[ProgressRecord], training: list[ProgressRecord]
+                    ) -> list[ProgressRecord]:
+        """Of ``backed`` (vouched-for claims), those with more merged weight than our replica of fragment ``p`` at
+        a lower version, if no live peer holds ours: the others' line of a fork we ran ahead on alone."""
+        mine = self.ctx.replica.identity(p)
+        heavier_work = [peer for peer in backed if peer.fragment(p)[1] > mine[1] and peer.fragment(p)[0] < mine[0]]
+        return heavier_work if heavier_work and self.alone(p, training) else []
+
+    def alone(self, p: int, training: list[ProgressRecord]) -> bool:
+        """No live peer holds our replica of fragment ``p``, nor one it descends from (a peer just behind us: its
+        record predates the round we merged). Called on the event loop every heartbeat: no tensor copy here."""
+        mine = self.ctx.replica.identity(p)
+        line = set(self.ctx.replica.ancestors(p))
+        return not any(peer.fragment(p) == mine or peer.fragment(p)[2] in line for peer in training)
 
     def behind(self, p: int) -> bool:
         return bool(self.heavier_peers(p))
@@ -83,12 +105,7 @@ class CatchUp:
         training = self.peers.training()
         heavier_ones = [peer for peer in training
                         if heavier(peer.fragment(p), mine) and peer.fragment(p)[0] <= mine[0] + MAX_LONELY_LEAD]
-        if not heavier_ones:
-            return []
-        # A peer holding ours, or one we descend from (just behind us: its record predates the round we merged),
-        # is on our line: we are not alone. (Called on the event loop every heartbeat: no tensor copy here.)
-        line = set(self.ctx.replica.ancestors(p))
-        if any(peer.fragment(p) == mine or peer.fragment(p)[2] in line for peer in training):
+        if not heavier_ones or not self.alone(p, training):
             return []
         best = max(peer.fragment(p) for peer in heavier_ones)
         return [peer for peer in heavier_ones if peer.fragment(p) == best]
@@ -158,9 +175,12 @@ class CatchUp:
         then the learner's vetting)."""
         try:
             mine = self.ctx.replica.identity(p)
+            by_weight = not heavier(donors[0].fragment(p), mine)  # ``outweighing``: a fork we ran ahead on alone
             logger.info("peer %s holds a heavier replica of fragment %d (v%d vs our v%d%s); downloading it",
                         donors[0].peer_id[-8:], p, donors[0].fragment(p)[0], mine[0],
-                        "; no live peer holds ours, nobody vouches for it: it will be vetted" if check else "")
+                        "; no live peer holds ours, nobody vouches for it: it will be vetted" if check else
+                        f"; no live peer holds ours, and it carries more merged weight ({donors[0].fragment(p)[1]:.4g} "
+                        f"vs {mine[1]:.4g})" if by_weight else "")
             if check:
                 self._lonely_at[p] = time.monotonic()
             state = await self._download(p, [d.peer_id for d in donors])
@@ -175,7 +195,8 @@ class CatchUp:
             if state is not None and check:
                 with self._lock:
                     self._candidates[p] = state  # the learner vets it (the module's docstring)
-            elif state is not None and await loop.run_in_executor(None, self.ctx.replica.adopt, state):
+            elif state is not None and await loop.run_in_executor(
+                    None, lambda: self.ctx.replica.adopt(state, by_weight=by_weight)):
                 self._queue([state])
         finally:
             self._downloading.discard(p)
@@ -294,7 +315,9 @@ def donor_order(p: int, peers: list[ProgressRecord]) -> list[ProgressRecord]:
     """Whom to download fragment ``p`` from, best first: the peers holding its heaviest replica, rotated by ``p``
     so that concurrent downloads of different fragments start at different donors (and a donor that fails
     mid-transfer is followed by another holding the same replica, which can resume it), then the others,
-    heaviest first."""
+    heaviest first. Peers behind NAT (``reachable`` False) are never donors: nobody can open a stream to them,
+    and a download that cannot succeed must not count against them as a claim they did not back."""
+    peers = [peer for peer in peers if peer.reachable]
     if not peers:
         return []
     best = max(peer.fragment(p) for peer in peers)

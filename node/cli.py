@@ -1,4 +1,5 @@
-"""``atoll start``, ``atoll status``, ``atoll token`` and ``atoll token revoke`` (also ``atoll revoke``).
+"""``atoll start``, ``atoll status``, ``atoll token``, ``atoll token revoke`` (also ``atoll revoke``) and
+``atoll data prepare``.
 
 Bad configuration: one line on stderr, exit code 2, no traceback.
 """
@@ -219,6 +220,47 @@ def revoke(run_key: str, run_id: str, initial_peers: list[str], tokens: list[str
     return 0
 
 
+def _data_parser(sub: argparse._SubParsersAction) -> None:
+    from atoll.models.prepare import DEFAULT_HELD_OUT, DEFAULT_SHARD_TOKENS, DEFAULT_VOCAB
+
+    p = sub.add_parser("data", help="prepare tokenized datasets (then: atoll start --data DIR)")
+    actions = p.add_subparsers(dest="action", required=True)
+    prep = actions.add_parser("prepare", help="tokenize text files, folders, JSONL or Parquet into shards with a "
+                                              "manifest (docs/data.md)")
+    prep.add_argument("inputs", nargs="+", metavar="INPUT", help="text files, folders (read recursively), .jsonl "
+                                                                 "or .parquet files")
+    prep.add_argument("--out", metavar="DIR", required=True, help="the dataset folder to write")
+    prep.add_argument("--text-field", default="text", metavar="NAME",
+                      help="the JSONL field or Parquet column holding the text (default: text)")
+    prep.add_argument("--tokenizer", metavar="FILE", help="a tokenizer.json to use (default: train a byte-level "
+                                                          "BPE on the inputs)")
+    prep.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB,
+                      help=f"vocabulary of the trained BPE (default: {DEFAULT_VOCAB}; ignored with --tokenizer)")
+    prep.add_argument("--held-out", type=float, default=DEFAULT_HELD_OUT, metavar="FRACTION",
+                      help=f"fraction of documents in the held-out split (default: {DEFAULT_HELD_OUT})")
+    prep.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, metavar="N",
+                      help=f"tokens per shard file (default: {DEFAULT_SHARD_TOKENS})")
+    prep.add_argument("--force", action="store_true", help="replace DIR if it exists and is not empty")
+
+
+def prepare_data(args: argparse.Namespace) -> int:
+    from atoll.models.prepare import PrepareError, PrepareOptions, prepare
+
+    options = PrepareOptions(text_field=args.text_field, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+                             held_out=args.held_out, shard_tokens=args.shard_tokens, force=args.force)
+    try:
+        m = prepare(list(args.inputs), args.out, options)
+    except PrepareError as e:
+        raise ConfigError(str(e)) from None
+    except OSError as e:  # an unreadable input, a full or read-only disk: still one line
+        raise ConfigError(f"{e.filename or args.out}: {e.strerror or e}") from None
+    print(f"wrote {m.documents['train']} training and {m.documents['held_out']} held-out documents "
+          f"({m.tokens['train']} and {m.tokens['held_out']} tokens, {m.dtype.name}) in {len(m.shards)} shard(s), "
+          f"vocab {m.vocab_size} ({'trained' if m.tokenizer_trained else 'given'} tokenizer, sha256 "
+          f"{m.tokenizer_sha256[:16]}...) to {args.out}; train on it with atoll start --data {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="atoll", description="Decentralized pre-training with DiLoCo over a DHT.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -226,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     _status_parser(sub)
     _token_parser(sub)
     _revoke_parser(sub)
+    _data_parser(sub)
     return parser
 
 
@@ -239,13 +282,19 @@ def main(argv: list[str] | None = None) -> int:
             from .daemon import run_daemon
             from .log import setup_logging
 
+            from .launch import launch, wants_launcher
+
             cfg, explicit = load_config(config_overrides(args), args.config)
             setup_logging(cfg.log_level)
+            if wants_launcher(cfg):
+                return launch(cfg, argv[1:])
             return run_daemon(cfg, explicit)
         if args.command == "token":
             return issue_token(args.run_key, args.run_id, args.out, args.expires_in)
         if args.command == "revoke":
             return revoke(args.run_key, args.run_id, list(args.initial_peers), args.token, args.peer_id)
+        if args.command == "data":
+            return prepare_data(args)
         from .status import run_status
 
         return run_status(list(args.initial_peers), args.run_id, args.json)

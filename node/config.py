@@ -56,6 +56,9 @@ def opt(default: Any, *, help: str, metavar: str | None = None, known: Iterable[
 
 
 LOCAL_DATA = "<local>"  # the run config's ``data`` when the run trains on files of its own (see RunConfig.published)
+# The run config's ``model`` when its members build the model in their own Python code (``atoll.Island``): only its
+# digest is published, and a daemon joining with ``--model`` names a preset or factory that builds the same one.
+OWN_MODEL = "<own>"
 
 
 class ConfigError(ValueError):
@@ -66,11 +69,13 @@ class ConfigError(ValueError):
 class RunConfig:
     """Shared by every daemon of a run (published in the DHT by the daemon that starts the run)."""
 
-    model: str = opt("tiny", help="a named model shape, or package.module:factory: a function returning your own "
-                                  "torch module (docs/models.md)", known=MODELS)
+    model: str = opt("tiny", help="a named model shape; hf:PATH, a Hugging Face model from a local config.json or a "
+                                  "directory with one (and its weights), with atoll[hf]; or package.module:factory: "
+                                  "a function returning your own torch module (docs/models.md)", known=MODELS)
     algorithm: str = opt("decoupled", help="outer algorithm; ddp is a gradient all-reduce every inner step",
                          known=ALGORITHMS)
-    data: str = opt("builtin", help="'builtin', a text file or folder, or uint16 .bin shards", metavar="PATH")
+    data: str = opt("builtin", help="'builtin', a text file or folder, uint16 .bin shards, or a folder from "
+                                    "atoll data prepare (docs/data.md)", metavar="PATH")
     sync_every: int = opt(50, help="inner steps between outer rounds", metavar="H")
     outer_lr: float = opt(0.7, help="outer step size", metavar="LR")
     outer_momentum: float = opt(0.9, help="outer Nesterov momentum, in [0, 1); 0 with --outer-lr 1 is plain "
@@ -116,6 +121,12 @@ class RunConfig:
     # clip stays the default (docs/results/bench_robust_merge_pooled.json: what the robust rules cost and gain).
     model_digest: str = opt("", help="digest of the model's parameter names, shapes and dtypes; set by the daemon "
                                      "that starts the run, checked by every joiner", hidden=True)
+    tokenizer: str = opt("", help="how the run's data was tokenized: 'bytes', a prepared dataset's tokenizer sha256, "
+                                   "or '' (not said); set by the daemon that starts the run, checked by every joiner",
+                         hidden=True)
+    global_batch: int = opt(0, help="sequences per inner step of every island, over its ranks and micro-batches: an "
+                                    "island accumulates global_batch / (batch_size x ranks) micro-batches; 0: each "
+                                    "island trains batch_size x grad_accum x ranks", metavar="N")
     robust_merge: str = opt("clip", help="how a reducer merges its shard's contributions, after the norm clip: 'clip' "
                                          "the weighted mean; 'trimmed' a coordinate-wise trimmed mean (floor(M/4) "
                                          "values, at least 1 from 3 members on, dropped at each end); 'centered' "
@@ -124,7 +135,8 @@ class RunConfig:
 
     def validate(self) -> None:
         try:
-            check_name(self.model)
+            if self.model != OWN_MODEL:
+                check_name(self.model)
         except ModelError as e:
             raise ConfigError(f"model: {e}") from None
         if self.algorithm not in ALGORITHMS:
@@ -133,7 +145,7 @@ class RunConfig:
             raise ConfigError(f"data: {self.data!r} is neither 'builtin' nor an existing path")
         _positive(self, "sync_every", "num_shards", "outer_lr", "inner_lr", "gather_timeout", "round_timeout",
                   "fragments", "quorum", "max_group")
-        _non_negative(self, "warmup_steps", "weight_decay", "seed", "overlap")
+        _non_negative(self, "warmup_steps", "weight_decay", "seed", "overlap", "global_batch")
         if self.gather_timeout > 885:  # a round's records live 4 gather timeouts + 60 s; the DHT caps them at 1 h
             raise ConfigError(f"gather_timeout: at most 885 s, got {self.gather_timeout}")
         if not 0 <= self.alpha < 1:
@@ -182,13 +194,42 @@ class NodeConfig:
                                          metavar="MADDR")
     host_maddrs: tuple[str, ...] = opt(("/ip4/0.0.0.0/tcp/0",), help="multiaddrs to listen on", metavar="MADDR")
     announce_maddrs: tuple[str, ...] = opt((), help="addresses to tell other peers", metavar="MADDR")
+    # Behind NAT nothing can dial us: streams reach us only over connections we opened (docs/wan.md, Behind NAT).
+    client_mode: bool = opt(False, help="this daemon accepts no inbound connections (behind NAT): it joins through "
+                                        "--initial-peers, keeps its DHT node out of others' routing tables, and "
+                                        "contributes to rounds without reducing a shard or serving state",
+                            switch=True)
     identity: str | None = opt(None, help="private key file that keeps the peer id stable across restarts; unset: "
                                           "<checkpoint-dir>/identity.key, or a new id without a checkpoint dir",
                                metavar="PATH")
     checkpoint_dir: str | None = opt(None, help="where checkpoints and metrics.jsonl are written", metavar="DIR")
     device: str = opt("auto", help="device of the inner steps", known=DEVICES)
+    precision: str = opt("auto", help="compute precision of the inner steps: bf16 autocast (bf16 matmuls; fp32 "
+                                      "master weights, optimizer state and loss) or fp32; auto: bf16 on cuda and xla, "
+                                      "fp32 on the cpu", known=("auto", "fp32", "bf16"))
     batch_size: int = opt(8, help="sequences per inner step on this daemon", metavar="N")
     threads: int = opt(1, help="torch CPU threads", metavar="N")
+    codec_threads: int = opt(0, help="threads that one encode or decode of a large delta may use; 0: 1 on the cpu "
+                                     "device (the cores train), else up to 8 (the host's cores are free)", metavar="N")
+    grad_accum: int = opt(1, help="micro-batches of --batch-size per inner step on each rank (gradient "
+                                  "accumulation); with the run's --global-batch, derived from it", metavar="N")
+    # An island of several processes (node/ranks.py, docs/design.md): torch's elastic launcher starts them.
+    nproc_per_node: int = opt(1, help="ranks of this island on this host, one per accelerator (or per CPU "
+                                      "process): more than one launches them with torch's elastic launcher "
+                                      "(torchrun); under torchrun itself, leave it unset", metavar="N")
+    nnodes: str = opt("1", help="hosts of this island, N or MIN:MAX (torchrun's --nnodes); more than one needs "
+                                "--rdzv-endpoint", metavar="N")
+    rdzv_endpoint: str = opt("", help="HOST:PORT where this island's hosts meet (torchrun's c10d rendezvous); "
+                                      "unset: this host alone", metavar="HOST:PORT")
+    # One process driving all of a host's XLA chips (node/spmd.py, docs/xla.md).
+    spmd_devices: int = opt(0, help="on --device xla: train as one SPMD program over this many of the host's "
+                                    "devices, θ and the AdamW state sharded over them and --batch-size sequences "
+                                    "per device; 0: one device", metavar="N")
+    fsdp: bool = opt(False, help="an island of several ranks shards θ and the AdamW state over them (FSDP2 "
+                                 "fully_shard), so that a model larger than one rank's memory trains; else every "
+                                 "rank holds all of them (data parallel)", switch=True)
+    max_restarts: int = opt(3, help="times the launcher restarts the island's ranks after one fails (each restart "
+                                    "resumes from the checkpoint)", metavar="N")
     max_steps: int = opt(0, help="stop after this many inner steps; 0 trains until stopped", metavar="N")
     heartbeat: float = opt(2.0, help="seconds between progress records", metavar="S")
     eval_batches: int = opt(8, help="held-out batches per evaluation", metavar="N")
@@ -233,12 +274,34 @@ class NodeConfig:
             raise ConfigError(f"run_id: {self.run_id!r} must be 1-64 letters, digits, '-' or '_'")
         if self.device not in DEVICES:
             raise ConfigError(f"device: unknown {self.device!r}; use one of {', '.join(DEVICES)}")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise ConfigError(f"precision: unknown {self.precision!r}; use auto, fp32 or bf16")
         for name in ("initial_peers", "host_maddrs", "announce_maddrs"):
             for addr in getattr(self, name):
                 _check_maddr(name, addr, need_peer_id=name == "initial_peers")
+        if self.client_mode and not self.initial_peers:
+            raise ConfigError("client_mode: a daemon nobody can dial cannot start a run; pass --initial-peers of a "
+                              "reachable daemon of the run")
         _positive(self, "batch_size", "threads", "heartbeat", "bootstrap_retries", "eval_batches", "config_wait",
                   "state_wait", "state_vouchers")
-        _non_negative(self, "max_steps", "peer_cooldown")
+        _non_negative(self, "max_steps", "peer_cooldown", "max_restarts", "codec_threads")
+        _positive(self, "grad_accum", "nproc_per_node")
+        _non_negative(self, "spmd_devices")
+        if self.spmd_devices and self.device != "xla":
+            raise ConfigError(f"spmd_devices: SPMD shards the learner over XLA devices; it needs --device xla, "
+                              f"not {self.device}")
+        if self.spmd_devices and self.nproc_per_node > 1:
+            raise ConfigError("spmd_devices: an SPMD island is one process driving the host's devices; leave "
+                              "--nproc-per-node unset")
+        low, _, high = self.nnodes.partition(":")
+        if not (low.isdigit() and int(low) >= 1 and (not high or (high.isdigit() and int(high) >= int(low)))):
+            raise ConfigError(f"nnodes: expected N or MIN:MAX, got {self.nnodes!r}")
+        if (high or int(low) > 1) and not self.rdzv_endpoint:
+            raise ConfigError("rdzv_endpoint: an island of several hosts needs HOST:PORT where they meet")
+        if self.rdzv_endpoint:
+            host, _, port = self.rdzv_endpoint.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"rdzv_endpoint: expected HOST:PORT, got {self.rdzv_endpoint!r}")
         if self.heartbeat > 200:  # a progress record lives 3 heartbeats; the DHT caps it at 10 min
             raise ConfigError(f"heartbeat: at most 200 s, got {self.heartbeat}")
         if not 0 < self.eval_budget <= 1:
@@ -384,6 +447,8 @@ def reconcile_run_config(local: RunConfig, explicit: set[str], published: dict[s
             raise ConfigError("data: this run trains on data of its own, not the built-in corpus; pass --data PATH "
                               "(each daemon reads its own copy; the run's config does not publish paths)")
         published = {**published, "data": local.data}
+    if published.get("model") == OWN_MODEL and "model" in explicit:
+        published = {**published, "model": local.model}  # the digest, not the name, says whether it is the same
     unknown = set(published) - set(RUN_FIELDS)
     if unknown:
         raise ConfigError(f"run config: the run uses fields this version does not know: {', '.join(sorted(unknown))}")

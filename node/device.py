@@ -14,6 +14,7 @@ import importlib.util
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -26,13 +27,25 @@ PRECISIONS = ("fp32", "bf16")
 class Device:
     """A resolved device. ``sync()`` ends an inner step (``torch_xla.sync()`` on xla, a no-op elsewhere).
 
-    ``precision`` is the learner's default compute precision: ``bf16`` autocast on xla (as on a TPU: fp32 master
-    weights and optimizer state, bf16 matmuls), ``fp32`` elsewhere.
+    ``precision`` is the learner's default compute precision: ``bf16`` autocast on xla and cuda (fp32 master
+    weights and optimizer state, bf16 matmuls), ``fp32`` elsewhere. ``spmd``: on xla, the ``spmd.Spmd`` mesh the
+    learner shards its tensors over (one process driving all of them), or None for one device.
     """
 
     kind: str
     torch_device: torch.device
     precision: str = "fp32"
+    spmd: Any = None
+
+    @property
+    def devices(self) -> int:
+        """The accelerators this one process drives: the SPMD mesh's, else 1."""
+        return self.spmd.devices if self.spmd is not None else 1
+
+    def upload(self, batch: torch.Tensor) -> torch.Tensor:
+        """``batch`` on the device, without waiting; under SPMD split along dim 0 over the mesh."""
+        out = batch.to(self.torch_device, non_blocking=True)
+        return self.spmd.shard_batch(out) if self.spmd is not None else out
 
     def sync(self) -> None:
         if self.kind == "xla":
@@ -43,6 +56,8 @@ class Device:
     def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Copies of ``tensors`` in host memory. On xla one batched device-to-host transfer for all of them
         (pending operations on them run first, in one graph); elsewhere ``.cpu()`` each."""
+        if self.spmd is not None and tensors:
+            return self.spmd.to_host(tensors)
         if self.kind == "xla" and tensors:
             import torch_xla
 
@@ -71,7 +86,8 @@ class Device:
         if self.kind == "xla":
             import torch_xla.runtime as xr
 
-            return f"xla:{xr.device_type()}/{self.precision}"
+            spmd = f"/{self.spmd.describe()}" if self.spmd is not None else ""
+            return f"xla:{xr.device_type()}/{self.precision}{spmd}"
         return self.kind
 
 
@@ -79,11 +95,14 @@ def xla_available() -> bool:
     return importlib.util.find_spec("torch_xla") is not None
 
 
-def resolve_device(name: str) -> Device:
+def resolve_device(name: str, spmd_devices: int = 0) -> Device:
     """Map ``auto|cpu|cuda|xla`` to a device; ``ConfigError`` when the requested one is not usable here.
 
     ``ATOLL_XLA_PRECISION=fp32`` turns bf16 autocast off on xla (for debugging numerics against a CPU run).
+    ``spmd_devices`` > 0 (xla only): SPMD over that many devices (``spmd.py``), turned on before the runtime starts.
     """
+    if spmd_devices and name != "xla":
+        raise ConfigError(f"spmd_devices: SPMD shards the learner over XLA devices; it needs --device xla, not {name}")
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cpu":
@@ -91,18 +110,23 @@ def resolve_device(name: str) -> Device:
     if name == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError("device: cuda requested but torch sees no CUDA device")
-        return Device("cuda", torch.device("cuda"))
+        return Device("cuda", torch.device("cuda"), "bf16")  # autocast, as on a TPU
     if name == "xla":
         if not xla_available():
             raise ConfigError("device: xla requested but torch_xla is not installed (pip install 'atoll[xla]')")
         precision = os.environ.get("ATOLL_XLA_PRECISION", "bf16")
         if precision not in PRECISIONS:
             raise ConfigError(f"ATOLL_XLA_PRECISION: unknown {precision!r}; use one of {', '.join(PRECISIONS)}")
+        spmd = None
+        if spmd_devices:
+            from .spmd import Spmd
+
+            spmd = Spmd.start(spmd_devices)
         try:
             import torch_xla
 
             device = torch_xla.device()
         except Exception as e:  # no PJRT runtime usable here (e.g. PJRT_DEVICE=TPU on a machine without one)
             raise ConfigError(f"device: xla runtime failed to start ({type(e).__name__}: {e})") from None
-        return Device("xla", device, precision)
+        return Device("xla", device, precision, spmd)
     raise ConfigError(f"device: unknown {name!r}")

@@ -20,6 +20,9 @@ The faults, each triggered by the daemon's own step or round count (never by a c
 - ``start_together=N``: hold the first step until N daemons train (runs compared step for step start in lockstep).
 - ``kill_in_checkpoint=N``: SIGKILL the process group in the middle of the N-th checkpoint write (the tensors'
   temporary file half written); ``checkpoint_kill_signal=1``: SIGUSR1 arms the same crash for the next write.
+- ``kill_rank=R`` with ``kill_rank_at=S``: in an island of several ranks, rank R SIGKILLs its process group (for
+  rank 0: its DHT child and p2pd too) before its step S+1, in the launcher's first attempt only (a restarted island,
+  which resumes from an earlier step, does not die again).
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ logger = logging.getLogger("atoll")
 
 KINDS: dict[str, type] = {"kill_in_round": int, "step_delay": float, "corrupt_round": int, "split_side": int,
                           "split_until": int, "byzantine": str, "byzantine_from": int, "start_together": int,
-                          "kill_in_checkpoint": int, "checkpoint_kill_signal": int}
+                          "kill_in_checkpoint": int, "checkpoint_kill_signal": int, "kill_rank": int,
+                          "kill_rank_at": int}
 BYZANTINE = ("scale", "nan", "shape", "direction")
 CORRUPTIONS = ("truncated", "header", "codec", "nan")
 BYZANTINE_SCALE = 1000.0
@@ -157,6 +161,14 @@ class Faults:
         delay = self.spec.get("step_delay", 0.0)
         if delay:
             time.sleep(delay)
+
+    def island_step(self, rank: int, step: int) -> None:
+        """Rank ``rank`` of an island is about to train step ``step`` + 1."""
+        if (self.spec.get("kill_rank") == rank and self.spec.get("kill_rank_at") == step
+                and os.environ.get("ATOLL_ISLAND_ATTEMPT", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == "0"):
+            logger.warning("fault injection: killing rank %d of this island at step %d", rank, step)
+            _flush_logs()
+            os.killpg(os.getpgid(0), signal.SIGKILL)
 
     def checkpoint_interrupt(self, number: int) -> Callable[[Path], None] | None:
         """What to do to the ``number``-th checkpoint's half-written tensors file (None: nothing)."""

@@ -43,15 +43,38 @@ CONFIG_TTL = 24 * 3600.0
 NEW_RUN_LOOK = 5.0  # seconds a --new-run daemon looks for the run at its peers before it starts the run
 
 
+# go-libp2p dials TCP from its own listening port (SO_REUSEPORT) unless this says otherwise. Two daemons that dial
+# each other at the same moment (every member of a round opens streams to every reducer at once) then meet in one
+# TCP connection by simultaneous open, where both sides run the security handshake as its initiator: both dials
+# fail, and libp2p backs off from that peer for seconds, long enough to fail the round. On loopback the two SYNs
+# almost never cross; over a WAN's round trip they do in most rounds (docs/wan.md). From ephemeral source ports
+# the two dials are two plain connections. Hole punching, which needs the listening port, does not work here
+# anyway (docs/wan.md, Behind NAT). p2pd, a child of hivemind's DHT process, reads it from the environment; an
+# operator's own setting wins.
+P2PD_ENVIRONMENT = {"LIBP2P_TCP_REUSEPORT": "false"}
+
+
+def apply_p2pd_environment() -> None:
+    """Set ``P2PD_ENVIRONMENT`` for the p2pd started after this, where the environment does not set it already."""
+    for name, value in P2PD_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+
+
 def start_dht(cfg: NodeConfig, validators: list, client_mode: bool = False, identity_path: str | None = None,
               ) -> DHT:
     """Start hivemind's DHT, retrying bootstrap; ``ConfigError`` if no initial peer answers. ``identity_path``: the
-    libp2p identity (default: ``cfg.identity_path``; see ``identity_file`` for a private run's)."""
+    libp2p identity (default: ``cfg.identity_path``; see ``identity_file`` for a private run's). ``client_mode``: a
+    reader that lives for one command (``atoll status``): a client DHT node with a throwaway identity. A daemon with
+    ``cfg.client_mode`` (behind NAT) runs a client DHT node too, but keeps its identity (its peer id is its member
+    key's in a private run, and it picks its data shard)."""
+    apply_p2pd_environment()
     last_error: Exception | None = None
     for attempt in range(cfg.bootstrap_retries):
         try:
             return DHT(
-                initial_peers=list(cfg.initial_peers), start=True, client_mode=client_mode,
+                # A client node serves no DHT requests and stays out of the others' routing tables: nobody
+                # wastes a dial (a timeout, on the internet) on an address behind NAT.
+                initial_peers=list(cfg.initial_peers), start=True, client_mode=client_mode or cfg.client_mode,
                 host_maddrs=list(cfg.host_maddrs), announce_maddrs=list(cfg.announce_maddrs) or None,
                 identity_path=None if client_mode else (identity_path or cfg.identity_path),
                 record_validators=validators,
@@ -237,12 +260,13 @@ def _content(rec: RunConfigRecord) -> str:
     return json.dumps(rec.dict(exclude={"signature"}), sort_keys=True, default=repr) + repr(rec.signature)
 
 
-def agree_on_run_config(dht: DHT, cfg: NodeConfig, explicit: set[str], token: JoinToken | None,
-                        subkey: bytes, digest: Callable[[RunConfig], str] | None = None) -> tuple[NodeConfig, dict[str, Any]]:
+def agree_on_run_config(dht: DHT, cfg: NodeConfig, explicit: set[str], token: JoinToken | None, subkey: bytes,
+                        derive: Callable[[RunConfig], dict[str, str]] | None = None
+                        ) -> tuple[NodeConfig, dict[str, Any]]:
     """Adopt the run's published config (joiners) or publish ours (the daemon that starts the run). Returns the
-    config to run with and the run's config record (which the syncer keeps re-publishing). ``digest``: the model
-    digest of a run config (``models/registry.py``), published by the daemon that starts the run so that every
-    joiner can check its model against it."""
+    config to run with and the run's config record (which the syncer keeps re-publishing). ``derive``: the fields
+    the daemon that starts the run derives from its config and publishes, so that every joiner can check its own
+    against them (``model_digest``: ``models/registry.py``; ``tokenizer``: ``models/data.py``)."""
     key = config_key(cfg.run_id)
     published = None
     if cfg.initial_peers:
@@ -267,8 +291,8 @@ def agree_on_run_config(dht: DHT, cfg: NodeConfig, explicit: set[str], token: Jo
         logger.info("joined run %r started by %s", cfg.run_id, published.started_by[-8:])
     else:
         private = token is not None
-        if digest is not None:
-            cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, model_digest=digest(cfg.run)))
+        if derive is not None:
+            cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, **derive(cfg.run)))
         published = RunConfigRecord(
             fields=cfg.run.published(), started_by=str(dht.peer_id), started_at=float(get_dht_time()),
             access="private" if private else "open", run_key=fingerprint(token.run_public_key) if private else None,

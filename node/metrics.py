@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 
 from atoll.protocols.records import Status
 
@@ -28,6 +27,7 @@ if TYPE_CHECKING:
 @dataclass
 class Counters:
     device: str = ""
+    ranks: int = 1  # the island's processes (node/ranks.py)
     algorithm: str = ""
     status: Status = Status.JOINING
     step: int = 0
@@ -44,7 +44,10 @@ class Counters:
     rounds_done: int = 0
     rounds_skipped: int = 0
     forks_healed: int = 0
+    rejoins: int = 0  # times the DHT was bootstrapped again after a while with no live peer (node/rejoin.py)
     ddp_failed_steps: int = 0
+    rank_drift: int = 0  # checks at which a rank of the island held a θ other than rank 0's (node/ranks.py)
+    island_sync_seconds: float = 0.0  # rank 0's time in the island's collectives that sent θ or compared it
     started: float = field(default_factory=time.monotonic)
 
     def stepped(self, seconds: float) -> None:
@@ -55,7 +58,8 @@ class Counters:
         """This daemon's own fields of its progress record."""
         wall = max(time.monotonic() - self.started, 1e-9)
         return {
-            "status": self.status.value, "device": self.device, "algorithm": self.algorithm, "step": self.step,
+            "status": self.status.value, "device": self.device, "ranks": self.ranks, "algorithm": self.algorithm,
+            "step": self.step,
             "tokens": self.tokens, "tokens_per_s": float(self.tokens_per_s), "loss": _finite_or_none(self.loss),
             "held_out_loss": _finite_or_none(self.held_out_loss), "tokens_lost": int(self.tokens_lost),
             "goodput": float(min(1.0, self.train_seconds / wall)), "blocked_s": float(self.blocked_seconds),
@@ -68,7 +72,8 @@ class Counters:
                 "train_seconds": self.train_seconds, "wall_seconds": time.monotonic() - self.started,
                 "bytes_sent": traffic.bytes_sent, "bytes_received": traffic.bytes_received,
                 "rejected": traffic.rejected, "rejected_by_kind": dict(traffic.rejected_by_kind),
-                "clipped": traffic.clipped}
+                "clipped": traffic.clipped, "rank_drift": self.rank_drift, "rejoins": self.rejoins,
+                "island_sync_seconds": self.island_sync_seconds}
 
 
 class MetricsLog:
@@ -93,11 +98,12 @@ class MetricsLog:
 
 
 class HeldOut:
-    """Held-out evaluations of θ, kept within ``budget`` of the wall time (the first one always runs): on a device
-    every evaluation is time not spent training. ``budget`` 1 evaluates whenever asked."""
+    """Held-out evaluations of θ (the trainee's ``held_out_loss``), kept within ``budget`` of the wall time (the
+    first one always runs): on a device every evaluation is time not spent training. ``budget`` 1 evaluates
+    whenever asked."""
 
-    def __init__(self, batches: list[torch.Tensor], budget: float, counters: Counters) -> None:
-        self.batches, self.budget, self.counters = batches, budget, counters
+    def __init__(self, budget: float, counters: Counters) -> None:
+        self.budget, self.counters = budget, counters
 
     def evaluate(self, learner: Any) -> None:
         c = self.counters
@@ -105,7 +111,7 @@ class HeldOut:
                 time.monotonic() - c.started):
             return
         t0 = time.monotonic()
-        c.held_out_loss = learner.evaluate(self.batches)
+        c.held_out_loss = learner.held_out_loss()
         c.eval_seconds += time.monotonic() - t0
         c.held_out_step = learner.step
 

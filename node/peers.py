@@ -74,6 +74,7 @@ class PeerTable:
             fragment_hashes=[d for _, _, d in ids], schedule_step=ctx.replica.schedule_step,
             bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received, rejected=stats.rejected,
             rejected_by_kind=dict(stats.rejected_by_kind), clipped=stats.clipped, time=float(get_dht_time()),
+            reachable=not ctx.cfg.client_mode,
         )
         return rec
 

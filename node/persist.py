@@ -15,12 +15,12 @@ import torch
 from atoll.models.fragments import Fragment
 
 from .config import ConfigError, NodeConfig
-from .learner import Learner
 from .local_state import LocalFragmentState
 from .replica import Replica
+from .trainee import Trainee
 
 
-def capture(cfg: NodeConfig, peer_id: str, learner: Learner, replica: Replica, local: list[LocalFragmentState],
+def capture(cfg: NodeConfig, peer_id: str, learner: Trainee, replica: Replica, local: list[LocalFragmentState],
             error_feedback: dict[str, torch.Tensor], tokens_lost: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The tensors (host copies) and metadata of a checkpoint at this step."""
     tensors = dict(learner.state_tensors())
@@ -46,7 +46,7 @@ def capture(cfg: NodeConfig, peer_id: str, learner: Learner, replica: Replica, l
     return tensors, meta
 
 
-def restore(cfg: NodeConfig, tensors: dict[str, torch.Tensor], meta: dict[str, Any], learner: Learner,
+def restore(cfg: NodeConfig, tensors: dict[str, torch.Tensor], meta: dict[str, Any], learner: Trainee,
             fragments: list[Fragment], local: list[LocalFragmentState]) -> tuple[Replica, dict[str, torch.Tensor]]:
     """Load a checkpoint into ``learner`` and ``local``; returns the restored replica and error-feedback state.
     ``ConfigError`` if the checkpoint belongs to another run config or does not match its own hashes."""
@@ -67,5 +67,5 @@ def restore(cfg: NodeConfig, tensors: dict[str, torch.Tensor], meta: dict[str, A
         theta_p, state.base_id = replica.params_and_id(p)
         if not torch.equal(state.base, theta_p):  # a merge was still pending: restart from the replica
             state.restart(theta_p, state.base_id)
-            fragments[p].scatter(theta_p, learner.params)
+            learner.put(fragments[p], theta_p)
     return replica, {k[3:]: v for k, v in tensors.items() if k.startswith("ef.")}

@@ -169,11 +169,16 @@ class Replica:
         return ReplicaState(replay.version, weight, digest, params, momentum, replay.schedule_step, replay.donor, p,
                             tuple(ancestors[-MAX_ANCESTORS:]), donors=(replay.donor,), rounds=replay.rounds)
 
-    def adopt(self, state: ReplicaState) -> bool:
-        """Replace a fragment with a heavier downloaded one; False if ours became at least as heavy meanwhile."""
+    def adopt(self, state: ReplicaState, by_weight: bool = False) -> bool:
+        """Replace a fragment with a heavier downloaded one; False if ours became at least as heavy meanwhile.
+        ``by_weight``: heavier means more merged weight, whatever the versions (a lonely daemon's fork that merged
+        alone ahead of the others, ``catchup``)."""
         with self._lock:
             f = self._frags[state.fragment]
-            if (state.version, state.weight, state.digest) <= (f.version, f.weight, f.digest):
+            if by_weight:
+                if state.weight <= f.weight:
+                    return False
+            elif (state.version, state.weight, state.digest) <= (f.version, f.weight, f.digest):
                 return False
             # A fork: our replica is not in the new one's history (as far as that history reaches back).
             oldest_known = state.version - len(state.ancestors) + 1

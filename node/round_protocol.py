@@ -44,7 +44,8 @@ class Outcome(enum.Enum):
 @dataclass
 class RoundOutcome:
     """``MERGED``: the replica advanced to ``version`` with ``digest`` and total ``weight`` (the round's result,
-    which the replica may have replaced by a heavier download before the learner merges)."""
+    which the replica may have replaced by a heavier download before the learner merges). ``formation_seconds``:
+    from the round's start to its group's decision, of ``seconds`` in all."""
 
     kind: Outcome
     version: int
@@ -53,6 +54,8 @@ class RoundOutcome:
     seconds: float = 0.0
     digest: str = ""
     weight: float = 0.0
+    reducers: list[str] = field(default_factory=list)
+    formation_seconds: float = 0.0
 
 
 def grace_window(gamma: float, overlap_steps: int, step_time: float, quorum_time: float, sync_time: float) -> float:
@@ -151,8 +154,8 @@ class RoundProtocol:
             use_ef = run.compression != "none" and run.error_feedback
             target = ctx.error_feedback.target(str(p), delta) if use_ef else delta
             tamper = ctx.faults.tamper(len(members), p, version)
-            result, _ = await self.allreduce(p, version, members, target, weight, mode, run.compression, tamper,
-                                             base=digest)
+            result, alive = await self.allreduce(p, version, members, target, weight, mode, run.compression, tamper,
+                                                 base=digest)
             ctx.faults.round_ended(tamper, result is not None)
             if result is None:
                 return RoundOutcome(Outcome.FAILED, version, members, seconds=time.monotonic() - started)
@@ -167,7 +170,8 @@ class RoundProtocol:
                 return RoundOutcome(Outcome.BEHIND, version, members, seconds=time.monotonic() - started)
             ctx.counters.rounds_done += 1
             return RoundOutcome(Outcome.MERGED, version + 1, members, result.contributors,
-                                time.monotonic() - started, digest=applied[2], weight=applied[1])
+                                time.monotonic() - started, digest=applied[2], weight=applied[1],
+                                reducers=list(self.reducers(alive)), formation_seconds=formed - started)
         finally:
             ctx.in_round.discard(p)
             ctx.spawn(self.peers.publish())
@@ -189,8 +193,14 @@ class RoundProtocol:
         ctx = self.ctx
         alive = list(members)
         for attempt in range(first_attempt, first_attempt + MAX_ATTEMPTS):
+            reducers = self.reducers(alive)
+            if not reducers:
+                # Only members behind NAT: none can open a stream to another, and a replica merged here could be
+                # downloaded from nobody (it would stay apart from the run's). Keep the local progress instead.
+                logger.info("round f%d v%d: no reachable member to reduce; skipping this round", p, version)
+                return None, alive
             spec = GroupSpec(ctx.cfg.run_id, p, version, attempt, tuple(alive), tensor.numel(), mode, codec,
-                             ctx.cfg.run.codec_block, base, MergeRule(ctx.cfg.run.robust_merge))
+                             ctx.cfg.run.codec_block, base, MergeRule(ctx.cfg.run.robust_merge), reducers)
             result = await allreduce(ctx.p2p, self.averager, spec, ctx.peer_id, tensor, weight,
                                      ctx.cfg.run.round_timeout, tamper)
             if result.merged is not None:
@@ -208,6 +218,22 @@ class RoundProtocol:
             logger.info("round f%d v%d attempt %d failed (reducers %s); retrying with %d members", p, version,
                         attempt, [f[-8:] for f in result.failed], len(alive))
         return None, alive
+
+    def reducers(self, members: list[str]) -> tuple[str, ...]:
+        """The members that can reduce a shard: all but those behind NAT (``--client-mode``: their progress record
+        says ``reachable`` False), who contribute over streams they open themselves. Every member computes the
+        same tuple from the same records: the flag is fixed for a daemon's life and its record is what made it a
+        live peer. One we hold no record of counts as reachable (a view that differs makes the group ids differ:
+        the round is refused and skipped, never merged apart)."""
+        known = self.peers.everyone()
+        me = self.ctx.peer_id
+
+        def reachable(peer: str) -> bool:
+            if peer == me:
+                return not self.ctx.cfg.client_mode
+            return known[peer].reachable if peer in known else True
+
+        return tuple(m for m in members if reachable(m))
 
     # ---- decoupled: join rounds that others opened -----------------------------------------------------------
     async def _announce(self, p: int, version: int) -> None:

@@ -27,12 +27,12 @@ from atoll.protocols.state_sync import MAX_ANCESTORS
 
 from .algorithm import Algorithm
 from .config import NodeConfig
-from .learner import Learner
 from .local_state import LocalFragmentState
 from .metrics import Counters, HeldOut, MetricsLog
 from .replica import Replica
 from .round_protocol import Outcome, RoundOutcome
 from .syncer import Syncer
+from .trainee import Trainee
 from .vetting import Vetting
 
 logger = logging.getLogger("atoll")
@@ -71,7 +71,7 @@ class _MergedRound:
 
 
 class Rounds:
-    def __init__(self, cfg: NodeConfig, algorithm: Algorithm, learner: Learner, fragments: list[Fragment],
+    def __init__(self, cfg: NodeConfig, algorithm: Algorithm, learner: Trainee, fragments: list[Fragment],
                  replica: Replica, local: list[LocalFragmentState], syncer: Syncer, counters: Counters,
                  metrics: MetricsLog, held_out: HeldOut, stop: threading.Event) -> None:
         self.cfg, self.run, self.algorithm = cfg, cfg.run, algorithm
@@ -82,7 +82,7 @@ class Rounds:
         self.pending: dict[int, _Pending] = {}
         self.snapshots: dict[int, _Snapshot] = {}  # rounds whose θ_p snapshot is still on its way to the host
         self.merged_rounds: dict[int, list[_MergedRound]] = {}  # per fragment, newest last
-        self.vetting = Vetting(learner, fragments, replica, held_out.batches)
+        self.vetting = Vetting(learner, fragments, replica)
 
     def before_step(self) -> None:
         """Load the replicas the syncer adopted into θ."""
@@ -120,7 +120,7 @@ class Rounds:
                 # Keep the work no round has merged yet: θ_p moves with the new Θ_p, and the unmerged progress
                 # rides along into our next contribution (a stale one, weighted by the tokens behind it). Our part
                 # of the lost rounds rides along too (Θ_base − θ_snapshot = delta, so its progress is −delta).
-                progress = fragment.gather(learner.params) - local.base
+                progress = learner.gather(fragment) - local.base
                 again = [r for r in lost_rounds if r.delta is not None]
                 for r in again:
                     progress -= r.delta
@@ -128,11 +128,11 @@ class Rounds:
                     local.steps += r.counters[1]
                 lost = sum(r.counters[0] for r in lost_rounds if r.delta is None) // n
                 local.rebase(new, base_id)
-                fragment.scatter(new + progress, learner.params)
+                learner.put(fragment, new + progress)
                 what = "kept" + (" with our part of the lost round" if again else "")
             else:
                 lost += local.restart(new, base_id) // n
-                fragment.scatter(new, learner.params)
+                learner.put(fragment, new)
                 what = "discarded"
             counters.tokens_lost += lost
             how = f" by replaying {len(state.rounds)} rounds" if state.rounds else ""
@@ -243,8 +243,8 @@ class Rounds:
         rounds.append(_MergedRound(base_id[1], (tokens, steps), pending.delta))
         del rounds[:-MAX_ANCESTORS]
         if run.alpha:
-            merged = run.alpha * fragment.gather(learner.params) + (1 - run.alpha) * merged
-        fragment.scatter(merged, learner.params)
+            merged = run.alpha * learner.gather(fragment) + (1 - run.alpha) * merged
+        learner.put(fragment, merged)
         # The round's own result: a heavier replica downloaded since (now in θ_p) is recorded as an adoption.
         if p == 0:
             self.held_out.evaluate(learner)
@@ -255,7 +255,9 @@ class Rounds:
         stats = self.syncer.stats
         self.metrics.write(event="round", fragment=p, version=outcome.version, hash=outcome.digest,
                            weight=outcome.weight, members=outcome.members, contributors=outcome.contributors,
+                           reducers=outcome.reducers,
                            step=learner.step, tokens=learner.tokens, held_out_loss=held_out,
                            held_out_step=counters.held_out_step, seconds=outcome.seconds,
+                           formation_seconds=outcome.formation_seconds,
                            bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received)
         return p == len(self.fragments) - 1

@@ -34,6 +34,7 @@ def collect_status(dht: Any, run_id: str) -> dict[str, Any]:
     active = [p for p in peers if p["status"] != "leaving"]
     totals = {
         "peers": len(active),
+        "ranks": sum(p["ranks"] for p in active),
         "tokens": sum(p["tokens"] for p in active),
         "tokens_per_s": sum(p["tokens_per_s"] for p in active),
         "max_version": max((p["version"] for p in active), default=0),
@@ -49,12 +50,14 @@ def render_table(doc: dict[str, Any]) -> None:
 
     table = Table(title=f"run {doc['run_id']}: {doc['totals']['peers']} peers, "
                         f"{doc['totals']['tokens']:,} tokens, {doc['totals']['tokens_per_s']:,.0f} tokens/s")
-    for col in ("peer", "status", "device", "step", "versions", "tokens", "tok/s", "loss", "held-out", "rounds",
-                "skipped", "goodput", "blocked s", "forks healed", "tokens lost", "sent MB", "recv MB", "rejected"):
+    for col in ("peer", "status", "device", "ranks", "step", "versions", "tokens", "tok/s", "loss", "held-out",
+                "rounds", "skipped", "goodput", "blocked s", "forks healed", "tokens lost", "sent MB", "recv MB",
+                "rejected"):
         table.add_column(col, justify="left" if col in ("peer", "status", "device", "versions") else "right")
     fmt = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
     for p in doc["peers"]:
-        table.add_row(p["peer_id"][-8:], p["status"], p["device"], str(p["step"]),
+        status = p["status"] if p["reachable"] else f"{p['status']} (NAT)"  # a --client-mode daemon
+        table.add_row(p["peer_id"][-8:], status, p["device"], str(p["ranks"]), str(p["step"]),
                       "/".join(map(str, p["fragment_versions"])), f"{p['tokens']:,}", f"{p['tokens_per_s']:,.0f}",
                       fmt(p["loss"]), fmt(p["held_out_loss"]), str(p["rounds"]), str(p["rounds_skipped"]),
                       f"{p['goodput']:.2f}", f"{p['blocked_s']:.1f}", str(p["forks_healed"]), f"{p['tokens_lost']:,}",

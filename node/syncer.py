@@ -36,6 +36,7 @@ from .context import SyncContext
 from .faults import Faults
 from .metrics import Counters
 from .peers import PeerTable
+from .rejoin import Rejoin
 from .replica import Replica
 from .round_protocol import RoundOutcome, RoundProtocol
 
@@ -66,6 +67,7 @@ class Syncer:
         self.table = PeerTable(ctx, config_record)
         self.catch_up = CatchUp(ctx, self.table)
         self.rounds = RoundProtocol(ctx, self.table, self.catch_up)
+        self.rejoin = Rejoin(ctx)
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run_loop, name="atoll-syncer", daemon=True)
@@ -140,7 +142,8 @@ class Syncer:
                 await self.table.republish_config()
                 await self.table.publish_head()
                 await self.table.check_revocations()
-                await self.table.refresh()
+                live = await self.table.refresh()
+                self.rejoin.check(set(live))
                 self.catch_up.maybe_catch_up()
             except asyncio.CancelledError:
                 raise

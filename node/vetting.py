@@ -27,8 +27,8 @@ import torch
 from atoll.models.fragments import Fragment
 from atoll.protocols.state_sync import ReplicaState
 
-from .learner import Learner
 from .replica import Replica
+from .trainee import Trainee
 
 logger = logging.getLogger("atoll")
 LOSS_MARGIN = 0.25  # relative: an honest fork, and our replica with one fragment of it, can be far worse (docs/security.md)
@@ -41,12 +41,12 @@ def acceptable(theirs: float, reference: float, margin: float = LOSS_MARGIN) -> 
 
 
 class Vetting:
-    """Judges candidates (``vet``) for one learner; remembers the losses it measured, per fragment, for the
+    """Judges candidates (``vet``) for one trainee (by its ``held_out_loss``); remembers the losses it measured, per fragment, for the
     reference. ``clock``: monotonic seconds (a parameter for the tests)."""
 
-    def __init__(self, learner: Learner, fragments: Sequence[Fragment], replica: Replica,
-                 batches: list[torch.Tensor], clock: Callable[[], float] = time.monotonic) -> None:
-        self.learner, self.fragments, self.replica, self.batches = learner, fragments, replica, batches
+    def __init__(self, learner: Trainee, fragments: Sequence[Fragment], replica: Replica,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.learner, self.fragments, self.replica = learner, fragments, replica
         self.clock = clock
         self._measured: dict[int, deque[tuple[float, float]]] = {}  # fragment -> (when, loss), oldest first
 
@@ -68,10 +68,10 @@ class Vetting:
         own = learner.flat_params()
         try:
             for q, fragment in enumerate(self.fragments):
-                fragment.scatter(self.replica.params_and_id(q)[0], learner.params)
-            ours = learner.evaluate(self.batches)
-            self.fragments[state.fragment].scatter(state.params, learner.params)
-            theirs = learner.evaluate(self.batches)
+                learner.put(fragment, self.replica.params_and_id(q)[0])
+            ours = learner.held_out_loss()
+            learner.put(self.fragments[state.fragment], state.params)
+            theirs = learner.held_out_loss()
         finally:
             learner.load_flat(own)
         return ours, theirs
@@ -83,6 +83,11 @@ class Vetting:
             logger.warning("fragment %d: the v%d replica %s sent is malformed", p, state.version, state.donor[-8:])
             return False
         ours, theirs = self.losses(state)
+        if not math.isfinite(ours):
+            logger.warning("fragment %d: not adopting the v%d replica %s sent, vouched for by nobody: this island "
+                           "measures no held-out loss to vet it by (atoll.Island takes evaluate=)", p, state.version,
+                           state.donor[-8:])
+            return False
         reference = self.reference(p, ours)
         self._remember(p, ours)
         if not acceptable(theirs, reference):

@@ -1,8 +1,10 @@
 """The averaging round: a weighted reduce-scatter/all-gather over streamed RPCs on hivemind's P2P.
 
-Members of a group (sorted peer ids) split the flat vector into one contiguous shard per member. Member j is
-the reducer of shard j: every member streams its part of shard j (and its weight) to member j inside one
-``rpc_aggregate`` call and reads the reduced shard back on the same stream. The reducer sums contributions in
+Members of a group (sorted peer ids) split the flat vector into one contiguous shard per reducer. The reducers are
+every member, or the members ``GroupSpec.reducers`` names (the others are behind NAT: nobody can open a stream
+to them, but they can open one to a reducer); reducer j reduces shard j: every member streams its part of shard
+j (and its weight) to reducer j inside one ``rpc_aggregate`` call and reads the reduced shard back on the same
+stream. The reducer sums contributions in
 peer-id order and sends everyone, itself included, the same fp32 bytes, so all members end the round with a
 bit-identical merged delta.
 
@@ -93,6 +95,11 @@ class GroupSpec:
     block: int = 256
     base: str = ""  # the digest of the replica the round starts from: forks at one version are different groups
     merge: MergeRule = MergeRule.CLIP  # how reducers merge (the run's robust_merge)
+    reducers: tuple[str, ...] = ()  # the members that reduce a shard, in member order; () means every member
+
+    @property
+    def reducer_list(self) -> tuple[str, ...]:
+        return self.reducers or self.members
 
     @property
     def group_id(self) -> str:
@@ -100,10 +107,13 @@ class GroupSpec:
                 f"|{self.numel}|{self.mode}|{self.codec}|{self.block}")
         if MergeRule(self.merge) is not MergeRule.CLIP:  # the default leaves group ids as they were before rules
             text += f"|{MergeRule(self.merge).value}"
+        if self.reducers and self.reducers != self.members:  # every member reducing keeps the ids they had
+            text += f"|r={','.join(self.reducers)}"
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 
     def bounds(self) -> list[tuple[int, int]]:
-        return shard_bounds(self.numel, len(self.members), self.block)
+        """One range per reducer (``reducer_list``), in its order."""
+        return shard_bounds(self.numel, len(self.reducer_list), self.block)
 
 
 @dataclass
@@ -239,7 +249,7 @@ class AveragingServicer(ServicerBase):
         existing = self._groups.get(spec.group_id)
         if existing is not None:
             return existing
-        index = spec.members.index(self.local_peer)
+        index = spec.reducer_list.index(self.local_peer)
         reduction = _Reduction(spec, spec.bounds()[index], timeout, self.clip_factor)
         reduction.stats = self.stats
         gid = spec.group_id
@@ -529,27 +539,31 @@ async def allreduce(
     timeout: float, tamper: Tamper = HONEST,
 ) -> AllreduceResult:
     """Weighted merge of ``flat`` across ``spec.members``; see the module docstring for the protocol. ``tamper``
-    decides what of our contribution leaves us (honest unless a fault is injected)."""
+    decides what of our contribution leaves us (honest unless a fault is injected). A member that is not among
+    the reducers only opens streams (to every reducer) and reduces nothing."""
     bounds = spec.bounds()
+    reducers = spec.reducer_list
     flat = tamper.delta(flat)
     norm = float(torch.linalg.vector_norm(flat.double()))
-    me = spec.members.index(local_peer)
+    me = reducers.index(local_peer) if local_peer in reducers else None
     solo = len(spec.members) == 1
     payloads, sent = await asyncio.get_running_loop().run_in_executor(
         None, _encode_parts, flat, bounds, spec.codec, spec.block, solo)
-    # Open our shard only now, with our own part in it at once: its timeout must not run while we encode
-    # (a daemon frozen mid-encode would otherwise wake up to a reduction that timed out without its own part).
-    reduction = servicer.open(spec, timeout)
-    reduction.add(local_peer, weight, sent[me], norm)
     tasks: dict[str, asyncio.Future] = {}
-    for j, peer in enumerate(spec.members):
+    if me is not None:
+        # Open our shard only now, with our own part in it at once: its timeout must not run while we encode
+        # (a daemon frozen mid-encode would otherwise wake up to a reduction that timed out without its own part).
+        reduction = servicer.open(spec, timeout)
+        reduction.add(local_peer, weight, sent[me], norm)
+    for j, peer in enumerate(reducers):
         if j != me:
             payload = tamper.part(payloads[j], flat, *bounds[j], spec)
             tasks[peer] = asyncio.ensure_future(
                 _exchange_retrying(p2p, servicer, spec, peer, payload, bounds[j][1] - bounds[j][0], weight, norm,
                                    timeout)
             )
-    tasks[local_peer] = asyncio.ensure_future(asyncio.shield(reduction.result))
+    if me is not None:
+        tasks[local_peer] = asyncio.ensure_future(asyncio.shield(reduction.result))
     await asyncio.wait(tasks.values())
     failed, refused, shards = [], [], {}
     for peer, task in tasks.items():
@@ -561,7 +575,7 @@ async def allreduce(
             shards[peer] = task.result()
     if failed or refused:
         return AllreduceResult(None, 0.0, [], failed, refused)
-    ordered = [shards[p] for p in spec.members]
+    ordered = [shards[p] for p in reducers]
     weight, rda_norm = combine_scalars(ordered, spec.mode == "rda")
     merged = merged_delta([s.values for s in ordered], rda_norm)
     contributors = sorted({c for s in ordered for c in s.contributors})

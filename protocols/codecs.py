@@ -43,6 +43,7 @@ on every machine and thread count (assuming the default: denormals not flushed, 
 
 from __future__ import annotations
 
+import concurrent.futures
 import struct
 import sys
 import warnings
@@ -78,6 +79,43 @@ MAX_BLOCK_SIZE = 1 << 30
 # Elements per step of the block codecs: the temporaries (256 KiB each) stay in L2 and are reused, instead of a
 # fresh 4·numel-byte allocation per op (page faults dominated the unchunked version).
 _CHUNK = 1 << 16
+# Blocks of one payload are independent: above this many values, encode and decode split them into contiguous runs
+# done by ``threads()`` worker threads at once (torch's kernels release the GIL), byte for byte the same output.
+# One run is one core's work: a single call's torch ops did not get faster with more intra-op threads here
+# (docs/results.md, "Islands of several ranks"), so the parallelism is ours.
+_PARALLEL_MIN = 1 << 22
+_threads = 1
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def set_threads(n: int) -> None:
+    """How many threads one ``encode`` or ``decode`` of a large payload may use (the process's setting; 1: the
+    caller's thread alone)."""
+    global _threads, _pool
+    if not (isinstance(n, int) and n >= 1):
+        raise ValueError(f"codec threads must be a positive int, got {n!r}")
+    if n != _threads and _pool is not None:
+        _pool.shutdown(wait=False)
+        _pool = None
+    _threads = n
+
+
+def threads() -> int:
+    return _threads
+
+
+def _in_runs(rows: int, fn) -> None:
+    """``fn(r0, r1)`` over contiguous runs of ``rows`` rows covering them all, on up to ``threads()`` threads."""
+    global _pool
+    runs = min(_threads, max(1, rows * 256 // _PARALLEL_MIN))
+    if runs == 1:
+        fn(0, rows)
+        return
+    if _pool is None:
+        _pool = concurrent.futures.ThreadPoolExecutor(_threads, thread_name_prefix="codec")
+    edges = [rows * i // runs for i in range(runs + 1)]
+    for future in [_pool.submit(fn, lo, hi) for lo, hi in zip(edges, edges[1:])]:
+        future.result()
 
 _FLT_MIN = 2.0**-126  # smallest normal fp32: 1/scale is finite for scales >= this
 # Smallest fp32 that rounds to +inf in bf16 (bit pattern 0x7F7F8000, ties-to-even).
@@ -295,7 +333,9 @@ def encode(tensor: torch.Tensor, codec: str, block_size: int = 256) -> bytes:
     codes = body[4 * nblocks :]
     row_bytes = B * spec.bits // 8
     if nfull:
-        _encode_rows(x[: nfull * B].view(nfull, B), spec, codec, scales[:nfull], codes[: nfull * row_bytes])
+        rows = x[: nfull * B].view(nfull, B)
+        _in_runs(nfull, lambda r0, r1: _encode_rows(rows[r0:r1], spec, codec, scales[r0:r1],
+                                                    codes[r0 * row_bytes : r1 * row_bytes]))
     if tail:
         # The partial last block is zero-padded to a full block (zeros do not change its absmax); only the bytes
         # that hold real elements are kept.
@@ -396,7 +436,9 @@ def decode(payload: bytes, *, expected_numel: int | None = None, max_numel: int 
         out = torch.empty(n, dtype=torch.float32)
         row_bytes = B * spec.bits // 8
         if nfull:
-            _decode_rows(codes[: nfull * row_bytes], scales[:nfull], spec, B, out[: nfull * B].view(nfull, B))
+            rows = out[: nfull * B].view(nfull, B)
+            _in_runs(nfull, lambda r0, r1: _decode_rows(codes[r0 * row_bytes : r1 * row_bytes], scales[r0:r1],
+                                                        spec, B, rows[r0:r1]))
         if tail:
             tail_codes = torch.zeros(row_bytes, dtype=torch.uint8)
             got = codes[nfull * row_bytes :]

@@ -25,7 +25,7 @@ from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, Schem
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
 import msgpack
-from pydantic.v1 import StrictBytes, StrictFloat, StrictStr, conint, constr
+from pydantic.v1 import StrictBool, StrictBytes, StrictFloat, StrictStr, conint, constr
 
 from .auth import JoinToken, MembershipValidator, RevocationList, owner_of_subkey, peer_id_of
 
@@ -108,6 +108,7 @@ class ProgressRecord(pydantic.BaseModel):
     peer_id: constr(strict=True, min_length=1, max_length=128)
     status: StrictStr
     device: constr(strict=True, max_length=128)
+    ranks: conint(ge=1, le=1 << 20, strict=True)  # the island's processes (node/ranks.py)
     algorithm: constr(strict=True, max_length=32)
     step: conint(ge=0, strict=True)
     version: conint(ge=0, strict=True)  # sum of fragment versions
@@ -131,6 +132,8 @@ class ProgressRecord(pydantic.BaseModel):
     rejected_by_kind: Dict[constr(strict=True, min_length=1, max_length=32), conint(ge=0, strict=True)]
     clipped: conint(ge=0, strict=True)
     time: StrictFloat
+    # False: behind NAT (``--client-mode``), nobody can open a stream to it; never a reducer or donor.
+    reachable: StrictBool
 
     class Config:
         extra = pydantic.Extra.forbid

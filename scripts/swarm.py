@@ -11,6 +11,7 @@ and always ends every process it started.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -92,19 +93,27 @@ class LocalSwarm:
         return []
 
     def start(self, name: str, extra_args: list[str] | None = None, join: bool = True,
-              wait: float = 120.0) -> DaemonProcess:
-        """Start a daemon (joining the swarm's first live daemon unless ``join`` is False); wait for its maddrs."""
+              wait: float = 120.0, program: str | None = None, prefix: list[str] | None = None,
+              host: str = "127.0.0.1") -> DaemonProcess:
+        """Start a daemon (joining the swarm's first live daemon unless ``join`` is False); wait for its maddrs.
+        ``program``: a script run instead of ``atoll start`` (a user's own loop, ``examples/own_loop.py``), given
+        ``--checkpoint-dir``, ``extra_args`` and the credentials and initial peers, not the common args.
+        ``prefix``: a command that execs the daemon (``ip netns exec NS``: a region of ``scripts/wan.py``), and
+        ``host`` the address it listens on there."""
         workdir = self.root / name
         workdir.mkdir(parents=True, exist_ok=True)
-        args = [sys.executable, "-m", "atoll.node.cli", "start", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
-                "--checkpoint-dir", str(workdir), *self.common_args, *(extra_args or [])]
+        if program is None:
+            args = [sys.executable, "-m", "atoll.node.cli", "start", "--host-maddrs", f"/ip4/{host}/tcp/0",
+                    "--checkpoint-dir", str(workdir), *self.common_args, *(extra_args or [])]
+        else:
+            args = [sys.executable, program, "--checkpoint-dir", str(workdir), *(extra_args or [])]
         joining = join and self.bootstrap
         if joining:
             args += ["--initial-peers", *self.bootstrap]
         if self.private and "--open" not in args and "--join-token" not in args and "--run-key" not in args:
             args += self.credentials(workdir, bool(joining))
         log = open(workdir / "daemon.log", "ab")
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen([*(prefix or []), *args], stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
         daemon = DaemonProcess(name, proc, workdir)
         self.daemons[name] = daemon
@@ -124,12 +133,15 @@ class LocalSwarm:
         return daemon
 
     def signal(self, name: str, sig: int) -> None:
-        """Send ``sig`` to a daemon's whole process group (its DHT process and p2pd included)."""
+        """Send ``sig`` to a daemon's whole process group (its DHT process and p2pd included), and for SIGKILL to
+        the groups of its descendants too (an island's ranks run in sessions of their own, ``--nproc-per-node``)."""
         d = self.daemons[name]
-        try:
-            os.killpg(d.proc.pid, sig)
-        except ProcessLookupError:
-            pass
+        groups = {d.proc.pid} | (process_groups(d.proc.pid) if sig == signal.SIGKILL else set())
+        for group in groups:
+            try:
+                os.killpg(group, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def kill(self, name: str) -> None:
         self.signal(name, signal.SIGKILL)
@@ -138,17 +150,21 @@ class LocalSwarm:
     def stop(self, name: str, timeout: float = 60.0) -> int | None:
         """SIGTERM (graceful leave), then SIGKILL the group if it has not exited in ``timeout``."""
         d = self.daemons[name]
+        groups = process_groups(d.proc.pid)  # found now: once the daemon exits, its orphans are not its children
         d.proc.send_signal(signal.SIGTERM)  # the daemon alone: its DHT process must live to announce leaving
         try:
             code = d.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             code = None
         self.signal(name, signal.SIGKILL)  # leftovers of the group (p2pd) if any
+        _kill_groups(groups)
         return code
 
     def stop_all(self, timeout: float = 60.0) -> dict[str, int | None]:
+        groups: set[int] = set()
         for name, d in self.daemons.items():
             if d.alive():
+                groups |= process_groups(d.proc.pid)
                 d.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
         codes = {}
@@ -158,6 +174,7 @@ class LocalSwarm:
             except subprocess.TimeoutExpired:
                 codes[name] = None
             self.signal(name, signal.SIGKILL)
+        _kill_groups(groups)
         return codes
 
     def __enter__(self) -> LocalSwarm:
@@ -165,6 +182,31 @@ class LocalSwarm:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop_all(timeout=30)
+
+
+def process_groups(pid: int) -> set[int]:
+    """The process groups of ``pid``'s descendants (from /proc; empty where there is none)."""
+    groups, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            children = [int(c) for task in os.listdir(f"/proc/{p}/task")
+                        for c in Path(f"/proc/{p}/task/{task}/children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        for child in children:
+            todo.append(child)
+            with contextlib.suppress(ProcessLookupError):
+                groups.add(os.getpgid(child))
+    return groups
+
+
+def _kill_groups(groups: set[int]) -> None:
+    for group in groups:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def wait_for(predicate: Any, timeout: float, what: str) -> Any:

@@ -21,6 +21,8 @@ AGGREGATE = "AveragingServicer.rpc_aggregate"
 DOWNLOAD = "StateServicer.rpc_download_state"
 Sample = Callable[[], Any]
 
+OPENING_AT_ONCE = 64  # idle_streams: streams being opened at once (refused ones close as others open)
+
 
 def handler(run_id: str, method: str) -> str:
     """The protocol name hivemind registers ``method`` under for a run (``ServicerBase._get_handle_name``)."""
@@ -94,7 +96,7 @@ async def idle_streams(victim_maddr: str, victim: str, name: str, count: int = 1
     Returns how many opened, how many the victim closed by then, and how many were still open."""
 
     async def attack(p2p: P2P) -> dict[str, Any]:
-        peer, limit = PeerID.from_base58(victim), asyncio.Semaphore(64)
+        peer, limit = PeerID.from_base58(victim), asyncio.Semaphore(OPENING_AT_ONCE)
         streams: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
         failed = 0
 

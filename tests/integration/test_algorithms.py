@@ -23,7 +23,10 @@ def test_three_daemons_train_with_fragments(algorithm, tmp_path):
 
         def everyone_contributed():
             rounds = multi_member_rounds()
-            return len(rounds) >= 6 and set().union(*(r["contributors"] for r in rounds)) >= ids
+            # Each daemon's own record of a shared round, too: a round's members write theirs a moment apart.
+            recorded = all(any(len(set(r["contributors"]) & ids) >= 2 for r in swarm.daemons[n].rounds())
+                           for n in "abc")
+            return len(rounds) >= 6 and set().union(*(r["contributors"] for r in rounds)) >= ids and recorded
 
         wait_for(everyone_contributed, 240, f"{algorithm}: rounds with several contributors, from every daemon")
         fragments = {r["fragment"] for r in multi_member_rounds()}

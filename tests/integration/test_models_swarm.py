@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 from swarm import LocalSwarm
-from test_swarm import assert_replicas_agree, peer_id, wait_for
+from test_swarm import assert_held_out_falls, assert_replicas_agree, peer_id, wait_for
 
 pytestmark = pytest.mark.integration
 # Synchronous DiLoCo: every round waits for every live daemon, so "3-member rounds" holds on a loaded machine too
@@ -32,9 +32,7 @@ def test_a_llama_swarm_trains_and_restarts(tmp_path):
         wait_for(lambda: all(len(shared_rounds(swarm.daemons[n], 3)) >= 4 for n in "abc"), 240,
                  "four 3-member rounds on every daemon")
         assert_replicas_agree(swarm, "abc")
-        for name in "abc":
-            losses = [r["held_out_loss"] for r in swarm.daemons[name].rounds() if r["held_out_loss"] is not None]
-            assert len(losses) >= 4 and losses[-1] < losses[0] < 6.0
+        assert_held_out_falls(swarm, "abc", founder="a")
         # c restarts from its checkpoint: its Llama and its AdamW state come back, and it merges again.
         c = swarm.daemons["c"]
         wait_for(lambda: list(c.workdir.glob("ckpt-*.json")), 120, "c to write a checkpoint")
@@ -94,3 +92,78 @@ def test_a_bad_model_is_one_line_and_exit_2(tmp_path, model, message):
     assert out.returncode == 2, out.stderr[-2000:]
     assert message in out.stderr and "Traceback" not in out.stderr
     assert len([line for line in out.stderr.splitlines() if message in line]) == 1
+
+
+def prepared(tmp_path, name, vocab_size=300):
+    from atoll.models.prepare import PrepareOptions, prepare
+
+    texts = tmp_path / "texts"
+    texts.mkdir(exist_ok=True)
+    for i in range(40):
+        (texts / f"{i}.txt").write_text(f"document {i}: " + " ".join(f"word{j * i % 97}" for j in range(400)))
+    prepare([str(texts)], str(tmp_path / name), PrepareOptions(vocab_size=vocab_size))
+    return tmp_path / name
+
+
+def test_a_joiner_whose_data_another_tokenizer_made_is_refused(tmp_path, monkeypatch):
+    """The daemon that starts a run publishes how its data was tokenized; a joiner with the same vocabulary but
+    another tokenizer (token ids that mean other text) refuses to join with one line, exit 2."""
+    ours, theirs = prepared(tmp_path, "ours", 300), prepared(tmp_path, "theirs", 320)
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "bpemodels.py").write_text(textwrap.dedent('''
+        from atoll.models.gpt import GPT, GPTConfig
+
+        def gpt():
+            return GPT(GPTConfig(vocab_size=512, seq_len=32, d_model=32, n_layers=1, n_heads=2))
+    '''))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(models), os.environ.get("PYTHONPATH", "")) if p))
+    with LocalSwarm(tmp_path / "swarm", COMMON + ["--model", "bpemodels:gpt"]) as swarm:
+        a = swarm.start("a", ["--data", str(ours)], join=False)
+        wait_for(lambda: a.rounds() or "step 20]" in a.log(), 120, "a to train")
+        b = swarm.start("b", ["--data", str(theirs)])
+        assert b.proc.wait(120) == 2
+        errors = [line for line in b.log().splitlines() if "error" in line]
+        assert len(errors) == 1 and "this run's data is tokenized by tokenizer sha256" in errors[0], b.log()[-2000:]
+        assert "Traceback" not in b.log()
+        c = swarm.start("c", ["--data", str(ours), "--max-steps", "5"])  # the run's own data joins
+        assert c.proc.wait(120) == 0, c.log()[-2000:]
+
+
+def test_prepared_data_the_model_cannot_embed_or_a_broken_shard_is_one_line_and_exit_2(tmp_path):
+    dataset = prepared(tmp_path, "ds")
+
+    def start(*args):
+        return subprocess.run([sys.executable, "-m", "atoll.node.cli", "start", "--open", "--host-maddrs",
+                               "/ip4/127.0.0.1/tcp/0", "--data", str(dataset), *args], capture_output=True, text=True,
+                              timeout=120, stdin=subprocess.DEVNULL)
+
+    out = start("--model", "nano")  # 300 token ids, a model that embeds 256
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "atoll: error: data: tokens go up to 299 but model 'nano' has vocab 256" in out.stderr
+    shard = sorted(dataset.glob("train-*.bin"))[0]
+    shard.write_bytes(shard.read_bytes()[:-2])  # truncated
+    out = start("--model", "nano")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    errors = [line for line in out.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and errors[0].startswith("atoll: error: data:") and shard.name in errors[0], errors
+
+
+def test_a_corpus_of_two_windows_trains_and_a_smaller_one_is_one_line_and_exit_2(tmp_path):
+    """Any corpus that makes one training batch and one held-out batch trains (nano: 65-token windows, so 130
+    bytes); one byte less is one line naming the minimum, exit 2."""
+    text = tmp_path / "tiny.txt"
+
+    def start(size):
+        text.write_bytes((bytes(range(97, 123)) * 5)[:size])
+        return subprocess.run([sys.executable, "-m", "atoll.node.cli", "start", "--open", "--host-maddrs",
+                               "/ip4/127.0.0.1/tcp/0", "--model", "nano", "--data", str(text), "--max-steps", "3",
+                               "--checkpoint-dir", str(tmp_path / f"ckpt{size}")], capture_output=True, text=True,
+                              timeout=120, stdin=subprocess.DEVNULL)
+
+    out = start(130)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    out = start(129)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    errors = [line for line in out.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and "corpus too small: 129 tokens" in errors[0] and "at least 130" in errors[0], errors

@@ -48,12 +48,12 @@ def outsider(swarm):
 
 def _fake_progress(peer: str, version: int) -> dict:
     """A progress record that passes the run's schema: only the membership check can refuse it."""
-    return {"peer_id": peer, "status": "training", "device": "cpu", "algorithm": "diloco", "step": 10_000,
+    return {"peer_id": peer, "status": "training", "device": "cpu", "ranks": 1, "algorithm": "diloco", "step": 10_000,
             "version": version, "fragment_versions": [version], "fragment_weights": [1e12],
             "fragment_hashes": ["f" * 16],
             "schedule_step": 10_000, "tokens": 1, "tokens_per_s": 1.0, "loss": None, "held_out_loss": None,
             "rounds": 0, "rounds_skipped": 0, "forks_healed": 0, "tokens_lost": 0, "goodput": 1.0, "blocked_s": 0.0,
-            "bytes_sent": 0, "bytes_received": 0, "rejected": 0, "rejected_by_kind": {}, "clipped": 0,
+            "bytes_sent": 0, "bytes_received": 0, "rejected": 0, "rejected_by_kind": {}, "clipped": 0, "reachable": True,
             "time": float(get_dht_time())}
 
 

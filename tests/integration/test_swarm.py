@@ -42,6 +42,23 @@ def assert_replicas_agree(swarm, names):
     assert all(shared.values()), f"daemons that shared no round with another: {shared}"
 
 
+def held_out_losses(daemon):
+    return [r["held_out_loss"] for r in daemon.rounds() if r["held_out_loss"] is not None]
+
+
+def assert_held_out_falls(swarm, names, founder, evaluations=4):
+    """The founder's held-out loss falls from its first round's figure, which is near the untrained model's (under
+    6), and every daemon of ``names`` ends below that first figure after at least ``evaluations`` evaluations.
+
+    A joiner is not held to its own first figure: it joins the replica after the founder's first rounds, often on
+    a plateau (a byte model's unigram plateau) where two successive one-batch estimates differ by noise alone."""
+    first = held_out_losses(swarm.daemons[founder])
+    assert first and first[0] < 6.0, (founder, first)
+    for name in names:
+        losses = held_out_losses(swarm.daemons[name])
+        assert len(losses) >= evaluations and losses[-1] < first[0], (name, losses, founder, first[0])
+
+
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
     s = LocalSwarm(tmp_path_factory.mktemp("swarm"), COMMON)

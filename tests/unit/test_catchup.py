@@ -220,3 +220,38 @@ def test_only_a_refusal_of_a_claim_nobody_delivered_counts_against_its_donor(mon
     for _ in range(UNBACKED_OFFENCES + 1):
         asyncio.run(cu._download(0, ["b", "c"], blame=False))
     assert not ctx.cooldown.active("b") and "unbacked_claim" not in ctx.stats.rejected_by_kind
+
+
+def test_a_lonely_daemon_that_ran_ahead_alone_takes_the_vouched_line_with_more_merged_weight():
+    """The chaos run's stalemate: a daemon alone on a fork merged rounds by itself faster than the others (v88 with
+    weight 2.3e8 against their v66 with 4.3e8). Version first, its claim stayed the heaviest and nobody vouched for
+    it, so neither side ever took the other's. A lonely daemon takes a vouched line with more merged weight."""
+    from atoll.protocols.state_sync import ReplicaState
+
+    def holder(name, version, weight, digest):
+        r = record(name, [version], [digest])
+        r.fragment_weights = [weight]
+        return r
+
+    cu, ctx = catch_up([])
+    ctx.replica = Replica([torch.ones(4)], versions=[88], weights=[234.0])
+    line = [holder("a", 66, 434.0, "theirs"), holder("b", 66, 434.0, "theirs")]
+    cu.peers = Table(line)
+    assert [peer.peer_id for peer in cu.heavier_peers(0)] == ["a", "b"] and cu.behind(0)
+    # Not with less merged weight than ours (an ancestor of our line always has less), nor when unvouched, nor
+    # when a live peer holds our replica (we are not alone: a fork of two is vouched, and heavier by version).
+    cu.peers = Table([holder("a", 66, 200.0, "theirs"), holder("b", 66, 200.0, "theirs")])
+    assert cu.heavier_peers(0) == []
+    cu.peers = Table([holder("a", 66, 434.0, "theirs"), holder("b", 66, 434.0, "other"),
+                      holder("c", 60, 100.0, "third")])
+    assert cu.heavier_peers(0) == []
+    _, weight, digest = ctx.replica.identity(0)
+    cu.peers = Table(line + [holder("c", 88, weight, digest)])
+    assert cu.heavier_peers(0) == []
+    # The replica takes such a state only by weight, and calls it a fork it lost.
+    state = ReplicaState(66, 434.0, "theirs", torch.zeros(4), torch.zeros(4), 0, "a", 0, ("theirs",))
+    assert not ctx.replica.adopt(state)  # by version, ours is heavier
+    assert ctx.replica.adopt(state, by_weight=True) and state.forked
+    assert ctx.replica.identity(0) == (66, 434.0, "theirs")
+    lighter = ReplicaState(60, 400.0, "x", torch.zeros(4), torch.zeros(4), 0, "a", 0, ("x",))
+    assert not ctx.replica.adopt(lighter, by_weight=True)

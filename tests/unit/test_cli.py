@@ -42,7 +42,7 @@ def test_help_shows_each_dataclass_default():
     for action in _subparser("start")._actions:
         if action.dest not in defaults:
             continue
-        if action.dest in ("faults", "model_digest"):  # the hidden ones
+        if action.dest in ("faults", "model_digest", "tokenizer"):  # the hidden ones
             assert action.help == argparse.SUPPRESS and action.option_strings[0] + " " not in text
             continue
         shown = f"default: {show_default(defaults[action.dest])})"
@@ -71,12 +71,15 @@ def test_flags_parse_to_typed_overrides():
     set_ = {"sync_every", "error_feedback", "initial_peers"}
     assert all(v is None for k, v in overrides.items() if k not in set_)
     more = _start("--outer-lr", "1", "--rda", "true", "--open", "--fault", "step_delay=0.5", "--fault",
-                  "kill_in_round=3", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--seed", "4", "--device", "cpu")
+                  "kill_in_round=3", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--seed", "4", "--device", "cpu",
+                  "--client-mode", "--initial-peers", PEER)
     assert more["outer_lr"] == 1.0 and type(more["outer_lr"]) is float and more["rda"] is True
     assert more["open"] is True and more["faults"] == ("step_delay=0.5", "kill_in_round=3")
     assert more["host_maddrs"] == ("/ip4/127.0.0.1/tcp/0",) and more["seed"] == 4 and more["device"] == "cpu"
+    assert more["client_mode"] is True
     cfg, explicit = load_config(more)
     assert cfg.run.outer_lr == 1.0 and cfg.run.rda and cfg.open and cfg.parsed_faults()["kill_in_round"] == 3
+    assert cfg.client_mode
     assert explicit == {"outer_lr", "rda", "seed"}
 
 
@@ -120,12 +123,15 @@ def test_toml_file_with_every_key(tmp_path, access):
                inner_lr=2e-3, weight_decay=0.05, warmup_steps=10, seed=3, num_shards=8, gather_timeout=10.0,
                round_timeout=12.5, fragments=2, overlap=1, alpha=0.25, quorum=2, max_group=8, grace_gamma=0.25,
                join_window=False, stale_contributions=True, rda=False, compression="int8", error_feedback=False,
-               codec_block=128, clip_factor=3.0, robust_merge="trimmed", model_digest="0123456789abcdef")
+               codec_block=128, clip_factor=3.0, robust_merge="trimmed", model_digest="0123456789abcdef",
+               tokenizer="bytes", global_batch=32)
     node = dict(run_id="exp-1", initial_peers=(PEER,), host_maddrs=("/ip4/127.0.0.1/tcp/0",),
-                announce_maddrs=("/ip4/127.0.0.1/tcp/4001",), identity=str(tmp_path / "identity.key"),
-                checkpoint_dir=str(tmp_path / "ckpt"), device="cpu", batch_size=4, threads=2, max_steps=100,
+                announce_maddrs=("/ip4/127.0.0.1/tcp/4001",), client_mode=True, identity=str(tmp_path / "identity.key"),
+                checkpoint_dir=str(tmp_path / "ckpt"), device="cpu", precision="bf16", batch_size=4, threads=2, codec_threads=2,
+                max_steps=100,
                 heartbeat=1.5, eval_batches=4, eval_budget=0.05, bootstrap_retries=5, config_wait=12.0, new_run=True,
-                state_wait=60.0, restart_run=True, log_level="DEBUG",
+                state_wait=60.0, restart_run=True, log_level="DEBUG", grad_accum=2, nproc_per_node=2, nnodes="1:2",
+                rdzv_endpoint="10.0.0.1:29400", max_restarts=1, spmd_devices=0, fsdp=True,
                 peer_cooldown=30.0, state_vouchers=3, open=False, join_token=str(token),
                 run_key=str(tmp_path / "run.key"),
                 faults=("step_delay=0.1", "byzantine=nan"))

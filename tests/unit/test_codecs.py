@@ -365,6 +365,30 @@ def test_deterministic_across_calls_threads_and_layouts(codec):
     assert C.encode(strided, codec, 32) == C.encode(strided.contiguous(), codec, 32)
 
 
+@pytest.mark.parametrize("codec", ["int8", "int4", "fp4", "int2"])
+def test_codec_threads_split_large_payloads_byte_for_byte(codec):
+    """Above the parallel threshold a payload's blocks are encoded and decoded in runs on several threads: the
+    same bytes and values as on one, including the tail block; NaN is still refused."""
+    x = torch.randn(C._PARALLEL_MIN * 3 + 1234, generator=torch.Generator().manual_seed(6))
+    try:
+        C.set_threads(1)
+        one = C.encode(x, codec)
+        values_one = C.decode(one)
+        C.set_threads(4)
+        four = C.encode(x, codec)
+        assert C._pool is not None  # the payload was large enough to be split
+        assert four == one
+        assert torch.equal(C.decode(four), values_one)
+        bad = x.clone()
+        bad[C._PARALLEL_MIN * 2 + 7] = float("nan")  # in the third run
+        with pytest.raises(ValueError, match="NaN"):
+            C.encode(bad, codec)
+    finally:
+        C.set_threads(1)
+    with pytest.raises(ValueError):
+        C.set_threads(0)
+
+
 def test_decode_does_not_alias_payload_and_accepts_buffers():
     x = torch.randn(100)
     p = bytearray(C.encode(x, "none"))

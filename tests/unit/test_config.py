@@ -37,6 +37,7 @@ def test_defaults_are_valid():
         ({"eval_budget": 1.5}, "eval_budget: 1.5 must be in"),
         ({"faults": ["byzantine=evil"]}, "faults: unknown byzantine kind"),
         ({"faults": ["byzantine_from=x"]}, "faults: bad value"),
+        ({"client_mode": True}, "client_mode: a daemon nobody can dial cannot start a run"),
     ],
 )
 def test_bad_values_raise_one_line_errors(overrides, message):
@@ -102,6 +103,9 @@ def test_cli_prints_one_line_and_exits_2(capsys):
     assert err == ["atoll: error: device: unknown 'tpu'; use one of auto, cpu, cuda, xla"]
     assert main(["start", "--initial-peers", "garbage"]) == 2
     assert "malformed multiaddr" in capsys.readouterr().err
+    assert main(["start", "--client-mode"]) == 2  # behind NAT with nobody to dial: refused before anything starts
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("atoll: error: client_mode: a daemon nobody can dial")
 
 
 def test_hostile_peer_settings_parse():

@@ -40,7 +40,7 @@ def test_held_out_is_disjoint_from_training_shards():
 
 def test_corpus_rejects_too_little_data():
     with pytest.raises(ValueError):
-        Corpus(np.zeros(1000, dtype=np.uint16), 32, 4)
+        Corpus(np.zeros(2 * 33 - 1, dtype=np.uint16), 32, 4)  # less than a training and a held-out window
 
 
 def test_builtin_corpus_is_bytes_and_cached():

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from atoll.models.data import HELD_OUT_EVERY, Corpus, min_corpus_tokens
+from atoll.models.data import HELD_OUT_EVERY, MIN_WINDOWS, Corpus, min_corpus_tokens
 
 
 def test_a_few_hundred_kilobytes_train_with_smaller_blocks():
@@ -16,17 +16,40 @@ def test_a_few_hundred_kilobytes_train_with_smaller_blocks():
 
 def test_the_minimum_corpus_trains_on_fewer_shards_the_same_everywhere():
     seq = 32
-    tokens = np.repeat(np.arange(HELD_OUT_EVERY, dtype=np.uint16), seq + 1)  # each block (one window) its index
+    tokens = np.repeat(np.arange(MIN_WINDOWS, dtype=np.uint16), seq + 1)  # each block (one window) its index
     assert tokens.size == min_corpus_tokens(seq)
     corpus = Corpus(tokens, seq, 64)
-    assert corpus.shards == HELD_OUT_EVERY - 1  # fewer training blocks than shards: one block per shard
-    held = {int(v) for b in corpus.held_out(1, 2) for v in b.unique()}
-    assert held == {HELD_OUT_EVERY - 1}
-    for shard in (0, 48, 49, 63):  # shards past the last read shard mod 49, like any daemon does
-        window = corpus.batch_at(shard, 0, 1)
-        assert {int(v) for v in window.unique()} <= set(range(HELD_OUT_EVERY - 1))
-        assert np.array_equal(window, Corpus(tokens.copy(), seq, 64).batch_at(shard, 0, 1))
-    assert np.array_equal(corpus.batch_at(63, 0, 1), corpus.batch_at(63 % 49, 0, 1))
+    assert corpus.shards == 1  # one training window: every shard reads it
+    held = {int(v) for b in corpus.held_out(2, 8) for v in b.unique()}
+    assert held == {1}
+    for shard in (0, 1, 63):
+        batch = corpus.batch_at(shard, 0, 8)  # a whole batch of the one window, wrapping
+        assert batch.shape == (8, seq + 1) and {int(v) for v in batch.unique()} == {0}
+        assert np.array_equal(batch, Corpus(tokens.copy(), seq, 64).batch_at(shard, 0, 8))
+
+
+@pytest.mark.parametrize("windows", [3, 17, HELD_OUT_EVERY - 1, HELD_OUT_EVERY])
+def test_fewer_windows_than_held_out_blocks_hold_out_the_last_one(windows):
+    seq = 16
+    tokens = np.repeat(np.arange(windows, dtype=np.uint16), seq + 1)
+    corpus = Corpus(tokens, seq, 4)
+    assert {int(v) for b in corpus.held_out(2, 4) for v in b.unique()} == {windows - 1}
+    trained = {int(v) for s in range(corpus.shards) for v in corpus.batch_at(s, 0, windows).unique()}
+    assert trained == set(range(windows - 1)) and corpus.shards == min(4, windows - 1)
+
+
+def test_given_held_out_tokens_are_the_held_out_split_and_every_block_trains():
+    seq = 16
+    tokens = np.repeat(np.arange(200, dtype=np.uint16), seq + 1)
+    held_out = np.full(3 * (seq + 1), 999, dtype=np.uint16)
+    corpus = Corpus(tokens, seq, 4, held_out=held_out)
+    assert {int(v) for b in corpus.held_out(2, 4) for v in b.unique()} == {999}
+    trained = {int(v) for s in range(4) for v in corpus.batch_at(s, 0, corpus.windows_in_shard(s)).unique()}
+    assert trained == set(range(200))
+    one = Corpus(tokens[: seq + 1], seq, 4, held_out=held_out)  # one training window is enough then
+    assert one.shards == 1
+    short = Corpus(tokens, seq, 4, held_out=held_out[:seq])  # not one window: blocks of tokens are held out
+    assert 999 not in {int(v) for b in short.held_out(2, 4) for v in b.unique()}
 
 
 def test_below_the_minimum_one_line_names_it():

@@ -79,12 +79,13 @@ def _accepts(validators, record) -> bool:
 
 
 def _progress(peer: str, fragments: int = 1, **changes) -> dict:
-    rec = {"peer_id": peer, "status": "training", "device": "cpu", "algorithm": "diloco", "step": 1, "version": 0,
+    rec = {"peer_id": peer, "status": "training", "device": "cpu", "ranks": 1, "algorithm": "diloco", "step": 1,
+           "version": 0,
            "fragment_versions": [0] * fragments, "fragment_weights": [1.0] * fragments,
            "fragment_hashes": ["f" * 16] * fragments, "schedule_step": 1, "tokens": 1, "tokens_per_s": 1.0,
            "loss": None, "held_out_loss": None, "rounds": 0, "rounds_skipped": 0, "forks_healed": 0,
            "tokens_lost": 0, "goodput": 1.0, "blocked_s": 0.0, "bytes_sent": 0, "bytes_received": 0, "rejected": 0,
-           "rejected_by_kind": {}, "clipped": 0, "time": float(get_dht_time())}
+           "rejected_by_kind": {}, "clipped": 0, "time": float(get_dht_time()), "reachable": True}
     rec.update(changes)
     return rec
 

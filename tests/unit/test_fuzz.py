@@ -155,11 +155,11 @@ def test_parts_to_tensor_random(parts, numel):
 
 
 # ---- DHT records ----------------------------------------------------------------------------------------------
-GOOD = dict(peer_id="QmPeer", status="training", device="cpu", algorithm="diloco", step=10, version=2,
+GOOD = dict(peer_id="QmPeer", status="training", device="cpu", ranks=1, algorithm="diloco", step=10, version=2,
             fragment_versions=[2], fragment_weights=[1024.0], fragment_hashes=["abc"], schedule_step=3, tokens=4096,
             tokens_per_s=100.0, loss=2.5, held_out_loss=None, rounds=2, rounds_skipped=0, forks_healed=0,
             tokens_lost=0, goodput=0.9, blocked_s=1.5, bytes_sent=10, bytes_received=20, rejected=0,
-            rejected_by_kind={"shape": 1}, clipped=0, time=1.0)
+            rejected_by_kind={"shape": 1}, clipped=0, time=1.0, reachable=True)
 
 
 @FUZZ

@@ -11,13 +11,13 @@ def test_held_out_evaluations_stay_within_their_share_of_wall_time(monkeypatch):
     clock = [0.0]
     monkeypatch.setattr("atoll.node.metrics.time.monotonic", lambda: clock[0])
 
-    def evaluate(_batches):
+    def evaluate():
         clock[0] += 1.0  # every evaluation takes a second
         return 2.0
 
     counters = Counters(started=0.0)
-    held_out = HeldOut([], 0.1, counters)
-    learner = SimpleNamespace(evaluate=evaluate, step=0)
+    held_out = HeldOut(0.1, counters)
+    learner = SimpleNamespace(held_out_loss=evaluate, step=0)
     evaluations = 0
     for _ in range(100):  # a merge every second of training
         clock[0] += 1.0
@@ -38,7 +38,7 @@ def test_progress_fields_fit_the_published_record_schema():
                         loss=float("nan"), held_out_loss=2.5, rounds_done=2, rounds_skipped=1)
     rec = {**counters.progress(), "peer_id": "p", "version": 0, "fragment_versions": [0], "fragment_weights": [0.0],
            "fragment_hashes": ["h"], "schedule_step": 3, "bytes_sent": 0, "bytes_received": 0, "rejected": 0,
-           "rejected_by_kind": {}, "clipped": 0, "time": 1.0}
+           "rejected_by_kind": {}, "clipped": 0, "time": 1.0, "reachable": True}
     parsed = ProgressRecord.parse_obj(rec)
     assert parsed.status == "training" and parsed.loss is None and parsed.held_out_loss == 2.5
     assert (parsed.rounds, parsed.rounds_skipped, parsed.step, parsed.tokens) == (2, 1, 3, 96)

@@ -20,11 +20,11 @@ from atoll.protocols.records import (
 
 def good_progress(**changes):
     rec = dict(
-        peer_id="QmPeer", status="training", device="cpu", algorithm="diloco", step=10, version=2,
+        peer_id="QmPeer", status="training", device="cpu", ranks=1, algorithm="diloco", step=10, version=2,
         fragment_versions=[2], fragment_weights=[1024.0], fragment_hashes=["abc"], schedule_step=3, tokens=4096,
         tokens_per_s=100.0, loss=2.5, held_out_loss=None, rounds=2, rounds_skipped=0, forks_healed=0, tokens_lost=0,
         goodput=0.9, blocked_s=1.5, bytes_sent=10, bytes_received=20, rejected=0,
-        rejected_by_kind={"shape": 2, "nonfinite": 1}, clipped=3, time=get_dht_time(),
+        rejected_by_kind={"shape": 2, "nonfinite": 1}, clipped=3, time=get_dht_time(), reachable=True,
     )
     rec.update(changes)
     return rec
@@ -43,7 +43,7 @@ def test_good_progress_record_parses():
         {"rejected_by_kind": {"shape": -1}}, {"rejected_by_kind": {"x" * 33: 1}}, {"rejected_by_kind": {"": 1}},
         {"rejected_by_kind": {f"k{i}": 1 for i in range(33)}}, {"rejected_by_kind": {"shape": 1.0}},
         {"rejected_by_kind": [1]}, {"clipped": -1}, {"peer_id": "Q" * 129}, {"fragment_hashes": ["a" * 65]},
-        {"device": "d" * 129},
+        {"device": "d" * 129}, {"reachable": 1}, {"reachable": "no"}, {"ranks": 0}, {"ranks": 2.0},
     ],
 )
 def test_malformed_progress_records_are_rejected(changes):

@@ -141,11 +141,11 @@ def test_bad_offsets_are_refused_and_counted():
 def record(peer_id, versions, hashes):
     n = len(versions)
     return ProgressRecord(
-        peer_id=peer_id, status="training", device="cpu", algorithm="decoupled", step=1, version=sum(versions),
+        peer_id=peer_id, status="training", device="cpu", ranks=1, algorithm="decoupled", step=1, version=sum(versions),
         fragment_versions=versions, fragment_weights=[float(v) for v in versions], fragment_hashes=hashes,
         schedule_step=1, tokens=1, tokens_per_s=1.0, loss=None, held_out_loss=None, rounds=0, rounds_skipped=0,
         forks_healed=0, tokens_lost=0, goodput=1.0, blocked_s=0.0, bytes_sent=0, bytes_received=0, rejected=0,
-        rejected_by_kind={}, clipped=0, time=1.0)
+        rejected_by_kind={}, clipped=0, time=1.0, reachable=True)
 
 
 def test_donor_order_spreads_fragments_over_the_holders_of_the_heaviest_replica():

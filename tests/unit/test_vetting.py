@@ -38,15 +38,14 @@ def corpus():
 
 
 def setup(corpus, parts=2, clock=None):
-    learner = Learner(RUN, resolve_device("cpu"), corpus, shard=0, batch_size=4)
+    learner = Learner(RUN, resolve_device("cpu"), corpus, shard=0, batch_size=4, held_out=corpus.held_out(2, 4))
     fragments = make_fragments(learner.params, parts, 10, embedding=learner.model.embed.weight)
     for _ in range(200):  # Θ: a model that learned something, so that a broken candidate shows
         learner.train_step()
     replica = Replica([f.gather(learner.params) for f in fragments], versions=[3] * parts, weights=[3.0] * parts)
     for _ in range(3):  # θ moves on from Θ: local progress no round merged yet
         learner.train_step()
-    batches = corpus.held_out(2, 4)
-    vetting = Vetting(learner, fragments, replica, batches, **({"clock": clock} if clock else {}))
+    vetting = Vetting(learner, fragments, replica, **({"clock": clock} if clock else {}))
     return learner, fragments, replica, vetting
 
 
@@ -79,14 +78,14 @@ def test_losses_measure_the_replica_not_theta(corpus):
     assert ours == theirs  # the candidate is Θ itself
     theta = learner.flat_params()
     fragments[0].scatter(replica.snapshot(0).params, learner.params)
-    assert learner.evaluate(vetting.batches) == ours
+    assert learner.held_out_loss() == ours
     learner.load_flat(theta)
-    assert learner.evaluate(vetting.batches) != ours  # θ has moved on from Θ: evaluating θ would be wrong
+    assert learner.held_out_loss() != ours  # θ has moved on from Θ: evaluating θ would be wrong
 
 
 def test_the_reference_is_the_best_loss_of_the_window():
     now = [0.0]
-    vetting = Vetting(None, [], None, [], clock=lambda: now[0])
+    vetting = Vetting(None, [], None, clock=lambda: now[0])
     step = 1 + 0.9 * LOSS_MARGIN  # each candidate a little less than one margin worse than ours
     losses = iter([(2.0, 2.0 * step), (2.0 * step, 2.0 * step * step), (2.1, 2.1)])
     vetting.losses = lambda state: next(losses)

@@ -178,7 +178,7 @@ def test_merged_fragment_is_copied_in_place(corpus, xla):
 def test_next_batch_is_prefetched_to_the_device(corpus, xla):
     learner = xla_learner(corpus, xla, "bf16")
     learner.train_step()
-    (key, (x, y)) = learner._prefetched
+    (key, [(x, y)]) = learner._prefetched  # one micro-batch: a list of one (x, y)
     assert key == (learner.position, BATCH) and x.device.type == "xla" and y.device.type == "xla"
     expected = corpus.batch_at(2, learner.position, BATCH)
     assert torch.equal(x.cpu(), expected[:, :-1]) and torch.equal(y.cpu(), expected[:, 1:])
