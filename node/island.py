@@ -1,0 +1,533 @@
+"""An island: one member of a run, around a model whose training loop is someone else's.
+
+Its lifetime:
+
+- ``start()`` (entering the ``with`` block): start the DHT (retrying bootstrap) → agree on the run's
+  configuration → build the trainee → check its model against the run's digest → restore a checkpoint, or download
+  the swarm's state → wait for the peers the run waits for. Every step of the loop comes after this, so state from
+  peers (or from the checkpoint) is in the model before the first step.
+- Each inner step ends at a *step boundary*: ``after_step()`` counts the step, starts the rounds due (or opened by
+  peers), merges the landed ones and checkpoints once the last fragment merged; ``before_step()`` loads the
+  replicas the syncer adopted. Neither awaits the network (the synchronous algorithms block when a merge is due).
+- ``close()`` (leaving the block, normally or by an exception): announce leaving, write a last checkpoint, stop the
+  DHT.
+
+Two loops use it. A user's: ``Island(model, optimizer, **options)`` hooks ``optimizer.step``, so each call of it is
+a step counted with the tokens of ``island.tokens(n)`` (or ``tokens_per_step``) and followed by a boundary.
+``atoll start``'s (``daemon.py``): ``Island.for_loop`` builds the daemon's ``Learner`` once the run config is known,
+and the daemon calls the boundaries itself, after its step's device sync.
+
+A user's loop under ``torchrun`` (``WORLD_SIZE`` > 1) is an island of several ranks (``ranks.py``): rank 0 is the
+member described above; on every other rank ``Island`` only follows it — it takes rank 0's state at start and, at
+each boundary, the parameters rank 0's boundary wrote, and ``stopping`` turns true on every rank after the same step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from hivemind.utils import get_dht_time
+
+from atoll.models.data import shard_for_peer
+from atoll.models.fragments import make_fragments
+from atoll.models.registry import embedding_of, model_digest
+from atoll.protocols import codecs
+from atoll.protocols.records import Status, make_validators
+
+from . import persist
+from .algorithm import algorithm
+from .checkpoint import CheckpointWriter, load_checkpoint
+from .config import OWN_MODEL, ConfigError, NodeConfig, RunConfig, load_config
+from .ddp import DDP
+from .device import Device
+from .faults import Faults
+from .join import agree_on_run_config, check_identity, identity_file, load_revocation, membership, start_dht
+from .local_state import LocalFragmentState
+from .log import context as log_context
+from .log import setup_logging
+from .metrics import Counters, HeldOut, MetricsLog
+from .replica import Replica
+from .ranks import IslandSync, Ranks, init_island
+from .rounds import Rounds
+from .syncer import Syncer
+from .trainee import LoopTrainee, Trainee, device_of
+
+logger = logging.getLogger("atoll")
+RATE_WINDOW = 5.0  # seconds over which tokens/s is measured
+METRICS_EVERY = 10  # steps between progress events in metrics.jsonl
+
+BuildTrainee = Callable[[NodeConfig, str], Trainee]  # (the agreed config, our peer id) -> the trainee
+Derive = Callable[[RunConfig], dict[str, str]]  # the run config fields a starter derives and publishes
+
+
+class Island:
+    """A member of the run ``options`` name, around your own ``model`` and inner ``optimizer``::
+
+        with atoll.Island(model, optimizer, run_id="myrun", initial_peers=[...], checkpoint_dir="ckpt") as island:
+            for batch in loader:
+                loss = model(**batch).loss
+                loss.backward()
+                island.tokens(batch["input_ids"].numel())  # optional: the tokens this step trains
+                optimizer.step(); optimizer.zero_grad()  # the step boundary: rounds start and merge here
+
+    Under ``torchrun`` every rank makes its ``Island`` (the model may be wrapped in ``DistributedDataParallel``): rank
+    0 joins the run, the others follow it; ``tokens``/``tokens_per_step`` on rank 0 count the island's tokens, every
+    rank's, and the loop ends on ``island.stopping`` (``request_stop()`` on any rank ends it after the same step on
+    all of them).
+
+    ``options`` are ``atoll start``'s settings by field name (``run_id``, ``initial_peers``, ``algorithm``,
+    ``sync_every``, ``checkpoint_dir``, ``open``, ``join_token``, ...; ``config`` a TOML file as ``--config``).
+    Settings of the daemon's own loop (``device``, ``batch_size``, ``inner_lr``, ``max_steps``, ...) do not apply:
+    the model's device, the optimizer and the loop are yours. Bad settings raise ``ConfigError`` (one line).
+
+    ``evaluate(model) -> float``: your held-out loss, called without gradients at merges within ``eval_budget`` of
+    the wall time; without it an island reports no held-out loss, and a lonely island cannot vet a replica
+    nobody vouches for, so it refuses every one (docs/security.md). ``tokens_per_step``: the tokens each step
+    trains, unless ``tokens(n)`` says otherwise for a step; with neither, a step weighs one token.
+
+    Every island of a run must build the same model (names, shapes and dtypes of its trainable parameters: the
+    run's digest) from the same seed; one that does not refuses to join with a ``ConfigError``. The optimizer may
+    be any ``torch.optim`` optimizer over the model's trainable parameters; its state is checkpointed with θ.
+    After ``start``, ``step`` is how many steps this member trained (restored from a checkpoint: resume your data
+    there) and ``shard``/``num_shards`` name the data shard its peer id hashes to.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                 evaluate: Callable[[torch.nn.Module], float] | None = None, tokens_per_step: int | None = None,
+                 config: str | None = None, **options: Any) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        from torch.nn.parallel import DistributedDataParallel
+
+        if isinstance(model, DistributedDataParallel):
+            model = model.module  # the parameters are the wrapped module's, named without DDP's "module." prefix
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if tokens_per_step is not None and not (isinstance(tokens_per_step, int) and tokens_per_step > 0):
+            raise ConfigError(f"tokens_per_step: must be a positive int, got {tokens_per_step!r}")
+        cfg, explicit = load_config({"model": OWN_MODEL, **options}, config)
+        if "model" not in options:
+            explicit.discard("model")  # the model is the module itself; its digest is what the run checks
+        try:
+            device = device_of(model)
+        except ValueError as e:
+            raise ConfigError(f"model: {e}") from None
+        owned = set(optimizer_params(optimizer))
+        missing = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in owned]
+        if missing:
+            raise ConfigError(f"optimizer: it does not train {len(missing)} of the model's trainable parameters "
+                              f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})")
+        digest = model_digest(model)
+        trainee = LoopTrainee(model, optimizer, device, evaluate)
+        self._setup(cfg, explicit, lambda _cfg, _peer: trainee, lambda _run: {"model_digest": digest}, device,
+                    threading.Event(), print_addresses=False)
+        self._ranks = Ranks.from_env()
+        if self._ranks.world > 1:
+            if any(hasattr(p, "full_tensor") for p in trainee.params):
+                raise ConfigError("model: its parameters are sharded (FSDP); an island of sharded ranks runs in "
+                                  "`atoll start --fsdp` only, a Python island under torchrun is data parallel")
+            if cfg.run.algorithm == "ddp":
+                raise ConfigError("algorithm: ddp (a gradient all-reduce every step) runs in `atoll start` only")
+            _, control = init_island(self._ranks, device.kind)
+            self._sync = IslandSync(self._ranks, trainee.params, control)
+            self._own_trainee = trainee
+        self._tokens_per_step, self._next_tokens, self._next_loss = tokens_per_step, None, None
+        self._optimizer, self._hook = optimizer, None
+        if not logger.handlers:  # a script that set up no logging of its own still sees the island's progress
+            setup_logging(cfg.log_level)
+
+    @classmethod
+    def for_loop(cls, cfg: NodeConfig, explicit: set[str], build: BuildTrainee, derive: Derive, device: Device,
+                 stop: threading.Event) -> Island:
+        """An island whose loop calls ``before_step``/``after_step`` itself (``atoll start``'s): ``build`` makes the
+        trainee once the run config is agreed, ``derive`` the fields this island publishes if it starts the run
+        (``join.agree_on_run_config``), and ``stop`` is the event the loop and the synchronous merges watch."""
+        island = cls.__new__(cls)
+        island._setup(cfg, explicit, build, derive, device, stop, print_addresses=True)
+        island._ranks = Ranks()  # the daemon keeps its own ranks in step (daemon.py)
+        island._optimizer, island._hook = None, None
+        return island
+
+    def _setup(self, cfg: NodeConfig, explicit: set[str], build: BuildTrainee, derive: Derive, device: Device,
+               stop: threading.Event, print_addresses: bool) -> None:
+        self.cfg, self.explicit, self._build, self._derive = cfg, explicit, build, derive
+        self.device, self.stop_event, self._print_addresses = device, stop, print_addresses
+        codecs.set_threads(codec_threads(cfg.codec_threads, device.kind))
+        self.faults = Faults(cfg.faults)
+        self.counters = Counters()
+        self.counters.device = device.describe()
+        self.metrics = MetricsLog(None)
+        self.checkpointer: CheckpointWriter | None = None
+        self.checkpoints_written = 0
+        self.trainee: Trainee | None = None
+        self._exit = contextlib.ExitStack()
+        self._training = self._closed = False
+        self._sync: IslandSync | None = None
+        self._stop_requested = threading.Event()
+        self._agreed_stop = False
+
+    # ---- what a loop reads ----------------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """Inner steps this member trained (after ``start``: a restored checkpoint's)."""
+        return self.trainee.step if self.trainee is not None else 0
+
+    @property
+    def version(self) -> int:
+        """The replica's version: outer rounds merged into it, summed over fragments."""
+        return self.replica.total_version if self.trainee is not None else 0
+
+    @property
+    def stopping(self) -> bool:
+        """True once something asked this island to stop (a signal to the daemon, ``request_stop``, or ``close``);
+        on an island of several ranks, from the boundary at which every rank learns it."""
+        if self._sync is not None:
+            return self._agreed_stop
+        return self.stop_event.is_set()
+
+    def request_stop(self) -> None:
+        """Ask the island to stop after the current step (safe from a signal handler, on any rank)."""
+        if self._sync is not None:
+            self._stop_requested.set()
+        else:
+            self.stop_event.set()
+
+    @property
+    def following(self) -> bool:
+        """True on the ranks of an island other than rank 0: they train, rank 0 is the run's member."""
+        return not self._ranks.leader
+
+    def tokens(self, n: int, loss: float | None = None) -> None:
+        """The tokens the step now being trained trains (its weight in rounds), and optionally its loss for the
+        progress record; read at the next ``optimizer.step()``."""
+        if not (isinstance(n, int) and n > 0):
+            raise ValueError(f"tokens: must be a positive int, got {n!r}")
+        self._next_tokens, self._next_loss = n, loss
+
+    # ---- lifetime -------------------------------------------------------------------------------------------
+    def __enter__(self) -> Island:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Join the run (see the module's docstring); ``ConfigError`` (one line) for what the user must fix."""
+        try:
+            if self.following:
+                self._follow()
+                return
+            self._start()
+            if self._sync is not None:  # the other ranks take the agreed config and the state joining gave us
+                self.counters.ranks = self._ranks.world
+                self._sync.share_config(self.cfg, self.peer_id)
+                self._sync.share_state(self.trainee)
+        except BaseException:
+            self._exit.close()
+            raise
+
+    def _follow(self) -> None:
+        """A rank other than 0: rank 0's config and state, then the hook that keeps this rank in step with it."""
+        assert self._sync is not None and self._optimizer is not None
+        self.trainee = trainee = self._own_trainee
+        self.cfg, self.peer_id = self._sync.receive_config()
+        self.num_shards = self.cfg.run.num_shards
+        self.shard = shard_for_peer(self.peer_id, self.num_shards)
+        self.maddrs: list[str] = []
+        self._sync.receive_state(trainee)
+        self._step_end = time.monotonic()
+        logger.info("rank %d of %d: following rank 0 from step %d", self._ranks.rank, self._ranks.world, trainee.step)
+        self._hook = self._optimizer.register_step_post_hook(self._on_optimizer_step)
+
+    def _start(self) -> None:
+        cfg = self.cfg
+        token = membership(cfg)
+        self.revocation = load_revocation(cfg, token)
+        validators = make_validators(cfg.run_id, token, self.revocation)
+        subkey = validators[0].local_public_key
+        identity, temporary = identity_file(cfg, token)
+        try:
+            dht = start_dht(cfg, validators, identity_path=identity)
+        finally:
+            if temporary:
+                os.unlink(identity)
+        self._exit.callback(dht.shutdown)
+        check_identity(dht, token)
+        self.dht = dht
+        self.peer_id = peer_id = str(dht.peer_id)
+        log_context.peer = peer_id[-8:]
+        self.maddrs = [str(m) for m in dht.get_visible_maddrs()]
+        if self._print_addresses:
+            for maddr in self.maddrs:
+                print(maddr, flush=True)
+        logger.info("peer id %s; to join this run, pass one of %s as an initial peer", peer_id,
+                    ", ".join(self.maddrs))
+        self.cfg, config_record = agree_on_run_config(dht, cfg, self.explicit, token, subkey, derive=self._derive)
+        cfg, run = self.cfg, self.cfg.run
+        self.algorithm = algo = algorithm(run.algorithm)
+        self.counters.algorithm = run.algorithm
+        self.metrics = MetricsLog(Path(cfg.checkpoint_dir) / "metrics.jsonl" if cfg.checkpoint_dir else None)
+        self._exit.callback(self.metrics.close)
+        self.num_shards = run.num_shards
+        self.shard = shard_for_peer(peer_id, run.num_shards)
+
+        self.trainee = trainee = self._build(cfg, peer_id)
+        if algo.gradient_allreduce and self._optimizer is not None:
+            raise ConfigError("algorithm: ddp (a gradient all-reduce every step) runs in `atoll start` only")
+        digest = model_digest(trainee.model)
+        if run.model_digest and digest != run.model_digest:
+            raise ConfigError(f"model: this island's model has parameters (names, shapes, dtypes: digest {digest}) "
+                              f"other than the run's (digest {run.model_digest}); build the run's model")
+        self.held_out = HeldOut(cfg.eval_budget, self.counters)
+        self._build_replica()
+        resumed, error_feedback = self._restore()
+        self.counters.step, self.counters.tokens = trainee.step, trainee.tokens  # a restored one's, from the start
+        self.syncer = syncer = Syncer(cfg, dht, subkey, self.replica, self.fragments, self.counters, self.faults,
+                                      private=token is not None, config_record=config_record,
+                                      run_public_key=token.run_public_key if token is not None else None,
+                                      revocation=self.revocation, error_feedback=error_feedback)
+        syncer.start()
+        self._exit.callback(syncer.shutdown)
+        if resumed:
+            self._catch_up()
+        else:
+            self._join()
+        if algo.gradient_allreduce and self.replica.total_version > 0 and not resumed:
+            raise ConfigError(f"algorithm: ddp runs have a fixed membership and this one is at step "
+                              f"{self.replica.total_version}; start every ddp daemon together (see --quorum)")
+        self.rounds = Rounds(cfg, algo, trainee, self.fragments, self.replica, self.local, syncer, self.counters,
+                             self.metrics, self.held_out, self.stop_event)
+        self.ddp = DDP(trainee, self.replica, self.local[0], syncer, self.counters, self.metrics, self.held_out,
+                       self.stop_event) if algo.gradient_allreduce else None
+        self.counters.status = Status.TRAINING
+        self._wait_for_peers(run.quorum if algo.gradient_allreduce else self.faults.start_barrier())
+        self._training = True
+        self.counters.started = self._window_start = self._step_end = time.monotonic()
+        self._window_tokens = 0
+        if self._optimizer is not None:
+            self._hook = self._optimizer.register_step_post_hook(self._on_optimizer_step)
+            if self._tokens_per_step is None:
+                logger.info("the tokens a step trains are not given (tokens_per_step=, or island.tokens(n)): "
+                            "rounds weigh a member's steps")
+
+    def close(self) -> None:
+        """Leave the run: announce it, write a last checkpoint, stop the DHT. Safe to call more than once."""
+        if self._closed:
+            return
+        self._closed = True
+        self.stop_event.set()
+        if self._hook is not None:
+            self._hook.remove()
+        try:
+            if self._training:
+                trainee, replica = self.trainee, self.replica
+                self.counters.status = Status.LEAVING
+                self.syncer.shutdown()
+                self._checkpoint()
+                if self.checkpointer is not None:
+                    self.checkpointer.wait()
+                logger.info("stopped at step %d, version %d", trainee.step, replica.total_version)
+                self.metrics.write(event="summary", **self.counters.summary(
+                    self.syncer.stats, [v for v, _, _ in replica.identities()]))
+        finally:
+            self._exit.close()
+
+    # ---- step boundaries --------------------------------------------------------------------------------------
+    def before_step(self) -> None:
+        """Load the replicas the syncer adopted into θ (a step boundary, before the loop's next step)."""
+        self.rounds.before_step()
+
+    def after_step(self, loss: float | None, seconds: float) -> None:
+        """The trainee just finished a step of ``seconds`` (its counters advanced): count it, start and merge rounds,
+        checkpoint at a consistent point. ddp's daemons report and checkpoint every H steps instead."""
+        trainee, counters, run = self.trainee, self.counters, self.cfg.run
+        counters.loss = loss
+        counters.train_seconds += seconds
+        counters.stepped(seconds)
+        counters.step, counters.tokens = trainee.step, trainee.tokens
+        log_context.step = trainee.step
+        self.replica.schedule_step += 1
+        for local in self.local:
+            local.add_step(trainee.tokens_per_step)
+        self._window_tokens += trainee.tokens_per_step
+        elapsed = time.monotonic() - self._window_start
+        if elapsed >= RATE_WINDOW:
+            counters.tokens_per_s, self._window_start, self._window_tokens = self._window_tokens / elapsed, \
+                time.monotonic(), 0
+        if trainee.step % METRICS_EVERY == 0:
+            self.metrics.write(step=trainee.step, tokens=trainee.tokens, loss=loss)
+        if self.ddp is not None:
+            if trainee.step % run.sync_every == 0:
+                self.ddp.report()
+                self._checkpoint()
+        elif self.rounds.after_step():
+            self._checkpoint()
+
+    def _on_optimizer_step(self, _optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        """The user's ``optimizer.step()`` returned: a step boundary."""
+        seconds = time.monotonic() - self._step_end  # the loop's time since the last boundary: the step's
+        tokens = self._next_tokens or self._tokens_per_step or 1
+        loss, self._next_tokens, self._next_loss = self._next_loss, None, None
+        assert isinstance(self.trainee, LoopTrainee)
+        # On xla, cut the graph here: the user's step runs as the same graph every step, and what the boundary does
+        # (a snapshot, a merge) is traced apart from it, so nothing in the step's graph depends on the schedule.
+        self.device.sync()
+        sync = self._sync
+        with torch.no_grad():  # merged values go into the leaf parameters in place
+            if sync is not None and self._ranks.leader:
+                sync.mark()
+            self.trainee.advance(tokens)
+            if sync is not None and self.trainee.step % self.cfg.run.sync_every == 0:
+                sync.check()  # θ as the step left it, the same on every rank unless one drifted
+                self.counters.rank_drift = sync.drifted
+            if self._ranks.leader:
+                self.after_step(loss, seconds)
+                self.before_step()
+            if sync is not None:
+                if sync.boundary(self._stop_requested.is_set()):
+                    self._agreed_stop = True
+                    self.stop_event.set()
+                self.counters.island_sync_seconds = sync.seconds
+        self._step_end = time.monotonic()
+
+    # ---- joining ----------------------------------------------------------------------------------------------
+    def _build_replica(self) -> None:
+        """The model's fragments, and Θ₀: the trainee's model as built (the same seed on every member)."""
+        trainee, run = self.trainee, self.cfg.run
+        try:
+            self.fragments = make_fragments(trainee.params, run.num_fragments, run.sync_every,
+                                            embedding=embedding_of(trainee.model))
+        except ValueError as e:
+            raise ConfigError(f"fragments: {e}") from None
+        self.replica = replica = Replica([trainee.gather(f) for f in self.fragments])
+        self.local = [LocalFragmentState(trainee.gather(f), _replica_id(replica, p))
+                      for p, f in enumerate(self.fragments)]
+
+    def _restore(self) -> tuple[bool, dict[str, torch.Tensor]]:
+        """Resume from our newest good checkpoint, if there is one: whether we did, and the error-feedback state."""
+        cfg = self.cfg
+        if not cfg.checkpoint_dir:
+            return False, {}
+        self.checkpointer = CheckpointWriter(cfg.checkpoint_dir, lambda meta: self.metrics.write(
+            event="checkpoint", version=meta["version"], step=meta["step"], tokens=meta["tokens"]))
+        loaded = load_checkpoint(cfg.checkpoint_dir)
+        if loaded is None:
+            return False, {}
+        tensors, meta = loaded
+        self.replica, error_feedback = persist.restore(cfg, tensors, meta, self.trainee, self.fragments, self.local)
+        self.counters.tokens_lost = meta["tokens_lost"]
+        log_context.step = self.trainee.step
+        logger.info("resumed from checkpoint: version %d, step %d, data position %d", meta["version"], meta["step"],
+                    meta["position"])
+        self.metrics.write(event="resumed", version=meta["version"], step=meta["step"], position=meta["position"])
+        return True, error_feedback
+
+    def _join(self) -> None:
+        """A new member: take every fragment's heaviest replica among live peers (or Θ₀ if there are none)."""
+        replica = self.replica
+        states = self._download_or_wait()
+        for p, fragment in enumerate(self.fragments):
+            theta_p, base_id = replica.params_and_id(p)
+            self.trainee.put(fragment, theta_p)
+            self.local[p] = LocalFragmentState(theta_p, base_id)
+        if len(states) == len(self.fragments):
+            replica.schedule_step = states[0].schedule_step
+            logger.info("joined at version %d from %s (shard %d)", replica.total_version,
+                        ", ".join(sorted({d[-8:] for st in states for d in st.donors})), self.shard)
+            self.metrics.write(event="joined", version=replica.total_version, donor=states[0].donor,
+                               donors=[list(s.donors) for s in states], resumed_bytes=[s.resumed_bytes for s in states],
+                               bytes_received=self.syncer.stats.bytes_received)  # what joining cost: the whole state
+        else:
+            logger.info("no peer holds state yet: starting from the seed's initial model (shard %d)", self.shard)
+
+    def _download_or_wait(self) -> list:
+        """Every fragment's heaviest replica among live peers. If none holds the state of a run that already got
+        somewhere (its members' notes say so), a newcomer must not start it over from the seed: it waits for a
+        holder to return, up to ``state_wait`` (then ``ConfigError``), unless ``restart_run`` says to."""
+        cfg = self.cfg
+        timeout = max(60.0, 4 * cfg.run.round_timeout)
+        states = self.syncer.download_initial_state(timeout=timeout)
+        if len(states) == len(self.fragments):
+            return states
+        head = self.syncer.run_head()
+        if head is None or head.version == 0:
+            return states  # a new run: start from the seed
+        if cfg.restart_run:
+            logger.warning("run %r got to version %d but no live daemon holds its state: starting it over from the "
+                           "seed's initial model, as --restart-run asks", cfg.run_id, head.version)
+            return states
+        deadline, said = time.monotonic() + cfg.state_wait, 0.0
+        while not self.stop_event.is_set():
+            if time.monotonic() - said > 30:
+                ago = max(0.0, get_dht_time() - head.time)
+                logger.warning("run %r got to version %d (noted by %s %.0f s ago) and no live daemon holds its state: "
+                               "waiting up to %.0f s for one to return (or pass --restart-run)", cfg.run_id,
+                               head.version, head.peer_id[-8:], ago, deadline - time.monotonic())
+                said = time.monotonic()
+            if time.monotonic() > deadline:
+                raise ConfigError(f"state_wait: run {cfg.run_id!r} got to version {head.version} and no daemon holding "
+                                  f"its state came back in {cfg.state_wait:.0f} s; start one that holds it (its "
+                                  "--checkpoint-dir), or pass --restart-run to start the run over from the seed")
+            self.stop_event.wait(5.0)
+            states = self.syncer.download_initial_state(timeout=timeout)
+            if len(states) == len(self.fragments):
+                return states
+            head = self.syncer.run_head() or head
+        return states
+
+    def _catch_up(self) -> None:
+        """A restarted member: download the fragments the swarm moved past while we were away, before training."""
+        states = self.syncer.catch_up_now(timeout=max(60.0, 4 * self.cfg.run.round_timeout))
+        if states:
+            logger.info("caught up on %d fragment(s) to version %d before training", len(states),
+                        self.replica.total_version)
+            self.metrics.write(event="caught_up", version=self.replica.total_version,
+                               fragments=[s.fragment for s in states], donors=[list(s.donors) for s in states])
+
+    def _wait_for_peers(self, count: int) -> None:
+        """Hold the first step until ``count`` members (this one included) are training."""
+        logged = False
+        while count and not self.stop_event.is_set():
+            training = sum(peer.status == Status.TRAINING for peer in self.syncer.peers().values()) + 1
+            if training >= count:
+                return
+            if not logged:
+                logger.info("waiting for %d daemons to start together (%d training)", count, training)
+                logged = True
+            self.stop_event.wait(0.2)
+
+    # ---- checkpoints --------------------------------------------------------------------------------------------
+    def _checkpoint(self) -> None:
+        """Copy the state to host memory (consistent at this step) and hand it to the background writer."""
+        if self.checkpointer is None:
+            return
+        tensors, meta = persist.capture(self.cfg, self.peer_id, self.trainee, self.replica, self.local,
+                                        self.syncer.error_feedback_state(), self.counters.tokens_lost)
+        self.checkpoints_written += 1
+        self.checkpointer.submit(tensors, meta, interrupt=self.faults.checkpoint_interrupt(self.checkpoints_written))
+
+
+def codec_threads(setting: int, device_kind: str) -> int:
+    """The codec's threads for ``--codec-threads`` (0: 1 on a cpu device, whose cores train; else up to 8)."""
+    if setting:
+        return setting
+    return 1 if device_kind == "cpu" else max(1, min(8, os.cpu_count() or 1))
+
+
+def optimizer_params(optimizer: torch.optim.Optimizer) -> list[int]:
+    """The ids of the tensors ``optimizer`` steps."""
+    return [id(p) for group in optimizer.param_groups for p in group["params"]]
+
+
+def _replica_id(replica: Replica, p: int) -> tuple[int, str]:
+    version, _, digest = replica.identity(p)
+    return version, digest

@@ -1,0 +1,415 @@
+"""An island of several processes: one torch.distributed job (``torchrun``, or ``atoll start --nproc-per-node``)
+whose rank 0 is the swarm member.
+
+Inside the island the ranks train data parallel: each rank runs the same ``Learner`` on its own micro-batches of
+the island's data shard, and torch's ``DistributedDataParallel`` averages the gradients, so θ and the inner
+optimizer's state are the same on every rank after every step. Rank 0 alone joins the swarm: it holds the DHT
+identity, the run config, the replica (Θ, outer momentum, error feedback) in host memory, the rounds and the
+checkpoints, and it is the one that sends a fragment's delta and receives its merge (``docs/design.md``, "Islands
+of many ranks"). The other ranks never touch the network beyond their island.
+
+What rank 0 does to θ at a step boundary (a merge, an adopted replica) every rank must do too. ``IslandSync`` is
+the contract, one collective per boundary, called by every rank at the same point of every step:
+
+- ``share_config`` / ``receive_config``: the run config rank 0 agreed with the swarm, and its peer id (the
+  island's data shard), so that every rank builds the same learner;
+- ``share_state`` / ``receive_state``: once rank 0 restored a checkpoint or downloaded the swarm's state, θ, the
+  optimizer's state and the counters go to every rank;
+- ``boundary``: rank 0 sends whether the island stops and the parameters its boundary wrote (found by their
+  ``Tensor._version``, which every in-place write bumps: nothing in the rounds needs to report its writes);
+- ``mean_loss``: the island's training loss, the mean over the ranks' micro-batches;
+- ``check``: every so often, a checksum of θ on every rank against rank 0's; a rank that drifted (it should never
+  happen) is logged, counted and given rank 0's θ.
+
+Collectives of the boundary run on a gloo group over host tensors, so on CUDA they never wait for the device;
+parameters travel on the training backend (nccl on CUDA, gloo on the CPU).
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .config import ConfigError
+
+logger = logging.getLogger("atoll")
+LEADER = 0
+# A rank waits this long in a collective for the others; rank 0's synchronous merges and its first download of
+# state happen while the others wait at a boundary, so it is far longer than any of those.
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in its island: ``rank`` of ``world``, ``local_rank`` on its host."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == LEADER
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> Ranks:
+        """The ranks torch's launcher (``torchrun``) sets in the environment; one rank of one without them."""
+        env = os.environ if env is None else env
+        try:
+            world = int(env.get("WORLD_SIZE", "1"))
+            rank = int(env.get("RANK", "0"))
+            local = int(env.get("LOCAL_RANK", "0"))
+        except ValueError:
+            raise ConfigError("WORLD_SIZE, RANK and LOCAL_RANK must be integers (as torchrun sets them)") from None
+        if world < 1 or not 0 <= rank < world or local < 0:
+            raise ConfigError(f"RANK {rank} of WORLD_SIZE {world}: not a rank of the job")
+        return cls(rank, world, local)
+
+
+def init_island(ranks: Ranks, device_kind: str) -> tuple[Any, Any]:
+    """Join the island's process group (unless the user's script already did); returns (the training group, the
+    gloo group of the boundaries), both None for an island of one rank."""
+    if ranks.world == 1:
+        return None, None
+    if device_kind == "xla":
+        raise ConfigError("device: an island of several ranks trains on cpu or cuda; on xla one process drives the "
+                          "host's chips")
+    if dist.is_initialized():
+        if dist.get_world_size() != ranks.world or dist.get_rank() != ranks.rank:
+            raise ConfigError(f"the process group (rank {dist.get_rank()} of {dist.get_world_size()}) is not the "
+                              f"launcher's (RANK {ranks.rank} of WORLD_SIZE {ranks.world})")
+        gloo = dist.get_backend() == "gloo"
+        return dist.group.WORLD, dist.group.WORLD if gloo else dist.new_group(backend="gloo",
+                                                                               timeout=COLLECTIVE_TIMEOUT)
+    backend = "nccl" if device_kind == "cuda" else "gloo"
+    if device_kind == "cuda":
+        torch.cuda.set_device(ranks.local_rank)
+    store = None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # The launcher's agent keeps one store across restarts, and gloo's ranks publish their addresses in it: a
+        # restarted rank would read the dead one's address and fail to connect (torch 2.13). One prefix per attempt.
+        agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), ranks.world,
+                              is_master=False, timeout=COLLECTIVE_TIMEOUT)
+        store = dist.PrefixStore(f"atoll/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent)
+    dist.init_process_group(backend, store=store, rank=ranks.rank, world_size=ranks.world,
+                            timeout=COLLECTIVE_TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT) if backend != "gloo" else dist.group.WORLD
+    return dist.group.WORLD, control
+
+
+class IslandSync:
+    """The collectives that keep an island's ranks on one θ (see the module's docstring). ``params``: the
+    learner's trainable parameters, in the same order on every rank."""
+
+    def __init__(self, ranks: Ranks, params: Sequence[torch.Tensor], control: Any) -> None:
+        self.ranks, self.params, self.control = ranks, list(params), control
+        self.versions = [p._version for p in self.params]
+        self.broadcasts = 0  # boundaries at which rank 0 sent parameters
+        self.drifted = 0  # checks at which some rank's θ differed from rank 0's
+        self.seconds = 0.0  # spent in the boundaries that sent parameters and in the checks (the island's cost)
+
+    # ---- start ----------------------------------------------------------------------------------------------------
+    def share_config(self, cfg: Any, peer_id: str) -> None:
+        """Rank 0: the agreed config and the island's peer id, to every rank."""
+        dist.broadcast_object_list([cfg, peer_id], src=LEADER, group=self.control)
+
+    def receive_config(self) -> tuple[Any, str]:
+        """A follower: what ``share_config`` sent."""
+        box: list[Any] = [None, None]
+        dist.broadcast_object_list(box, src=LEADER, group=self.control)
+        return box[0], box[1]
+
+    def share_state(self, learner: Any) -> None:
+        """Rank 0, once it restored or downloaded the island's state: θ, optimizer state and counters to every
+        rank (``receive_state``)."""
+        tensors = {name: t.contiguous() for name, t in learner.state_tensors().items()}
+        layout = [(name, tuple(t.shape), t.dtype) for name, t in sorted(tensors.items())]
+        dist.broadcast_object_list([(layout, learner.step, learner.tokens, learner.position)], src=LEADER,
+                                   group=self.control)
+        for name, _, _ in layout:
+            dist.broadcast(tensors[name], src=LEADER, group=self.control)
+        self.mark()
+
+    def receive_state(self, learner: Any) -> None:
+        """A follower: what ``share_state`` sent, loaded into ``learner``."""
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=LEADER, group=self.control)
+        layout, step, tokens, position = box[0]
+        tensors = {}
+        for name, shape, dtype in layout:
+            tensors[name] = torch.empty(shape, dtype=dtype)
+            dist.broadcast(tensors[name], src=LEADER, group=self.control)
+        learner.load_state_tensors(tensors)
+        learner.step, learner.tokens, learner.position = step, tokens, position
+
+    # ---- every step -------------------------------------------------------------------------------------------------
+    def mark(self) -> None:
+        """Rank 0, after its optimizer step and before its boundary: what θ is now, to find the boundary's writes."""
+        self.versions = [p._version for p in self.params]
+
+    def written(self) -> list[int]:
+        """The parameters written since ``mark`` (rank 0)."""
+        return [i for i, p in enumerate(self.params) if p._version != self.versions[i]]
+
+    def boundary(self, stop: bool) -> bool:
+        """Every rank, at the same point of each step: rank 0 sends the parameters its boundary wrote, the others
+        load them. Returns whether the island stops: whether any rank asked to (``stop``), so that every rank
+        leaves its loop after the same step."""
+        leader = self.ranks.leader
+        written = self.written() if leader else []
+        header = torch.tensor([float(stop), float(len(written))], dtype=torch.float64)
+        dist.all_reduce(header, op=dist.ReduceOp.MAX, group=self.control)  # the others' count is 0
+        stop, count = bool(header[0]), int(header[1])
+        if count:
+            t0 = time.perf_counter()
+            indices = torch.tensor(written if leader else [0] * count, dtype=torch.int64)
+            dist.broadcast(indices, src=LEADER, group=self.control)
+            self._broadcast([self.params[i] for i in indices.tolist()])
+            self.broadcasts += 1
+            self.seconds += time.perf_counter() - t0
+        if leader:
+            self.mark()
+        return stop
+
+    def mean_loss(self, loss: float | None) -> float | None:
+        """The mean of every rank's ``loss`` (None where no rank has one)."""
+        mine = torch.tensor([0.0 if loss is None else loss, 0.0 if loss is None else 1.0], dtype=torch.float64)
+        dist.all_reduce(mine, group=self.control)
+        return float(mine[0] / mine[1]) if mine[1] else None
+
+    def check(self) -> bool:
+        """Every rank: is θ the same on every rank? A rank that differs from rank 0 gets rank 0's θ (logged and
+        counted on rank 0). True when they agreed."""
+        t0 = time.perf_counter()
+        try:
+            return self._check()
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _check(self) -> bool:
+        with torch.no_grad():
+            # Two sums that differ unless the values do (or, vanishingly rarely, two changes cancel in both).
+            sums = torch.zeros(2, dtype=torch.float64)
+            for p in self.params:
+                flat = p.detach().reshape(-1).double().cpu()
+                sums[0] += flat.sum()
+                sums[1] += flat.square().sum()
+        every = [torch.zeros(2, dtype=torch.float64) for _ in range(self.ranks.world)]
+        dist.all_gather(every, sums, group=self.control)
+        drifted = [r for r, s in enumerate(every) if not torch.equal(s, every[LEADER])]
+        if not drifted:
+            return True
+        if self.ranks.leader:
+            self.drifted += 1
+            logger.error("island ranks %s hold a θ other than rank 0's; sending them rank 0's", drifted)
+        self._broadcast(self.params)
+        return False
+
+    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
+        """Rank 0's values of ``tensors`` into every rank's, in one collective per dtype (a fragment is many
+        small tensors; one broadcast each would pay the collective's latency for each)."""
+        with torch.no_grad():
+            for dtype in sorted({t.dtype for t in tensors}, key=str):
+                group = [t for t in tensors if t.dtype == dtype]
+                flat = torch.cat([t.detach().reshape(-1) for t in group])
+                dist.broadcast(flat, src=LEADER)
+                if not self.ranks.leader:
+                    offset = 0
+                    for t in group:
+                        t.data.copy_(flat[offset:offset + t.numel()].view_as(t))
+                        offset += t.numel()
+
+    def digest(self) -> str:
+        """A digest of θ's values on this rank (for the log: every rank of an island ends with the same one)."""
+        h = hashlib.sha256()
+        for p in self.params:
+            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()[:16]
+
+
+def leave_island() -> None:
+    """Leave the island's process group, if this process joined one."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class Op(enum.IntEnum):
+    """What rank 0 asks of a sharded island's other ranks (``ShardedSync``)."""
+
+    END = 0  # the boundary (or start) is over; its argument: whether the island stops
+    READ = 1  # gather these parameters whole to rank 0
+    WRITE = 2  # rank 0 sends these parameters whole; every rank keeps its shard
+    EVAL = 3  # every rank runs the held-out evaluation (a sharded forward is a collective)
+    STATE = 4  # gather θ and the optimizer state whole to rank 0 (a checkpoint)
+    LOAD = 5  # rank 0 sends θ and the optimizer state whole; every rank keeps its shards
+    TERMINATE = 6  # rank 0 has left the run: nothing more will be asked
+
+
+class ShardedSync:
+    """An island whose θ and optimizer state are sharded over its ranks (FSDP2 ``fully_shard``): each rank holds a
+    shard of every parameter, so every read or write of θ at rank 0 is a collective of every rank.
+
+    Rank 0 runs the island as any member does, and its learner reads and writes θ through this object
+    (``read``, ``write``, ``evaluate``, ``state``, ``load``): each first tells the other ranks what it is about
+    to do (an ``Op`` broadcast on the gloo group), then does it with them. The other ranks ``serve`` those
+    requests at the same points of their loop: during rank 0's start, at every step boundary until ``END``, and
+    after the last one until ``TERMINATE``. What travels between ranks is whole tensors, in host memory; every
+    rank keeps its shard of what rank 0 writes (``distribute_tensor`` from its local copy, with no further
+    communication)."""
+
+    def __init__(self, ranks: Ranks, learner: Any, control: Any) -> None:
+        self.ranks, self.learner, self.control = ranks, learner, control
+        self.seconds = 0.0
+
+    # ---- rank 0 -------------------------------------------------------------------------------------------------
+    def _ask(self, op: Op, arg: Any = None) -> None:
+        dist.broadcast_object_list([(int(op), arg)], src=LEADER, group=self.control)
+
+    def read(self, indices: Sequence[int]) -> list[torch.Tensor]:
+        self._ask(Op.READ, list(indices))
+        return self._read(list(indices))
+
+    def write(self, indices: Sequence[int], values: Sequence[torch.Tensor]) -> None:
+        self._ask(Op.WRITE, list(indices))
+        self._write(list(indices), list(values))
+
+    def evaluate(self) -> float:
+        self._ask(Op.EVAL)
+        return self.learner.evaluate(self.learner.held_out)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        self._ask(Op.STATE)
+        return self._state()
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        layout = [(name, tuple(t.shape), t.dtype) for name, t in sorted(tensors.items())]
+        self._ask(Op.LOAD, layout)
+        self._load(layout, tensors)
+
+    def end(self, stop: bool) -> None:
+        """The boundary is over. With it go rank 0's counters (a restore or download at start set them), which the
+        other ranks' data positions follow."""
+        learner = self.learner
+        self._ask(Op.END, (bool(stop), learner.step, learner.tokens, learner.position))
+
+    mean_loss = IslandSync.mean_loss  # the same collective on the same group
+
+    def terminate(self) -> None:
+        self._ask(Op.TERMINATE)
+
+    # ---- the other ranks ----------------------------------------------------------------------------------------
+    def serve(self) -> bool | None:
+        """Do what rank 0 asks until it says ``END`` (returns whether the island stops) or ``TERMINATE`` (None)."""
+        while True:
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=LEADER, group=self.control)
+            op, arg = Op(box[0][0]), box[0][1]
+            if op is Op.END:
+                stop, self.learner.step, self.learner.tokens, self.learner.position = arg
+                return bool(stop)
+            if op is Op.TERMINATE:
+                return None
+            if op is Op.READ:
+                self._read(arg)
+            elif op is Op.WRITE:
+                self._write(arg, None)
+            elif op is Op.EVAL:
+                self.learner.evaluate(self.learner.held_out)
+            elif op is Op.STATE:
+                self._state()
+            elif op is Op.LOAD:
+                self._load(arg, None)
+
+    # ---- both -------------------------------------------------------------------------------------------------------
+    def _read(self, indices: list[int]) -> list[torch.Tensor]:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = [self._whole(self.learner.params[i]) for i in indices]
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    def _whole(self, t: torch.Tensor) -> torch.Tensor | None:
+        """A sharded tensor whole in rank 0's host memory (None on the other ranks, which only send their shard):
+        a gather to rank 0, so that no other rank ever holds more than its shard."""
+        if not hasattr(t, "full_tensor"):
+            return t.detach().cpu()
+        from torch.distributed.tensor import Shard
+
+        if len(t.placements) != 1 or t.placements[0] != Shard(0):
+            return t.full_tensor().detach().cpu()  # a layout we do not shard with: gathered on every rank
+        world, rows = self.ranks.world, t.shape[0]
+        lengths = [len(c) for c in torch.arange(rows).chunk(world)]  # how fully_shard cuts dim 0
+        lengths += [0] * (world - len(lengths))
+        local = t.to_local().detach().cpu()
+        padded = torch.zeros((max(lengths),) + tuple(t.shape[1:]), dtype=local.dtype)
+        padded[: local.shape[0]] = local
+        if not self.ranks.leader:
+            dist.gather(padded, None, dst=LEADER, group=self.control)
+            return None
+        parts = [torch.empty_like(padded) for _ in range(world)]
+        dist.gather(padded, parts, dst=LEADER, group=self.control)
+        return torch.cat([part[:n] for part, n in zip(parts, lengths)])
+
+    def _write(self, indices: list[int], values: list[torch.Tensor] | None) -> None:
+        t0 = time.perf_counter()
+        params = [self.learner.params[i] for i in indices]
+        with torch.no_grad():
+            for k, p in enumerate(params):
+                whole = (values[k].to(torch.float32).reshape(p.shape).contiguous() if values is not None
+                         else torch.empty(tuple(p.shape), dtype=torch.float32))
+                dist.broadcast(whole, src=LEADER, group=self.control)
+                _keep_shard(p, whole)
+        self.seconds += time.perf_counter() - t0
+
+    def _state(self) -> dict[str, torch.Tensor]:
+        learner = self.learner
+        out: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for i, p in enumerate(learner.params):
+                out[f"model.{i}"] = self._whole(p)
+            for i, p in enumerate(learner.params):
+                for k, v in learner.optimizer.state.get(p, {}).items():
+                    if v is not None:
+                        out[f"opt.{i}.{k}"] = self._whole(torch.as_tensor(v) if not hasattr(v, "full_tensor") else v)
+        return out
+
+    def _load(self, layout: list, tensors: dict[str, torch.Tensor] | None) -> None:
+        learner = self.learner
+        index = learner._optimizer_index()
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for name, shape, dtype in layout:  # one whole tensor at a time: every rank keeps only its shard of it
+            t = tensors[name].contiguous() if tensors is not None else torch.empty(shape, dtype=dtype)
+            dist.broadcast(t, src=LEADER, group=self.control)
+            kind, i = name.split(".")[0], int(name.split(".")[1])
+            p = learner.params[i]
+            with torch.no_grad():
+                if kind == "model":
+                    _keep_shard(p, t)
+                elif kind == "opt":
+                    key = name.split(".", 2)[2]
+                    state.setdefault(index[id(p)], {})[key] = _shard_like(p, t) if t.shape == tuple(p.shape) else t
+        sd = learner.optimizer.state_dict()
+        sd["state"] = state
+        learner.optimizer.load_state_dict(sd)
+
+
+def _shard_like(p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import distribute_tensor
+
+    # src_data_rank=None: every rank holds ``whole`` already, and keeps its own slice without communicating.
+    return distribute_tensor(whole.to(p.device, p.dtype), p.device_mesh, p.placements, src_data_rank=None)
+
+
+def _keep_shard(p: torch.Tensor, whole: torch.Tensor) -> None:
+    """Write this rank's shard of ``whole`` into the sharded parameter ``p``, in place."""
+    p.to_local().copy_(_shard_like(p, whole).to_local())
