@@ -1,0 +1,43 @@
+"""One side of a simultaneous dial: a libp2p daemon (hivemind's p2pd, started as a daemon starts it) that writes its
+address to MINE, reads the other side's from THEIRS, dials it at the wall-clock time AT (both sides use one clock:
+the dials cross on the link) and prints ``connected`` or ``failed: ...`` (``late``: it was ready after AT).
+
+    python p2p_dial_probe.py HOST MINE THEIRS AT
+"""
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+from hivemind.p2p import P2P, PeerID
+from multiaddr import Multiaddr
+
+from atoll.node.join import apply_p2pd_environment
+
+
+async def main(host: str, mine: Path, theirs: Path, at: float) -> None:
+    apply_p2pd_environment()
+    p2p = await P2P.create(host_maddrs=[f"/ip4/{host}/tcp/0"])
+    try:
+        (address,) = [str(m) for m in await p2p.get_visible_maddrs()]
+        mine.write_text(address)
+        while not theirs.exists() or not theirs.read_text():
+            await asyncio.sleep(0.02)
+        addr, _, peer = theirs.read_text().partition("/p2p/")
+        if time.time() > at:  # both sides were not ready in time: the dials would not cross
+            print("late", flush=True)
+            return
+        await asyncio.sleep(at - time.time())
+        try:
+            await asyncio.wait_for(p2p._client.connect(PeerID.from_base58(peer), [Multiaddr(addr)]), 10)
+            print("connected", flush=True)
+        except Exception as e:  # what libp2p says is the result
+            print(f"failed: {e!r}", flush=True)
+        await asyncio.sleep(1.0)  # the other side may still be using this connection
+    finally:
+        await p2p.shutdown()
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), float(sys.argv[4])))
