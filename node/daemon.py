@@ -34,6 +34,7 @@ from .device import Device, resolve_device
 from .faults import Faults
 from .island import Island
 from .learner import Learner, ShardedLearner
+from .metrics import peak_rss_mib
 from .ranks import IslandSync, Ranks, init_island, leave_island
 
 logger = logging.getLogger("atoll")
@@ -291,12 +292,6 @@ def run_daemon(cfg: NodeConfig, explicit: set[str]) -> int:
     finally:
         sys.stdout.flush()
 
-
-def peak_rss_mib() -> int:
-    """This process's peak resident memory so far (not its DHT child's or p2pd's)."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024  # KiB on Linux
 
 
 def _log_shard(ranks: Ranks, learner: ShardedLearner) -> None:

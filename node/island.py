@@ -53,7 +53,7 @@ from .join import agree_on_run_config, check_identity, identity_file, load_revoc
 from .local_state import LocalFragmentState
 from .log import context as log_context
 from .log import setup_logging
-from .metrics import Counters, HeldOut, MetricsLog
+from .metrics import Counters, HeldOut, MetricsLog, peak_rss_mib
 from .replica import Replica
 from .ranks import IslandSync, Ranks, init_island
 from .rounds import Rounds
@@ -335,7 +335,8 @@ class Island:
                 self._checkpoint()
                 if self.checkpointer is not None:
                     self.checkpointer.wait()
-                logger.info("stopped at step %d, version %d", trainee.step, replica.total_version)
+                logger.info("stopped at step %d, version %d, peak resident memory %d MiB", trainee.step,
+                            replica.total_version, peak_rss_mib())
                 self.metrics.write(event="summary", **self.counters.summary(
                     self.syncer.stats, [v for v, _, _ in replica.identities()]))
         finally:
@@ -510,6 +511,9 @@ class Island:
         """Copy the state to host memory (consistent at this step) and hand it to the background writer."""
         if self.checkpointer is None:
             return
+        # One checkpoint's copy in host memory at a time: the previous write ends before this one is copied
+        # (submit would wait for it anyway, only later). Two coexisting copies were rank 0's peak.
+        self.checkpointer.wait()
         tensors, meta = persist.capture(self.cfg, self.peer_id, self.trainee, self.replica, self.local,
                                         self.syncer.error_feedback_state(), self.counters.tokens_lost)
         self.checkpoints_written += 1

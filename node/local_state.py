@@ -14,6 +14,9 @@ from atoll.models.outer import pseudo_gradient
 
 
 class LocalFragmentState:
+    """``base`` is replaced by ``restart``/``rebase``/``load``, never written in place: a holder of it (a round's
+    snapshot, a checkpoint being written) keeps the tensor of the moment it took it, without a copy."""
+
     def __init__(self, base: torch.Tensor, base_id: tuple[int, str] = (0, "")) -> None:
         self.base = base.detach().to("cpu", torch.float32).clone()
         self.base_id = base_id  # (version, digest) of the replica ``base`` was read from

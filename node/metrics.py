@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import resource
 import threading
 import time
 from dataclasses import dataclass, field
@@ -118,3 +119,8 @@ class HeldOut:
 
 def _finite_or_none(x: float | None) -> float | None:
     return float(x) if x is not None and math.isfinite(x) else None
+
+
+def peak_rss_mib() -> int:
+    """This process's peak resident memory so far, in MiB (not its DHT child's or p2pd's)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024  # KiB on Linux

@@ -26,7 +26,7 @@ def capture(cfg: NodeConfig, peer_id: str, learner: Trainee, replica: Replica, l
     tensors = dict(learner.state_tensors())
     tensors.update({f"ef.{k}": v for k, v in error_feedback.items()})
     for p, state in enumerate(local):
-        tensors.update({k: v.clone() for k, v in state.state_tensors(f"local.{p}").items()})
+        tensors.update(state.state_tensors(f"local.{p}"))  # a base is replaced, never written in place
     versions, weights, digests, ancestors = [], [], [], []
     for p in range(replica.num_fragments):
         snap = replica.snapshot(p)

@@ -246,11 +246,12 @@ class Syncer:
         return self.ctx.replica.identity(p)[0] != version
 
     def error_feedback_state(self) -> dict[str, torch.Tensor]:
-        """A copy of the error-feedback residuals, taken on the event loop that owns them."""
+        """The error-feedback residuals of this moment, read on the event loop that owns them (the tensors are not
+        copied: ``ErrorFeedback.residuals``)."""
 
-        async def copy() -> dict[str, torch.Tensor]:
-            return self.ctx.error_feedback.state_dict()
+        async def read() -> dict[str, torch.Tensor]:
+            return self.ctx.error_feedback.residuals()
 
         if self._loop is not None and self._loop.is_running():
-            return self._submit(copy()).result(30)
-        return self.ctx.error_feedback.state_dict()
+            return self._submit(read()).result(30)
+        return self.ctx.error_feedback.residuals()

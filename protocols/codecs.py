@@ -489,6 +489,11 @@ class ErrorFeedback:
         else:
             self._residuals.pop(key, None)
 
+    def residuals(self) -> dict[str, torch.Tensor]:
+        """The residuals as they are now, without copying them: ``commit`` replaces a key's tensor and never
+        writes one in place, so the tensors returned keep this moment's values."""
+        return dict(self._residuals)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Copies of all residuals, ``{key: flat fp32 tensor}``."""
         return {k: v.clone() for k, v in self._residuals.items()}

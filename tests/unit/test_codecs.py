@@ -654,3 +654,18 @@ def test_error_feedback_edge_cases():
     assert ef.state_dict() == {}
     with pytest.raises(ValueError):
         ef.load_state_dict({"x": torch.tensor([float("inf")])})
+
+
+def test_error_feedback_residuals_are_this_moments_values_without_a_copy():
+    """A checkpoint holds ``residuals()`` while rounds go on: a later commit must replace, not overwrite, them."""
+    ef = C.ErrorFeedback()
+    g = torch.Generator().manual_seed(3)
+    target = ef.target("0", torch.randn(1000, generator=g))
+    ef.commit("0", target, C.decode(C.encode(target, "int4")))
+    held = ef.residuals()
+    before = held["0"].clone()
+    assert held["0"] is ef.residuals()["0"]
+    target = ef.target("0", torch.randn(1000, generator=g))
+    ef.commit("0", target, C.decode(C.encode(target, "int4")))
+    assert torch.equal(held["0"], before) and not torch.equal(ef.residuals()["0"], before)
+    assert ef.state_dict()["0"] is not ef.residuals()["0"]
