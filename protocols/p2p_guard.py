@@ -17,8 +17,10 @@ bytes, buffered whole before atoll sees the message (one frame declaring 1 GiB t
   stream is closed. In a private run a stranger's stream is served only once ``MemberGate`` finds its record,
   before hivemind reads any of it. An idle or refused stream thus costs O(1) memory and one fd for a bounded time.
 - **Membership checks** (``MemberGate``): looking for an unknown peer's record may wait (``PeerTable.is_member``,
-  up to 3 s); at most ``MAX_CHECKS_PER_PEER`` such waits per peer and ``MAX_CHECKS`` in all run at once, and
-  further unknown peers are refused at once. Peers already in the table never wait.
+  up to 3 s). A peer is looked up once at a time: its other streams wait for that lookup's answer (a joiner
+  opens its fragment downloads at once, often before the donor's table holds its record). At most
+  ``MAX_CHECKS`` peers are looked up at once, and further unknown peers are refused at once. Peers already in
+  the table never wait.
 
 Peers are named by ``StreamInfo.peer_id``, which libp2p authenticated. Refusals are counted
 (``frame_too_large``, ``stream_limit``, ``first_message_timeout``, ``unauthorized``, ``member_check_limit``) and
@@ -47,7 +49,6 @@ MAX_STREAMS_PER_PEER = 32  # an honest peer has one per round it is in with us (
 MAX_STREAMS = 256  # a 1024-fd limit keeps room for the DHT, checkpoints and p2pd's own control connections
 MAX_STRANGER_STREAMS = 32  # peers not (yet) in the peer table: joiners asking for state, and outsiders
 FIRST_MESSAGE_TIMEOUT = 10.0  # seconds; an honest stub writes its first message as it opens the stream
-MAX_CHECKS_PER_PEER = 2
 MAX_CHECKS = 16
 LOG_EVERY = 10.0  # seconds between log lines of one refusal kind
 
@@ -172,28 +173,30 @@ class MemberGate:
     """Private runs: whether a peer is a member, with the waits for an unknown peer's record bounded.
 
     ``known(peer)``: already in the peer table (answered at once); ``look(peer)``: looks for its record, may wait
-    (``PeerTable.is_member``). ``check`` returns None for a member, else the refusal's kind."""
+    (``PeerTable.is_member``). ``check`` returns None for a member, else the refusal's kind. Concurrent checks
+    of one peer share one lookup; at most ``total`` peers are looked up at once."""
 
     def __init__(self, known: Callable[[str], bool], look: Callable[[str], Awaitable[bool]],
-                 per_peer: int = MAX_CHECKS_PER_PEER, total: int = MAX_CHECKS) -> None:
-        self.known, self.look, self.per_peer, self.total = known, look, per_peer, total
-        self.pending: dict[str, int] = {}
-        self.pending_total = 0
+                 total: int = MAX_CHECKS) -> None:
+        self.known, self.look, self.total = known, look, total
+        self.lookups: dict[str, asyncio.Future[bool]] = {}
 
     async def check(self, peer: str) -> str | None:
         if self.known(peer):
             return None
-        if self.pending.get(peer, 0) >= self.per_peer or self.pending_total >= self.total:
-            return "member_check_limit"
-        self.pending[peer] = self.pending.get(peer, 0) + 1
-        self.pending_total += 1
+        lookup = self.lookups.get(peer)
+        if lookup is None:
+            if len(self.lookups) >= self.total:
+                return "member_check_limit"
+            lookup = self.lookups[peer] = asyncio.ensure_future(self._look(peer))
+        # shield: a stream that closes while it waits must not cancel the lookup its peer's other streams share
+        return None if await asyncio.shield(lookup) else "unauthorized"
+
+    async def _look(self, peer: str) -> bool:
         try:
-            return None if await self.look(peer) else "unauthorized"
+            return await self.look(peer)
         finally:
-            self.pending_total -= 1
-            self.pending[peer] -= 1
-            if not self.pending[peer]:
-                del self.pending[peer]
+            del self.lookups[peer]
 
     async def is_member(self, peer: str) -> bool:
         """``check`` as a yes/no, for the servicers' ``authorize``."""
