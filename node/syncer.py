@@ -103,7 +103,7 @@ class Syncer:
         # anything of its stream is read. Streams from peers in the table have a budget strangers cannot take.
         known = lambda peer: peer in self.table.peers()  # noqa: E731
         gate = MemberGate(known, self.table.is_member) if ctx.private else None
-        self.guard = StreamGuard(ctx.stats.reject, known, gate)
+        self.guard = StreamGuard(ctx.stats.reject, known, gate, arrived=ctx.stats.stream_in)
         self.guard.attach(ctx.p2p)
         self.rounds.averager = AveragingServicer(
             ctx.cfg.run_id, ctx.peer_id, ctx.stats, ctx.cooldown, run.clip_factor, run.round_timeout,

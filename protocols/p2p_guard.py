@@ -205,12 +205,15 @@ class MemberGate:
 
 class StreamGuard:
     """Applies ``StreamLimits``, the first-message deadline and (private runs) ``MemberGate`` to every incoming
-    stream of the handlers registered on a P2P instance after ``attach``."""
+    stream of the handlers registered on a P2P instance after ``attach``. ``arrived`` hears of each such stream
+    that reaches this process: p2pd hands a stream over through a unix-socket connection (hivemind listens with
+    asyncio's default backlog of 100), and one it cannot hand over is reset without atoll seeing it."""
 
     def __init__(self, reject: Reject, known: Callable[[str], bool] = lambda peer: True,
                  gate: MemberGate | None = None, limits: StreamLimits | None = None,
-                 first_message_timeout: float = FIRST_MESSAGE_TIMEOUT) -> None:
-        self.reject, self.known, self.gate = reject, known, gate
+                 first_message_timeout: float = FIRST_MESSAGE_TIMEOUT,
+                 arrived: Callable[[], Any] = lambda: None) -> None:
+        self.reject, self.known, self.gate, self.arrived = reject, known, gate, arrived
         self.limits = limits or StreamLimits()
         self.first_message_timeout = first_message_timeout
         self.log = RateLimitedLog()
@@ -246,6 +249,7 @@ class StreamGuard:
 
     async def serve(self, handler: StreamHandler, info: Any, reader: asyncio.StreamReader,
                     writer: asyncio.StreamWriter) -> None:
+        self.arrived()
         peer = str(info.peer_id)
         member = self.known(peer)
         if not self.limits.admit(peer, member):

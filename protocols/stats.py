@@ -17,7 +17,11 @@ class TrafficStats:
     rejected: int = 0
     rejected_by_kind: dict[str, int] = field(default_factory=dict)
     clipped: int = 0  # contributions (or declared weights/norms) scaled down by robust merging
+    streams_in: int = 0  # incoming streams that reached atoll's handlers (``p2p_guard``), served or refused
     on_offence: Callable[[str | bytes, str], Any] | None = None
+
+    def stream_in(self) -> None:
+        self.streams_in += 1
 
     def reject(self, kind: str, offender: str | bytes | None = None, count: int = 1) -> None:
         self.rejected += count

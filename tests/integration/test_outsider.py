@@ -21,6 +21,7 @@ COMMON = ["--model", "nano", "--batch-size", "4", "--algorithm", "diloco", "--sy
 FD_LIMIT = 1024  # the victim runs under the limit the review exhausted
 MAX_RSS_GROWTH_MB = 100
 MAX_FDS = 400
+REFUSALS = ("unauthorized", "member_check_limit", "stream_limit")  # what a stranger's stream meets in a private run
 
 
 def rss_mb(pid: int) -> float:
@@ -106,12 +107,19 @@ def test_an_outsider_cannot_exhaust_a_private_daemon(victim):
     figures["fds_end"], figures["rss_end_mb"] = open_fds(pid), round(rss_mb(pid), 1)
     print("outsider figures:", json.dumps(figures, indent=1))
     assert kinds.get("frame_too_large", 0) == 0  # a stranger is refused before any of its frames is read
-    refused = sum(kinds.get(k, 0) for k in ("unauthorized", "member_check_limit", "stream_limit"))
-    # Most streams were counted; those not counted never reached atoll (the victim's p2pd reset them): under a
-    # full ``make test``'s load that was 11% of them (every stream was still closed by the victim, fds bounded).
-    assert refused >= 0.8 * (sum(r["opened"] for r in idle.values()) + strangers["calls"] + 1)
+    assert sum(kinds.get(k, 0) for k in REFUSALS) > 0
     assert a.alive() and "refused a stream of" in a.log()
     assert a.log().count("refused a stream of") < 100  # rate-limited: one line per kind every 10 s
+
+    # Every stream that reached the victim was refused and counted (it is alone: no member opened any). Not every
+    # stream opened reached it: under load its p2pd resets those it cannot hand over (alone on this machine
+    # none, under a full ``make test`` in CI 23%); each was still closed, and the victim's fds stayed bounded.
+    assert swarm.stop_all(timeout=30) == {"a": 0}
+    summary = next(m for m in a.metrics() if m.get("event") == "summary")
+    opened = sum(r["opened"] for r in idle.values()) + strangers["calls"] + 1
+    print(f"streams opened {opened}, reached the victim {summary['streams_in']}")
+    assert 0 < summary["streams_in"] <= opened
+    assert sum(summary["rejected_by_kind"].get(k, 0) for k in REFUSALS) == summary["streams_in"]
 
 
 @pytest.fixture(scope="module")

@@ -165,7 +165,7 @@ def test_guard_closes_idle_streams_counts_refusals_and_releases_every_slot():
     async def run():
         limits = StreamLimits(per_peer=2, total=3, strangers=1)
         guard = StreamGuard(stats.reject, known=lambda peer: peer != "stranger", limits=limits,
-                            first_message_timeout=0.2)
+                            first_message_timeout=0.2, arrived=stats.stream_in)
         handler = guard.wrap(_hivemind_like_handler)
         idle = [asyncio.StreamReader() for _ in range(4)]
         writers = [_Writer(r) for r in idle]
@@ -187,6 +187,7 @@ def test_guard_closes_idle_streams_counts_refusals_and_releases_every_slot():
     assert third_of_a and full == 3  # a, a, and the stranger (b found the total full)
     assert idle_closed == [True, True, True, True]
     assert stats.rejected_by_kind == {"stream_limit": 2, "first_message_timeout": 3}
+    assert stats.streams_in == 5  # every stream that reached the guard, served or refused
     assert limits.open == {} and limits.open_total == 0 and limits.open_strangers == 0
 
 
