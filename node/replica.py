@@ -180,9 +180,11 @@ class Replica:
                     return False
             elif (state.version, state.weight, state.digest) <= (f.version, f.weight, f.digest):
                 return False
-            # A fork: our replica is not in the new one's history (as far as that history reaches back).
+            # A fork: our replica is not in the new one's history, as far as that history reaches back
+            # (MAX_ANCESTORS versions). Replacing a replica older than that counts as a catch-up, fork or not.
             oldest_known = state.version - len(state.ancestors) + 1
             state.forked = f.version >= oldest_known and f.digest not in state.ancestors
+            state.replaced = f.version
             replayed_ours = bool(state.rounds) and state.rounds[0].base == f.digest
             f.params, f.momentum = state.params.clone(), state.momentum.clone()
             f.version, f.weight, f.digest = state.version, state.weight, state.digest

@@ -136,12 +136,12 @@ class Rounds:
                 what = "discarded"
             counters.tokens_lost += lost
             how = f" by replaying {len(state.rounds)} rounds" if state.rounds else ""
-            logger.info("adopted fragment %d v%d from %s%s%s; unmerged local work %s, %d tokens' work lost", p,
-                        state.version, state.donor[-8:], how, " (a fork: ours lost)" if state.forked else "", what,
-                        lost)
-            self.metrics.write(event="adopted", fragment=p, version=state.version, lost_tokens=lost,
-                               step=learner.step, forked=state.forked, hash=state.digest, donors=list(state.donors),
-                               replayed=len(state.rounds))
+            logger.info("adopted fragment %d v%d (ours was v%s) from %s%s%s; unmerged local work %s, %d tokens' work "
+                        "lost", p, state.version, state.replaced, state.donor[-8:], how,
+                        " (a fork: ours lost)" if state.forked else "", what, lost)
+            self.metrics.write(event="adopted", fragment=p, version=state.version, replaced=state.replaced,
+                               lost_tokens=lost, step=learner.step, forked=state.forked, hash=state.digest,
+                               donors=list(state.donors), replayed=len(state.rounds))
 
     # ---- contributing ---------------------------------------------------------------------------------------
     def _start(self, p: int, own_schedule: bool = False) -> None:

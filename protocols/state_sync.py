@@ -51,6 +51,7 @@ class ReplicaState:
     fragment: int = 0
     ancestors: tuple[str, ...] = ()  # digests of this replica's recent versions, oldest first, ``digest`` last
     forked: bool = False  # set on adoption: the replica it replaced was not one of its ancestors
+    replaced: int | None = None  # set on adoption: the version of the replica it replaced
     donors: tuple[str, ...] = ()  # downloaded: every donor that sent bytes of it, in order (``donor`` last)
     resumed_bytes: int = 0  # downloaded: bytes received before the last donor took over the transfer
     rounds: tuple[RoundDelta, ...] = ()  # obtained by replay: the rounds replayed, oldest first

@@ -25,6 +25,7 @@ from swarm import LocalSwarm
 from test_swarm import assert_replicas_agree, peer_id, wait_for
 
 from atoll.protocols.auth import RunKey
+from atoll.protocols.state_sync import MAX_ANCESTORS
 
 pytestmark = pytest.mark.integration
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
@@ -85,6 +86,15 @@ def test_a_forked_swarm_heals_and_a_scrambled_model_is_refused(tmp_path):
         # worse_state: the scrambled state got past the gross filter and the held-out check refused it. Its norm
         # is Θ₀'s, so once a's replica has grown past twice that, the gross filter refuses it first
         # (implausible_state), as it should.
-        assert sum(s["forks_healed"] for s in summaries) >= 2  # two of the three lines were given up
+        # Two of the three lines were given up: two daemons adopted another line once the sides met. Such an
+        # adoption is a fork healed, except that ancestry proves a fork only as far back as the new replica's
+        # recorded history reaches (MAX_ANCESTORS versions): a daemon that reached the split that far behind the
+        # others catches up to the line they share, uncounted (a CI run counted one fork healed, not two).
+        adopted = {name: [m for m in swarm.daemons[name].metrics() if m.get("event") == "adopted"] for name in HONEST}
+        gave_up = [name for name, events in adopted.items()
+                   if any(m["forked"] or m["version"] - m["replaced"] >= MAX_ANCESTORS for m in events)]
+        assert len(gave_up) >= 2, adopted
+        forked = sum(m["forked"] for events in adopted.values() for m in events)
+        assert sum(s["forks_healed"] for s in summaries) >= forked >= 1  # the counter may hold one adopted as it stopped
         held_out = [r["held_out_loss"] for r in joint()]
         assert held_out[-1] < 4.0  # a trained model, not a scrambled one (about 5.5)
