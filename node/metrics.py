@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 
+from atoll.protocols import dht_io
 from atoll.protocols.records import Status
 
 if TYPE_CHECKING:
@@ -74,7 +75,7 @@ class Counters:
                 "bytes_sent": traffic.bytes_sent, "bytes_received": traffic.bytes_received,
                 "rejected": traffic.rejected, "rejected_by_kind": dict(traffic.rejected_by_kind),
                 "clipped": traffic.clipped, "streams_in": traffic.streams_in, "rank_drift": self.rank_drift, "rejoins": self.rejoins,
-                "island_sync_seconds": self.island_sync_seconds}
+                "island_sync_seconds": self.island_sync_seconds, "dht_calls": dht_io.calls_summary()}
 
 
 class MetricsLog:

@@ -6,6 +6,9 @@ never completes: an unbounded ``await`` on it hangs its caller for good (one mal
 round of a run). Every DHT read and write atoll makes goes through this module and gives up after ``timeout``
 seconds; a read that gives up returns what an empty key would (``None``), a write reports failure. Callers
 already treat both as "nothing there yet" and retry at their next poll.
+
+``CALLS`` counts them by operation and record kind (``key_kind``), with their time and, for reads, the entries
+(subkeys) returned: what the protocol asks of the DHT, for ``scripts/bench_scale.py`` and the daemon's summary.
 """
 
 from __future__ import annotations
@@ -13,7 +16,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import re
+import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from hivemind import DHT
@@ -24,52 +31,113 @@ WRITE_TIMEOUT = 10.0
 
 
 OnTimeout = Callable[[str], Any] | None  # hears "dht_read_timeout" or "dht_write_timeout" (a counter's kind)
+_ROUND = re.compile(r"_round_\d+_\d+(_\w+)?$")
+
+
+def key_kind(key: str) -> str:
+    """The kind of record a key holds (``records.py``'s key functions): progress, open, head, config, revoked,
+    round or group; "other" for any other key."""
+    for kind in ("progress", "open", "head", "config", "revoked"):
+        if key.endswith("_" + kind):
+            return kind
+    if _ROUND.search(key) is None:
+        return "other"
+    return "group" if key.endswith("_group") else "round"
+
+
+@dataclass
+class CallStats:
+    calls: int = 0
+    seconds: float = 0.0
+    entries: int = 0  # reads: subkeys (or 1 for a plain value) returned
+    gave_up: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"calls": self.calls, "seconds": round(self.seconds, 3), "entries": self.entries,
+                "gave_up": self.gave_up}
+
+
+CALLS: dict[str, CallStats] = {}  # "get progress", "store round", ...: this process's calls
+_calls_lock = threading.Lock()  # the event loop's calls and the blocking ones of start-up and ``atoll status``
+
+
+def _count(op: str, key: str, started: float, value: Any = None, gave_up: bool = False) -> None:
+    with _calls_lock:
+        _count_locked(op, key, started, value, gave_up)
+
+
+def _count_locked(op: str, key: str, started: float, value: Any, gave_up: bool) -> None:
+    stats = CALLS.setdefault(f"{op} {key_kind(key)}", CallStats())
+    stats.calls += 1
+    stats.seconds += time.monotonic() - started
+    stats.gave_up += gave_up
+    if op == "get" and value is not None:
+        inner = getattr(value, "value", None)  # a ValueWithExpiration: a dict of subkeys, or one value
+        stats.entries += len(inner) if isinstance(inner, dict) else 1
+
+
+def calls_summary() -> dict[str, dict[str, Any]]:
+    """``CALLS`` as plain data, sorted by name."""
+    with _calls_lock:
+        return {name: CALLS[name].as_dict() for name in sorted(CALLS)}
 
 
 async def get(dht: DHT, key: str, timeout: float | None = None, on_timeout: OnTimeout = None) -> Any:
     """``dht.get(key, latest=True)``, or None if it did not complete within ``timeout`` seconds (default
     ``READ_TIMEOUT``)."""
-    timeout = READ_TIMEOUT if timeout is None else timeout
+    timeout, started = READ_TIMEOUT if timeout is None else timeout, time.monotonic()
     try:
-        return await asyncio.wait_for(_awaitable(dht.get(key, latest=True, return_future=True)), timeout)
+        value = await asyncio.wait_for(_awaitable(dht.get(key, latest=True, return_future=True)), timeout)
     except asyncio.TimeoutError:
+        _count("get", key, started, gave_up=True)
         _gave_up("read", key, timeout, on_timeout)
         return None
+    _count("get", key, started, value)
+    return value
 
 
 async def store(dht: DHT, key: str, value: Any, expiration_time: float, subkey: Any = None,
                 timeout: float | None = None, on_timeout: OnTimeout = None) -> bool:
     """``dht.store(...)``: whether it was stored, False if it did not complete within ``timeout`` seconds (default
     ``WRITE_TIMEOUT``)."""
-    timeout = WRITE_TIMEOUT if timeout is None else timeout
+    timeout, started = WRITE_TIMEOUT if timeout is None else timeout, time.monotonic()
     try:
-        return bool(await asyncio.wait_for(_awaitable(dht.store(key, value, expiration_time=expiration_time,
-                                                                subkey=subkey, return_future=True)), timeout))
+        stored = bool(await asyncio.wait_for(_awaitable(dht.store(key, value, expiration_time=expiration_time,
+                                                                  subkey=subkey, return_future=True)), timeout))
     except asyncio.TimeoutError:
+        _count("store", key, started, gave_up=True)
         _gave_up("write", key, timeout, on_timeout)
         return False
+    _count("store", key, started)
+    return stored
 
 
 def get_blocking(dht: DHT, key: str, timeout: float | None = None, on_timeout: OnTimeout = None) -> Any:
     """``get`` for code outside an event loop (start-up, ``atoll status``)."""
-    timeout = READ_TIMEOUT if timeout is None else timeout
+    timeout, started = READ_TIMEOUT if timeout is None else timeout, time.monotonic()
     try:
-        return dht.get(key, latest=True, return_future=True).result(timeout)
+        value = dht.get(key, latest=True, return_future=True).result(timeout)
     except (concurrent.futures.TimeoutError, TimeoutError):
+        _count("get", key, started, gave_up=True)
         _gave_up("read", key, timeout, on_timeout)
         return None
+    _count("get", key, started, value)
+    return value
 
 
 def store_blocking(dht: DHT, key: str, value: Any, expiration_time: float, subkey: Any = None,
                    timeout: float | None = None, on_timeout: OnTimeout = None) -> bool:
     """``store`` for code outside an event loop."""
-    timeout = WRITE_TIMEOUT if timeout is None else timeout
+    timeout, started = WRITE_TIMEOUT if timeout is None else timeout, time.monotonic()
     try:
-        return bool(dht.store(key, value, expiration_time=expiration_time, subkey=subkey,
-                              return_future=True).result(timeout))
+        stored = bool(dht.store(key, value, expiration_time=expiration_time, subkey=subkey,
+                                return_future=True).result(timeout))
     except (concurrent.futures.TimeoutError, TimeoutError):
+        _count("store", key, started, gave_up=True)
         _gave_up("write", key, timeout, on_timeout)
         return False
+    _count("store", key, started)
+    return stored
 
 
 async def run_in_dht(dht: DHT, fn: Callable, timeout: float | None = None, on_timeout: OnTimeout = None) -> Any:

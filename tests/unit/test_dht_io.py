@@ -88,3 +88,31 @@ def test_the_protocols_reach_the_dht_only_through_this_module(name):
                  if p.name != "dht_io.py"
                  for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(rf"(?<!`)\bdht\.{name}\(", line)]
     assert offenders == []
+
+
+def test_calls_are_counted_by_kind_with_the_entries_read():
+    from hivemind.utils import ValueWithExpiration
+
+    from atoll.protocols.matchmaking import group_key
+    from atoll.protocols.records import config_key, head_key, open_rounds_key, progress_key, revoked_key, round_key
+
+    kinds = {progress_key("r_open"): "progress", open_rounds_key("r"): "open", head_key("r"): "head",
+             config_key("r"): "config", revoked_key("r"): "revoked", round_key("r", 0, 5): "round",
+             round_key("r", 1, 12, "ab_cd"): "round", group_key("r", 0, 5): "group",
+             group_key("r", 2, 7, "ab12"): "group", "r_elsewhere": "other"}
+    assert {key: dht_io.key_kind(key) for key in kinds} == kinds
+
+    class AnsweringDHT:
+        def get(self, key, latest, return_future):
+            future = concurrent.futures.Future()
+            future.set_result(ValueWithExpiration({"a": 1, "b": 2, "c": 3}, 0.0))
+            return future
+
+    dht_io.CALLS.clear()
+    assert dht_io.get_blocking(AnsweringDHT(), progress_key("r")).value == {"a": 1, "b": 2, "c": 3}
+    assert dht_io.get_blocking(AnsweringDHT(), progress_key("r")) is not None
+    assert dht_io.get_blocking(BlockingSilentDHT(), head_key("r"), timeout=0.01) is None
+    summary = dht_io.calls_summary()
+    assert list(summary) == ["get head", "get progress"]
+    assert (summary["get progress"]["calls"], summary["get progress"]["entries"]) == (2, 6)
+    assert (summary["get head"]["calls"], summary["get head"]["gave_up"], summary["get head"]["entries"]) == (1, 1, 0)

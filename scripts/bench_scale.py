@@ -1,0 +1,266 @@
+#!/usr/bin/env python3
+"""What the protocol costs one daemon as the swarm grows: live swarms of N `nano` daemons on this machine.
+
+    python scripts/bench_scale.py [--sizes 4 8 16] [--seconds 120] [--model nano]
+
+For each N, a fresh private swarm starts (the founder, then N-1 joiners), trains until every daemon's record is
+visible and training, and is then measured for ``--seconds``. Training is slowed by a fixed per-step delay so that
+N daemons sharing this machine's cores measure the protocol more than the contention. Per daemon it reports:
+
+- DHT calls per minute of its life, by operation and record kind (``protocols/dht_io.py``'s counts, from its
+  summary), and the entries (progress records) one read of the progress key returns;
+- the time of one peer-table read (``get progress``), mean over the daemon's reads;
+- bytes through its DHT process per minute (``/proc/PID/io``, read + written, over the window: the DHT's RPCs to
+  and from p2pd, served and asked, and the pipe to the daemon) and through p2pd (its sockets: the DHT's traffic
+  and the rounds' streams, which the daemon's own ``bytes_sent``/``bytes_received`` give);
+- round formation time and round sizes (members) of the rounds merged in the window;
+- resident memory of the daemon, its DHT process and p2pd at the end of the window;
+- how long ``atoll status --json`` takes from a fresh process (three calls in the window).
+
+Each figure's growth with N is fit as a power law (slope of log figure against log N: 0 is flat, 1 linear).
+Writes docs/results/bench_scale.json and .png (``--out`` to change).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from swarm import LocalSwarm, StatusReader, wait_for  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+STEP_DELAY = 0.25  # seconds per inner step on every daemon: keeps N daemons' compute off the protocol's path
+COMMON = ["--batch-size", "4", "--algorithm", "decoupled", "--sync-every", "20"]
+
+
+def descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            children = [int(c) for task in os.listdir(f"/proc/{p}/task")
+                        for c in Path(f"/proc/{p}/task/{task}/children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        out += children
+        todo += children
+    return out
+
+
+def proc_figures(pid: int) -> dict[str, float] | None:
+    """Resident MiB and I/O bytes (read + written through syscalls) of one process."""
+    try:
+        rss = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                   if line.startswith("VmRSS:")) / 1024
+        io = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
+        return {"rss_mib": rss, "io_bytes": int(io["rchar"]) + int(io["wchar"])}
+    except (FileNotFoundError, ProcessLookupError, StopIteration):
+        return None
+
+
+def daemon_processes(pid: int) -> dict[str, int]:
+    """The daemon's own process, its DHT process (a Python child) and p2pd."""
+    found = {"daemon": pid}
+    for child in descendants(pid):
+        try:
+            comm = Path(f"/proc/{child}/comm").read_text().strip()
+        except FileNotFoundError:
+            continue
+        if comm == "p2pd":
+            found["p2pd"] = child
+        elif "dht" not in found and comm.startswith("python"):
+            found["dht"] = child
+    return found
+
+
+def sample(swarm: LocalSwarm) -> dict[str, dict[str, dict[str, float]]]:
+    out = {}
+    for name, d in swarm.daemons.items():
+        procs = daemon_processes(d.proc.pid)
+        out[name] = {role: figures for role, pid in procs.items() if (figures := proc_figures(pid)) is not None}
+    return out
+
+
+def timed_status(bootstrap: list[str]) -> float:
+    start = time.monotonic()
+    subprocess.run([sys.executable, "-m", "atoll.node.cli", "status", "--initial-peers", *bootstrap, "--json"],
+                   check=True, capture_output=True, timeout=120)
+    return time.monotonic() - start
+
+
+def measure(n: int, seconds: float, root: Path, model: str) -> dict[str, Any]:
+    common = [*COMMON, "--model", model, "--fault", f"step_delay={STEP_DELAY}"]
+    with LocalSwarm(root, common) as swarm:
+        started = time.monotonic()
+        for i in range(n):
+            swarm.start(f"d{i:02d}", join=i > 0, wait=300)
+        reader = StatusReader(swarm.bootstrap)
+        try:
+            wait_for(lambda: sum(p["status"] == "training" for p in reader.read()["peers"]) >= n, 600,
+                     f"{n} daemons training")
+        finally:
+            reader.close()
+        ready = time.monotonic()
+        print(f"N={n}: all training {ready - started:.0f} s after the first start", flush=True)
+        before, t0 = sample(swarm), time.time()
+        status_s = []
+        for k in range(3):
+            time.sleep(seconds / 4)
+            status_s.append(timed_status(swarm.bootstrap))
+        time.sleep(max(0.0, seconds - (time.time() - t0)))
+        after, t1 = sample(swarm), time.time()
+        codes = swarm.stop_all(timeout=90)
+        daemons = []
+        for name, d in swarm.daemons.items():
+            metrics = d.metrics()
+            summary = next((m for m in metrics if m.get("event") == "summary"), None)
+            if summary is None:
+                raise RuntimeError(f"{name} wrote no summary (exit {codes.get(name)}); log:\n{d.log()[-2000:]}")
+            minutes = summary["wall_seconds"] / 60
+            rounds = [m for m in metrics if m.get("event") == "round" and t0 <= m["time"] <= t1]
+            calls = summary["dht_calls"]
+            progress = calls.get("get progress", {"calls": 0, "seconds": 0.0, "entries": 0})
+            window_min = (t1 - t0) / 60
+            io = {role: (after[name][role]["io_bytes"] - before[name][role]["io_bytes"]) / window_min
+                  for role in ("dht", "p2pd") if role in after[name] and role in before[name]}
+            daemons.append({
+                "name": name, "exit": codes.get(name),
+                "dht_calls_per_min": {k: v["calls"] / minutes for k, v in calls.items()},
+                "dht_calls_per_min_total": sum(v["calls"] for v in calls.values()) / minutes,
+                "table_read_s": progress["seconds"] / progress["calls"] if progress["calls"] else None,
+                "table_entries_per_read": progress["entries"] / progress["calls"] if progress["calls"] else None,
+                "dht_io_bytes_per_min": io.get("dht"), "p2pd_io_bytes_per_min": io.get("p2pd"),
+                "round_bytes_per_min": (summary["bytes_sent"] + summary["bytes_received"]) / minutes,
+                "rss_mib": {role: f["rss_mib"] for role, f in after[name].items()},
+                "rounds": len(rounds),
+                "formation_s": [m["formation_seconds"] for m in rounds if m.get("formation_seconds") is not None],
+                "round_members": [len(m["members"]) for m in rounds],
+                "rejected": summary["rejected_by_kind"],
+            })
+    return {"daemons_n": n, "window_s": t1 - t0, "start_to_training_s": ready - started, "status_s": status_s,
+            "daemons": daemons}
+
+
+def mean(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else None
+
+
+def per_size(result: dict[str, Any]) -> dict[str, Any]:
+    ds = result["daemons"]
+    formation = [s for d in ds for s in d["formation_s"]]
+    members = [m for d in ds for m in d["round_members"]]
+    return {
+        "daemons": result["daemons_n"],
+        "dht_calls_per_min": mean([d["dht_calls_per_min_total"] for d in ds]),
+        "progress_reads_per_min": mean([d["dht_calls_per_min"].get("get progress", 0.0) for d in ds]),
+        "table_read_s": mean([d["table_read_s"] for d in ds]),
+        "table_entries_per_read": mean([d["table_entries_per_read"] for d in ds]),
+        "dht_io_mib_per_min": mean([d["dht_io_bytes_per_min"] / 2**20 for d in ds if d["dht_io_bytes_per_min"]]),
+        "p2pd_io_mib_per_min": mean([d["p2pd_io_bytes_per_min"] / 2**20 for d in ds if d["p2pd_io_bytes_per_min"]]),
+        "round_mib_per_min": mean([d["round_bytes_per_min"] / 2**20 for d in ds]),
+        "formation_s": mean(formation), "formation_s_max": max(formation, default=None),
+        "round_members": mean(members), "rounds_per_daemon": mean([d["rounds"] for d in ds]),
+        "rss_daemon_mib": mean([d["rss_mib"].get("daemon") for d in ds]),
+        "rss_dht_mib": mean([d["rss_mib"].get("dht") for d in ds]),
+        "rss_p2pd_mib": mean([d["rss_mib"].get("p2pd") for d in ds]),
+        "status_s": mean(result["status_s"]),
+    }
+
+
+def power_law(sizes: list[int], values: list[float | None]) -> float | None:
+    """Least-squares slope of log(value) against log(N)."""
+    pts = [(math.log(n), math.log(v)) for n, v in zip(sizes, values) if v is not None and v > 0]
+    if len(pts) < 2:
+        return None
+    mx, my = statistics.fmean(x for x, _ in pts), statistics.fmean(y for _, y in pts)
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    return sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx else None
+
+
+FIGURES = {  # figure: (label, unit)
+    "dht_calls_per_min": ("DHT calls per daemon", "per min"),
+    "table_read_s": ("peer-table read", "s"),
+    "table_entries_per_read": ("records per progress read", ""),
+    "dht_io_mib_per_min": ("DHT process I/O per daemon", "MiB/min"),
+    "p2pd_io_mib_per_min": ("p2pd I/O per daemon", "MiB/min"),
+    "formation_s": ("round formation", "s"),
+    "round_members": ("round size", "members"),
+    "status_s": ("atoll status", "s"),
+    "rss_daemon_mib": ("daemon RSS", "MiB"),
+    "rss_dht_mib": ("DHT process RSS", "MiB"),
+    "rss_p2pd_mib": ("p2pd RSS", "MiB"),
+}
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = doc["sizes"]
+    sizes = [r["daemons"] for r in rows]
+    fig, axes = plt.subplots(3, 4, figsize=(16, 10))
+    for ax, (key, (label, unit)) in zip(axes.flat, FIGURES.items()):
+        values = [r[key] for r in rows]
+        ax.plot(sizes, values, "o-")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(n) for n in sizes])
+        slope = doc["growth"].get(key)
+        ax.set_title(f"{label}" + (f" (∝ N^{slope:.2f})" if slope is not None else ""), fontsize=10)
+        ax.set_xlabel("daemons")
+        ax.set_ylabel(unit)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(FIGURES):]:
+        ax.axis("off")
+    fig.suptitle(f"bench_scale: per-daemon cost against swarm size ({doc['model']}, {doc['seconds']:.0f} s windows)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[4, 8, 16])
+    ap.add_argument("--seconds", type=float, default=120.0, help="the measured window per size")
+    ap.add_argument("--model", default="nano")
+    ap.add_argument("--work", type=Path, default=ROOT / "runs" / "bench_scale")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "bench_scale")
+    args = ap.parse_args()
+    if any(n < 2 for n in args.sizes):
+        print("bench_scale: error: every size must be at least 2 daemons", file=sys.stderr)
+        return 2
+    results = []
+    for n in args.sizes:
+        work = args.work / f"n{n}"
+        subprocess.run(["rm", "-rf", str(work)], check=True)
+        results.append(measure(n, args.seconds, work, args.model))
+        print(json.dumps(per_size(results[-1])), flush=True)
+    rows = [per_size(r) for r in results]
+    sizes = [r["daemons"] for r in rows]
+    doc = {"command": shlex.join(["python", "scripts/bench_scale.py", *sys.argv[1:]]), "model": args.model,
+           "seconds": args.seconds, "step_delay_s": STEP_DELAY, "cpus": os.cpu_count(), "sizes": rows,
+           "growth": {key: power_law(sizes, [r[key] for r in rows]) for key in FIGURES}, "runs": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(doc, indent=1))
+    plot(doc, args.out.with_suffix(".png"))
+    for key, (label, unit) in FIGURES.items():
+        cells = "  ".join(f"{r[key]:.3g}" if r[key] is not None else "-" for r in rows)
+        slope = doc["growth"][key]
+        print(f"{label:30s} {unit:9s} {cells}   slope {slope:.2f}" if slope is not None else f"{label:30s} {cells}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
