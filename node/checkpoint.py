@@ -128,6 +128,10 @@ class CheckpointWriter:
             return
         self.on_written(meta)
 
+    def busy(self) -> bool:
+        """Whether a write is in progress."""
+        return self._thread is not None and self._thread.is_alive()
+
     def wait(self) -> None:
         """Until the write in progress (if any) is on disk."""
         if self._thread is not None:

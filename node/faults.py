@@ -20,6 +20,7 @@ The faults, each triggered by the daemon's own step or round count (never by a c
 - ``start_together=N``: hold the first step until N daemons train (runs compared step for step start in lockstep).
 - ``kill_in_checkpoint=N``: SIGKILL the process group in the middle of the N-th checkpoint write (the tensors'
   temporary file half written); ``checkpoint_kill_signal=1``: SIGUSR1 arms the same crash for the next write.
+- ``slow_checkpoint=S``: each checkpoint write takes S seconds longer (a slow disk), held in the middle of it.
 - ``kill_rank=R`` with ``kill_rank_at=S``: in an island of several ranks, rank R SIGKILLs its process group (for
   rank 0: its DHT child and p2pd too) before its step S+1, in the launcher's first attempt only (a restarted island,
   which resumes from an earlier step, does not die again).
@@ -46,7 +47,7 @@ logger = logging.getLogger("atoll")
 KINDS: dict[str, type] = {"kill_in_round": int, "step_delay": float, "corrupt_round": int, "split_side": int,
                           "split_until": int, "byzantine": str, "byzantine_from": int, "start_together": int,
                           "kill_in_checkpoint": int, "checkpoint_kill_signal": int, "kill_rank": int,
-                          "kill_rank_at": int}
+                          "kill_rank_at": int, "slow_checkpoint": float}
 BYZANTINE = ("scale", "nan", "shape", "direction")
 CORRUPTIONS = ("truncated", "header", "codec", "nan")
 BYZANTINE_SCALE = 1000.0
@@ -174,6 +175,9 @@ class Faults:
         """What to do to the ``number``-th checkpoint's half-written tensors file (None: nothing)."""
         if self._checkpoint_kill_armed or self.spec.get("kill_in_checkpoint") == number:
             return lambda tmp: _die_mid_write(tmp, number)
+        slow = self.spec.get("slow_checkpoint", 0.0)
+        if slow:
+            return lambda tmp: time.sleep(slow)
         return None
 
     # ---- the syncer ---------------------------------------------------------------------------------------

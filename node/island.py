@@ -167,6 +167,7 @@ class Island:
         self.metrics = MetricsLog(None)
         self.checkpointer: CheckpointWriter | None = None
         self.checkpoints_written = 0
+        self._checkpoint_due = False  # a checkpoint came due while the previous write was still going
         self.trainee: Trainee | None = None
         self._exit = contextlib.ExitStack()
         self._training = self._closed = False
@@ -332,7 +333,7 @@ class Island:
                 trainee, replica = self.trainee, self.replica
                 self.counters.status = Status.LEAVING
                 self.syncer.shutdown()
-                self._checkpoint()
+                self._checkpoint(wait=True)
                 if self.checkpointer is not None:
                     self.checkpointer.wait()
                 logger.info("stopped at step %d, version %d, peak resident memory %d MiB", trainee.step,
@@ -371,6 +372,8 @@ class Island:
                 self.ddp.report()
                 self._checkpoint()
         elif self.rounds.after_step():
+            self._checkpoint()
+        if self._checkpoint_due:
             self._checkpoint()
 
     def _on_optimizer_step(self, _optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
@@ -507,12 +510,16 @@ class Island:
             self.stop_event.wait(0.2)
 
     # ---- checkpoints --------------------------------------------------------------------------------------------
-    def _checkpoint(self) -> None:
-        """Copy the state to host memory (consistent at this step) and hand it to the background writer."""
+    def _checkpoint(self, wait: bool = False) -> None:
+        """Copy the state to host memory (consistent at this step) and hand it to the background writer. While the
+        previous write is still going (a slow disk), the checkpoint is taken at the first step boundary after it
+        ends: the loop does not wait for a disk (``wait``: it does, when leaving)."""
         if self.checkpointer is None:
             return
-        # One checkpoint's copy in host memory at a time: the previous write ends before this one is copied
-        # (submit would wait for it anyway, only later). Two coexisting copies were rank 0's peak.
+        # One checkpoint's copy in host memory at a time: two coexisting copies were rank 0's peak.
+        self._checkpoint_due = self.checkpointer.busy() and not wait
+        if self._checkpoint_due:
+            return
         self.checkpointer.wait()
         tensors, meta = persist.capture(self.cfg, self.peer_id, self.trainee, self.replica, self.local,
                                         self.syncer.error_feedback_state(), self.counters.tokens_lost)

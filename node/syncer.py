@@ -246,12 +246,6 @@ class Syncer:
         return self.ctx.replica.identity(p)[0] != version
 
     def error_feedback_state(self) -> dict[str, torch.Tensor]:
-        """The error-feedback residuals of this moment, read on the event loop that owns them (the tensors are not
-        copied: ``ErrorFeedback.residuals``)."""
-
-        async def read() -> dict[str, torch.Tensor]:
-            return self.ctx.error_feedback.residuals()
-
-        if self._loop is not None and self._loop.is_running():
-            return self._submit(read()).result(30)
+        """The error-feedback residuals of this moment (the tensors are not copied: ``ErrorFeedback.residuals``).
+        Read from the caller's thread: a checkpoint does not wait for the event loop, which may be busy."""
         return self.ctx.error_feedback.residuals()

@@ -46,6 +46,7 @@ from __future__ import annotations
 import concurrent.futures
 import struct
 import sys
+import threading
 import warnings
 
 import torch
@@ -464,11 +465,13 @@ class ErrorFeedback:
     current residual, which stays within one round's quantization error instead of growing with the number of
     rounds. A target that was not used (its round failed, or encoding raised) is simply not committed, and the
     residual stays as it was. Residuals are fp32 CPU tensors; ``state_dict`` and ``load_state_dict`` are for
-    checkpoints. Not thread-safe: use one instance per thread or lock around it.
+    checkpoints. One thread targets and commits (the rounds'); ``residuals`` and ``state_dict`` may be called from
+    any other (a checkpoint's).
     """
 
     def __init__(self) -> None:
         self._residuals: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()  # around changes to the dict and copies of it
 
     def target(self, key: str, delta: torch.Tensor) -> torch.Tensor:
         """``delta`` plus the stored residual of ``key``, as a new flat fp32 tensor (``delta`` is untouched).
@@ -484,19 +487,21 @@ class ErrorFeedback:
     def commit(self, key: str, target: torch.Tensor, decoded: torch.Tensor) -> None:
         """Store ``target − decoded`` (what quantization dropped) as the residual of ``key``; none when lossless."""
         residual = _flat_fp32(target) - _flat_fp32(decoded)
-        if bool(torch.count_nonzero(residual)):
-            self._residuals[key] = residual
-        else:
-            self._residuals.pop(key, None)
+        with self._lock:
+            if bool(torch.count_nonzero(residual)):
+                self._residuals[key] = residual
+            else:
+                self._residuals.pop(key, None)
 
     def residuals(self) -> dict[str, torch.Tensor]:
         """The residuals as they are now, without copying them: ``commit`` replaces a key's tensor and never
         writes one in place, so the tensors returned keep this moment's values."""
-        return dict(self._residuals)
+        with self._lock:
+            return dict(self._residuals)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Copies of all residuals, ``{key: flat fp32 tensor}``."""
-        return {k: v.clone() for k, v in self._residuals.items()}
+        return {k: v.clone() for k, v in self.residuals().items()}
 
     def load_state_dict(self, d: dict[str, torch.Tensor]) -> None:
         """Replace all residuals with (copies of) ``d``; ValueError on non-float or non-finite tensors."""
@@ -506,4 +511,5 @@ class ErrorFeedback:
             if t.numel() and not bool(torch.isfinite(t).all()):
                 raise ValueError(f"error feedback state {k!r} contains NaN/Inf")
             new[str(k)] = t
-        self._residuals = new
+        with self._lock:
+            self._residuals = new
