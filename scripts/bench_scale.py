@@ -14,8 +14,13 @@ N daemons sharing this machine's cores measure the protocol more than the conten
   and from p2pd, served and asked, and the pipe to the daemon) and through p2pd (its sockets: the DHT's traffic
   and the rounds' streams, which the daemon's own ``bytes_sent``/``bytes_received`` give);
 - round formation time and round sizes (members) of the rounds merged in the window;
-- resident memory of the daemon, its DHT process and p2pd at the end of the window;
-- how long ``atoll status --json`` takes from a fresh process (three calls in the window).
+- resident memory of the daemon, its DHT process and p2pd at the end of the window, and the CPU each used in
+  the window (cores: CPU seconds per second; with N daemons on this machine's cores, latencies grow with N
+  through contention as well as through the protocol, and the CPU figures say which);
+- how long ``atoll status --json`` takes from a fresh process (three calls in the window) and how many peers it
+  lists, and how many records one DHT client sees at the window's end.
+
+Daemons count as started once their own metrics show training (not through the DHT, which is what is measured).
 
 Each figure's growth with N is fit as a power law (slope of log figure against log N: 0 is flat, 1 linear).
 Writes docs/results/bench_scale.json and .png (``--out`` to change).
@@ -58,12 +63,14 @@ def descendants(pid: int) -> list[int]:
 
 
 def proc_figures(pid: int) -> dict[str, float] | None:
-    """Resident MiB and I/O bytes (read + written through syscalls) of one process."""
+    """Resident MiB, I/O bytes (read + written through syscalls) and CPU seconds (user + system) of one process."""
     try:
         rss = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
                    if line.startswith("VmRSS:")) / 1024
         io = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
-        return {"rss_mib": rss, "io_bytes": int(io["rchar"]) + int(io["wchar"])}
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        cpu = (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14 and 15
+        return {"rss_mib": rss, "io_bytes": int(io["rchar"]) + int(io["wchar"]), "cpu_s": cpu}
     except (FileNotFoundError, ProcessLookupError, StopIteration):
         return None
 
@@ -91,11 +98,21 @@ def sample(swarm: LocalSwarm) -> dict[str, dict[str, dict[str, float]]]:
     return out
 
 
-def timed_status(bootstrap: list[str]) -> float:
+def timed_status(bootstrap: list[str]) -> tuple[float, int | None]:
+    """Seconds ``atoll status --json`` took from a fresh process, and how many peers it listed (None: it failed)."""
     start = time.monotonic()
-    subprocess.run([sys.executable, "-m", "atoll.node.cli", "status", "--initial-peers", *bootstrap, "--json"],
-                   check=True, capture_output=True, timeout=120)
-    return time.monotonic() - start
+    done = subprocess.run([sys.executable, "-m", "atoll.node.cli", "status", "--initial-peers", *bootstrap, "--json"],
+                          capture_output=True, timeout=300)
+    seconds = time.monotonic() - start
+    try:
+        return seconds, len(json.loads(done.stdout)["peers"]) if done.returncode == 0 else None
+    except (json.JSONDecodeError, KeyError):
+        return seconds, None
+
+
+def training(d: Any) -> bool:
+    """The daemon has trained past its first steps (its own metrics: not through the DHT, which is measured)."""
+    return any("step" in m and "event" not in m and m["step"] >= 20 for m in d.metrics())
 
 
 def measure(n: int, seconds: float, root: Path, model: str) -> dict[str, Any]:
@@ -104,21 +121,21 @@ def measure(n: int, seconds: float, root: Path, model: str) -> dict[str, Any]:
         started = time.monotonic()
         for i in range(n):
             swarm.start(f"d{i:02d}", join=i > 0, wait=300)
-        reader = StatusReader(swarm.bootstrap)
-        try:
-            wait_for(lambda: sum(p["status"] == "training" for p in reader.read()["peers"]) >= n, 600,
-                     f"{n} daemons training")
-        finally:
-            reader.close()
+        wait_for(lambda: all(training(d) for d in swarm.daemons.values()), 900, f"{n} daemons training")
         ready = time.monotonic()
         print(f"N={n}: all training {ready - started:.0f} s after the first start", flush=True)
         before, t0 = sample(swarm), time.time()
-        status_s = []
+        status = []
         for k in range(3):
             time.sleep(seconds / 4)
-            status_s.append(timed_status(swarm.bootstrap))
+            status.append(timed_status(swarm.bootstrap))
         time.sleep(max(0.0, seconds - (time.time() - t0)))
         after, t1 = sample(swarm), time.time()
+        reader = StatusReader(swarm.bootstrap)  # the run's records as one DHT client sees them at the window's end
+        try:
+            seen = reader.read()["peers"]
+        finally:
+            reader.close()
         codes = swarm.stop_all(timeout=90)
         daemons = []
         for name, d in swarm.daemons.items():
@@ -131,8 +148,10 @@ def measure(n: int, seconds: float, root: Path, model: str) -> dict[str, Any]:
             calls = summary["dht_calls"]
             progress = calls.get("get progress", {"calls": 0, "seconds": 0.0, "entries": 0})
             window_min = (t1 - t0) / 60
+            roles = [role for role in ("daemon", "dht", "p2pd") if role in after[name] and role in before[name]]
             io = {role: (after[name][role]["io_bytes"] - before[name][role]["io_bytes"]) / window_min
-                  for role in ("dht", "p2pd") if role in after[name] and role in before[name]}
+                  for role in roles}
+            cpu = {role: (after[name][role]["cpu_s"] - before[name][role]["cpu_s"]) / (t1 - t0) for role in roles}
             daemons.append({
                 "name": name, "exit": codes.get(name),
                 "dht_calls_per_min": {k: v["calls"] / minutes for k, v in calls.items()},
@@ -142,12 +161,15 @@ def measure(n: int, seconds: float, root: Path, model: str) -> dict[str, Any]:
                 "dht_io_bytes_per_min": io.get("dht"), "p2pd_io_bytes_per_min": io.get("p2pd"),
                 "round_bytes_per_min": (summary["bytes_sent"] + summary["bytes_received"]) / minutes,
                 "rss_mib": {role: f["rss_mib"] for role, f in after[name].items()},
+                "cpu_share": cpu,  # CPU seconds per second of the window, by process
                 "rounds": len(rounds),
                 "formation_s": [m["formation_seconds"] for m in rounds if m.get("formation_seconds") is not None],
                 "round_members": [len(m["members"]) for m in rounds],
                 "rejected": summary["rejected_by_kind"],
             })
-    return {"daemons_n": n, "window_s": t1 - t0, "start_to_training_s": ready - started, "status_s": status_s,
+    return {"daemons_n": n, "window_s": t1 - t0, "start_to_training_s": ready - started,
+            "status_s": [s for s, _ in status], "status_peers": [p for _, p in status],
+            "records_seen": len(seen), "records_training": sum(p["status"] == "training" for p in seen),
             "daemons": daemons}
 
 
@@ -175,6 +197,12 @@ def per_size(result: dict[str, Any]) -> dict[str, Any]:
         "rss_dht_mib": mean([d["rss_mib"].get("dht") for d in ds]),
         "rss_p2pd_mib": mean([d["rss_mib"].get("p2pd") for d in ds]),
         "status_s": mean(result["status_s"]),
+        "status_peers_min": min((p for p in result["status_peers"] if p is not None), default=None),
+        "status_failed": sum(p is None for p in result["status_peers"]),
+        "records_seen": result["records_seen"],
+        "cpu_daemon": mean([d["cpu_share"].get("daemon") for d in ds]),
+        "cpu_dht": mean([d["cpu_share"].get("dht") for d in ds]),
+        "cpu_p2pd": mean([d["cpu_share"].get("p2pd") for d in ds]),
     }
 
 
@@ -200,6 +228,7 @@ FIGURES = {  # figure: (label, unit)
     "rss_daemon_mib": ("daemon RSS", "MiB"),
     "rss_dht_mib": ("DHT process RSS", "MiB"),
     "rss_p2pd_mib": ("p2pd RSS", "MiB"),
+    "cpu_dht": ("DHT process CPU", "cores"),
 }
 
 
@@ -241,20 +270,20 @@ def main() -> int:
     if any(n < 2 for n in args.sizes):
         print("bench_scale: error: every size must be at least 2 daemons", file=sys.stderr)
         return 2
-    results = []
+    results: list[dict[str, Any]] = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     for n in args.sizes:
         work = args.work / f"n{n}"
         subprocess.run(["rm", "-rf", str(work)], check=True)
         results.append(measure(n, args.seconds, work, args.model))
         print(json.dumps(per_size(results[-1])), flush=True)
-    rows = [per_size(r) for r in results]
-    sizes = [r["daemons"] for r in rows]
-    doc = {"command": shlex.join(["python", "scripts/bench_scale.py", *sys.argv[1:]]), "model": args.model,
-           "seconds": args.seconds, "step_delay_s": STEP_DELAY, "cpus": os.cpu_count(), "sizes": rows,
-           "growth": {key: power_law(sizes, [r[key] for r in rows]) for key in FIGURES}, "runs": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(doc, indent=1))
-    plot(doc, args.out.with_suffix(".png"))
+        rows = [per_size(r) for r in results]
+        sizes = [r["daemons"] for r in rows]
+        doc = {"command": shlex.join(["python", "scripts/bench_scale.py", *sys.argv[1:]]), "model": args.model,
+               "seconds": args.seconds, "step_delay_s": STEP_DELAY, "cpus": os.cpu_count(), "sizes": rows,
+               "growth": {key: power_law(sizes, [r[key] for r in rows]) for key in FIGURES}, "runs": results}
+        args.out.with_suffix(".json").write_text(json.dumps(doc, indent=1))  # after each size: a later one may fail
+        plot(doc, args.out.with_suffix(".png"))
     for key, (label, unit) in FIGURES.items():
         cells = "  ".join(f"{r[key]:.3g}" if r[key] is not None else "-" for r in rows)
         slope = doc["growth"][key]
