@@ -22,8 +22,9 @@ N daemons sharing this machine's cores measure the protocol more than the conten
 
 Daemons count as started once their own metrics show training (not through the DHT, which is what is measured).
 
-Each figure's growth with N is fit as a power law (slope of log figure against log N: 0 is flat, 1 linear).
-Writes docs/results/bench_scale.json and .png (``--out`` to change).
+Each figure's growth with N is fit as a power law (slope of log figure against log N: 0 is flat, 1 linear) over
+the sizes at which the whole swarm used less than 95% of the machine's cores; the plot marks the others. Writes
+docs/results/bench_scale.json and .png (``--out`` to change; ``--replot JSON`` redraws an earlier run).
 """
 
 from __future__ import annotations
@@ -203,7 +204,22 @@ def per_size(result: dict[str, Any]) -> dict[str, Any]:
         "cpu_daemon": mean([d["cpu_share"].get("daemon") for d in ds]),
         "cpu_dht": mean([d["cpu_share"].get("dht") for d in ds]),
         "cpu_p2pd": mean([d["cpu_share"].get("p2pd") for d in ds]),
+        "cpu_swarm": sum(sum(v for v in d["cpu_share"].values()) for d in ds),
     }
+
+
+SATURATED = 0.95  # share of the machine's cores the whole swarm used, from which latencies measure contention
+
+
+def saturated(row: dict[str, Any], cpus: int) -> bool:
+    return row["cpu_swarm"] >= SATURATED * cpus
+
+
+def growth(rows: list[dict[str, Any]], cpus: int) -> dict[str, float | None]:
+    """Each figure's power-law exponent in N, fitted over the sizes at which the machine was not saturated."""
+    free = [r for r in rows if not saturated(r, cpus)]
+    sizes = [r["daemons"] for r in free]
+    return {key: power_law(sizes, [r[key] for r in free]) for key in FIGURES}
 
 
 def power_law(sizes: list[int], values: list[float | None]) -> float | None:
@@ -240,10 +256,15 @@ def plot(doc: dict[str, Any], path: Path) -> None:
 
     rows = doc["sizes"]
     sizes = [r["daemons"] for r in rows]
+    busy = [saturated(r, doc["cpus"]) for r in rows]
     fig, axes = plt.subplots(3, 4, figsize=(16, 10))
     for ax, (key, (label, unit)) in zip(axes.flat, FIGURES.items()):
         values = [r[key] for r in rows]
-        ax.plot(sizes, values, "o-")
+        ax.plot(sizes, values, "-", color="C0", alpha=0.5)
+        ax.plot([n for n, b in zip(sizes, busy) if not b], [v for v, b in zip(values, busy) if not b], "o", color="C0",
+                label="machine not saturated")
+        ax.plot([n for n, b in zip(sizes, busy) if b], [v for v, b in zip(values, busy) if b], "o", color="C3",
+                mfc="none", label=f"swarm used ≥ {SATURATED:.0%} of the cores")
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [str(n) for n in sizes])
         slope = doc["growth"].get(key)
@@ -254,6 +275,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(FIGURES):]:
         ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
     fig.suptitle(f"bench_scale: per-daemon cost against swarm size ({doc['model']}, {doc['seconds']:.0f} s windows)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -266,7 +288,15 @@ def main() -> int:
     ap.add_argument("--model", default="nano")
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "bench_scale")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "bench_scale")
+    ap.add_argument("--replot", type=Path, help="recompute the summary and plot of an earlier run's JSON, and exit")
     args = ap.parse_args()
+    if args.replot is not None:
+        doc = json.loads(args.replot.read_text())
+        doc["sizes"] = [per_size(r) for r in doc["runs"]]
+        doc["growth"] = growth(doc["sizes"], doc["cpus"])
+        args.replot.write_text(json.dumps(doc, indent=1))
+        plot(doc, args.replot.with_suffix(".png"))
+        return 0
     if any(n < 2 for n in args.sizes):
         print("bench_scale: error: every size must be at least 2 daemons", file=sys.stderr)
         return 2
@@ -278,10 +308,9 @@ def main() -> int:
         results.append(measure(n, args.seconds, work, args.model))
         print(json.dumps(per_size(results[-1])), flush=True)
         rows = [per_size(r) for r in results]
-        sizes = [r["daemons"] for r in rows]
         doc = {"command": shlex.join(["python", "scripts/bench_scale.py", *sys.argv[1:]]), "model": args.model,
                "seconds": args.seconds, "step_delay_s": STEP_DELAY, "cpus": os.cpu_count(), "sizes": rows,
-               "growth": {key: power_law(sizes, [r[key] for r in rows]) for key in FIGURES}, "runs": results}
+               "growth": growth(rows, os.cpu_count() or 1), "runs": results}
         args.out.with_suffix(".json").write_text(json.dumps(doc, indent=1))  # after each size: a later one may fail
         plot(doc, args.out.with_suffix(".png"))
     for key, (label, unit) in FIGURES.items():
