@@ -492,6 +492,10 @@ class Island:
         """A restarted member: download the fragments the swarm moved past while we were away, before training."""
         states = self.syncer.catch_up_now(timeout=max(60.0, 4 * self.cfg.run.round_timeout))
         if states:
+            # The run's sync schedule went on without us: take the donors' place in it, as a joiner does. Kept at
+            # the checkpoint's, our rounds fall due some steps after theirs, every time, and a decoupled round
+            # closes before we join it.
+            self.replica.schedule_step = states[0].schedule_step
             logger.info("caught up on %d fragment(s) to version %d before training", len(states),
                         self.replica.total_version)
             self.metrics.write(event="caught_up", version=self.replica.total_version,
