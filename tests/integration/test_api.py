@@ -22,7 +22,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from swarm import LocalSwarm
-from test_swarm import assert_held_out_falls, assert_replicas_agree, peer_id, wait_for
+from test_swarm import (assert_held_out_falls, assert_replicas_agree, resumes_and_merges_again,
+                        stop_after_a_checkpoint, wait_for, wait_for_shared_rounds)
 
 pytestmark = pytest.mark.integration
 OWN_LOOP = str(Path(__file__).resolve().parents[2] / "examples" / "own_loop.py")
@@ -103,21 +104,10 @@ def test_user_loops_join_a_daemon_and_restart(tmp_path):
                               f"{name} to join")
             before = swarm.daemons[name].log().split("joined at version")[0]
             assert int(joined[0]) >= 2 and not re.search(r"step [1-9]\d*\]", before), before[-2000:]
-        wait_for(lambda: all(len([r for r in swarm.daemons[n].rounds() if len(r["members"]) == 3]) >= 3
-                             for n in "abc"), 240, "three 3-member rounds on every member")
+        wait_for_shared_rounds(swarm, "abc", 3)
         assert_replicas_agree(swarm, "abc")
         assert_held_out_falls(swarm, "abc", founder="a", evaluations=3)
-        c = swarm.daemons["c"]
-        wait_for(lambda: list(c.workdir.glob("ckpt-*.json")), 120, "c to write a checkpoint")
-        assert swarm.stop("c") == 0
-        step = max(m["step"] for m in c.metrics() if m.get("event") == "checkpoint")
-        c = swarm.start("c", own, program=OWN_LOOP)
-        resumed = re.findall(r"resumed from checkpoint: version \d+, step (\d+)", c.log())
-        assert resumed and int(resumed[-1]) >= step, c.log()[-2000:]
-        me = peer_id(c)
-        before = len(c.rounds())
-        wait_for(lambda: [r for r in c.rounds()[before:] if me in r["contributors"] and len(r["members"]) >= 2],
-                 180, "c to merge with the others again")
+        resumes_and_merges_again(swarm, "c", stop_after_a_checkpoint(swarm, "c"), own, program=OWN_LOOP)
         codes = swarm.stop_all(timeout=60)
         assert all(code == 0 for code in codes.values()), codes
 

@@ -5,14 +5,14 @@ checkpoint and merges again; a daemon whose config.json builds other parameters 
 missing config is one line, exit 2."""
 
 import json
-import re
 import subprocess
 import sys
 
 import pytest
 from swarm import LocalSwarm
-from test_models_swarm import COMMON, shared_rounds
-from test_swarm import assert_held_out_falls, assert_replicas_agree, held_out_losses, peer_id, wait_for
+from test_models_swarm import COMMON
+from test_swarm import (assert_held_out_falls, assert_refused_in_one_line, assert_replicas_agree, held_out_losses,
+                        resumes_and_merges_again, stop_after_a_checkpoint, wait_for_shared_rounds)
 
 pytest.importorskip("transformers")
 
@@ -36,37 +36,25 @@ def test_a_hugging_face_llama_swarm_trains_and_restarts(tmp_path, monkeypatch):
     with LocalSwarm(tmp_path / "swarm", COMMON + ["--model", name]) as swarm:
         for n in "abc":
             swarm.start(n, join=n != "a")
-        wait_for(lambda: all(len(shared_rounds(swarm.daemons[n], 3)) >= 4 for n in "abc"), 240,
-                 "four 3-member rounds on every daemon")
+        wait_for_shared_rounds(swarm, "abc", 4)
         assert_replicas_agree(swarm, "abc")
         assert_held_out_falls(swarm, "abc", founder="a")
         # c restarts from its checkpoint: it holds the HF model's parameters and their AdamW moments.
-        c = swarm.daemons["c"]
-        wait_for(lambda: list(c.workdir.glob("ckpt-*.json")), 120, "c to write a checkpoint")
-        assert swarm.stop("c") == 0
-        tensors, meta = load_checkpoint(c.workdir)
+        step = stop_after_a_checkpoint(swarm, "c")
+        tensors, meta = load_checkpoint(swarm.daemons["c"].workdir)
+        assert meta["step"] == step
         assert [tuple(tensors[f"model.{i}"].shape) for i in range(len(params))] == [tuple(p.shape) for p in params]
         assert f"model.{len(params)}" not in tensors
         for i in range(len(params)):
             assert tensors[f"opt.{i}.exp_avg"].shape == params[i].shape
             assert float(tensors[f"opt.{i}.exp_avg_sq"].abs().sum()) > 0
         untrained = held_out_losses(swarm.daemons["a"])[0]  # the founder's first figure: near Θ₀'s
-        c = swarm.start("c")
-        wait_for(lambda: re.search(rf"resumed from checkpoint: version \d+, step {meta['step']}\b",
-                                   c.log().split("stopped at step")[-1]), 120, "c to resume")
-        me = peer_id(c)
-        before = len(c.rounds())
-        merged = wait_for(lambda: [r for r in c.rounds()[before:] if me in r["contributors"] and len(r["members"]) >= 2],
-                          180, "c to merge with the others again")
+        merged = resumes_and_merges_again(swarm, "c", step)
         after = [r["held_out_loss"] for r in merged if r["held_out_loss"] is not None]
         assert not after or after[-1] < untrained, (untrained, after)  # not back at Θ₀
         # Another config.json under the same path on d's machine (here: rewritten): other shapes, refused.
         config.write_text(json.dumps(dict(TINY, hidden_size=48)))
-        d = swarm.start("d")
-        assert d.proc.wait(120) == 2
-        errors = [line for line in d.log().splitlines() if "digest" in line]
-        assert len(errors) == 1 and "other than the run's" in errors[0], d.log()[-2000:]
-        assert "Traceback" not in d.log()
+        assert_refused_in_one_line(swarm.start("d"), "digest", "other than the run's")
         codes = {n: swarm.stop(n) for n in "abc"}
         assert all(code == 0 for code in codes.values()), codes
 

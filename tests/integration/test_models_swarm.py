@@ -4,14 +4,14 @@ factory (``--model package.module:factory``) trains too, and a daemon whose fact
 refuses to join with one line (exit 2); a bad factory path is one line, exit 2."""
 
 import os
-import re
 import subprocess
 import sys
 import textwrap
 
 import pytest
 from swarm import LocalSwarm
-from test_swarm import assert_held_out_falls, assert_replicas_agree, peer_id, wait_for
+from test_swarm import (assert_held_out_falls, assert_refused_in_one_line, assert_replicas_agree,
+                        resumes_and_merges_again, stop_after_a_checkpoint, wait_for, wait_for_shared_rounds)
 
 pytestmark = pytest.mark.integration
 # Synchronous DiLoCo: every round waits for every live daemon, so "3-member rounds" holds on a loaded machine too
@@ -21,29 +21,15 @@ COMMON = ["--batch-size", "4", "--algorithm", "diloco", "--sync-every", "20",
           "--fault", "step_delay=0.05"]
 
 
-def shared_rounds(d, n):
-    return [r for r in d.rounds() if len(r["members"]) == n]
-
-
 def test_a_llama_swarm_trains_and_restarts(tmp_path):
     with LocalSwarm(tmp_path, COMMON + ["--model", "llama-nano"]) as swarm:
         for name in "abc":
             swarm.start(name, join=name != "a")
-        wait_for(lambda: all(len(shared_rounds(swarm.daemons[n], 3)) >= 4 for n in "abc"), 240,
-                 "four 3-member rounds on every daemon")
+        wait_for_shared_rounds(swarm, "abc", 4)
         assert_replicas_agree(swarm, "abc")
         assert_held_out_falls(swarm, "abc", founder="a")
         # c restarts from its checkpoint: its Llama and its AdamW state come back, and it merges again.
-        c = swarm.daemons["c"]
-        wait_for(lambda: list(c.workdir.glob("ckpt-*.json")), 120, "c to write a checkpoint")
-        assert swarm.stop("c") == 0
-        c = swarm.start("c")
-        wait_for(lambda: re.search(r"resumed from checkpoint", c.log().split("stopped at step")[-1]), 120,
-                 "c to resume")
-        me = peer_id(c)
-        before = len(c.rounds())
-        wait_for(lambda: [r for r in c.rounds()[before:] if me in r["contributors"] and len(r["members"]) >= 2],
-                 180, "c to merge with the others again")
+        resumes_and_merges_again(swarm, "c", stop_after_a_checkpoint(swarm, "c"))
         codes = swarm.stop_all(timeout=60)
         assert all(code == 0 for code in codes.values()), codes
 
@@ -68,15 +54,10 @@ def test_a_users_model_trains_and_a_joiner_with_another_is_refused(tmp_path, mon
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(ours), base) if p))
         swarm.start("a", join=False)
         swarm.start("b")
-        wait_for(lambda: all(len(shared_rounds(swarm.daemons[n], 2)) >= 3 for n in "ab"), 240,
-                 "three 2-member rounds")
+        wait_for_shared_rounds(swarm, "ab", 3)
         assert_replicas_agree(swarm, "ab")
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(theirs), base) if p))
-        c = swarm.start("c")
-        assert c.proc.wait(120) == 2
-        errors = [line for line in c.log().splitlines() if "digest" in line]
-        assert len(errors) == 1 and "other than the run's" in errors[0], c.log()[-2000:]
-        assert "Traceback" not in c.log()
+        assert_refused_in_one_line(swarm.start("c"), "digest", "other than the run's")
         codes = {n: swarm.stop(n) for n in "ab"}
         assert all(code == 0 for code in codes.values()), codes
 
@@ -121,11 +102,8 @@ def test_a_joiner_whose_data_another_tokenizer_made_is_refused(tmp_path, monkeyp
     with LocalSwarm(tmp_path / "swarm", COMMON + ["--model", "bpemodels:gpt"]) as swarm:
         a = swarm.start("a", ["--data", str(ours)], join=False)
         wait_for(lambda: a.rounds() or "step 20]" in a.log(), 120, "a to train")
-        b = swarm.start("b", ["--data", str(theirs)])
-        assert b.proc.wait(120) == 2
-        errors = [line for line in b.log().splitlines() if "error" in line]
-        assert len(errors) == 1 and "this run's data is tokenized by tokenizer sha256" in errors[0], b.log()[-2000:]
-        assert "Traceback" not in b.log()
+        assert_refused_in_one_line(swarm.start("b", ["--data", str(theirs)]), "error",
+                                   "this run's data is tokenized by tokenizer sha256")
         c = swarm.start("c", ["--data", str(ours), "--max-steps", "5"])  # the run's own data joins
         assert c.proc.wait(120) == 0, c.log()[-2000:]
 

@@ -59,6 +59,45 @@ def assert_held_out_falls(swarm, names, founder, evaluations=4):
         assert len(losses) >= evaluations and losses[-1] < first[0], (name, losses, founder, first[0])
 
 
+def shared_rounds(daemon, members):
+    """The rounds ``daemon`` merged with exactly ``members`` members."""
+    return [r for r in daemon.rounds() if len(r["members"]) == members]
+
+
+def wait_for_shared_rounds(swarm, names, count, timeout=240):
+    """Until every daemon of ``names`` merged ``count`` rounds with all of them."""
+    wait_for(lambda: all(len(shared_rounds(swarm.daemons[n], len(names))) >= count for n in names), timeout,
+             f"{count} {len(names)}-member rounds on every daemon")
+
+
+def stop_after_a_checkpoint(swarm, name):
+    """Once ``name`` wrote a checkpoint, stop it cleanly; the step of its last checkpoint."""
+    d = swarm.daemons[name]
+    wait_for(lambda: list(d.workdir.glob("ckpt-*.json")), 120, f"{name} to write a checkpoint")
+    assert swarm.stop(name) == 0, d.log()[-2000:]
+    return max(m["step"] for m in d.metrics() if m.get("event") == "checkpoint")
+
+
+def resumes_and_merges_again(swarm, name, step, *args, **kwargs):
+    """Start ``name`` again (``swarm.start``'s arguments): it resumes from a checkpoint at ``step`` or later, and
+    contributes to a round with another daemon. The rounds it merged since."""
+    d = swarm.start(name, *args, **kwargs)
+    resumed = wait_for(lambda: re.findall(r"resumed from checkpoint: version \d+, step (\d+)",
+                                          d.log().split("stopped at step")[-1]), 120, f"{name} to resume")
+    assert int(resumed[-1]) >= step, d.log()[-2000:]
+    me, before = peer_id(d), len(d.rounds())
+    return wait_for(lambda: [r for r in d.rounds()[before:] if me in r["contributors"] and len(r["members"]) >= 2],
+                    180, f"{name} to merge with the others again")
+
+
+def assert_refused_in_one_line(daemon, marker, message):
+    """``daemon`` exits 2 with one log line holding ``marker``, which says ``message``, and no traceback."""
+    assert daemon.proc.wait(120) == 2, daemon.log()[-2000:]
+    lines = [line for line in daemon.log().splitlines() if marker in line]
+    assert len(lines) == 1 and message in lines[0], daemon.log()[-2000:]
+    assert "Traceback" not in daemon.log()
+
+
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
     s = LocalSwarm(tmp_path_factory.mktemp("swarm"), COMMON)
