@@ -74,8 +74,9 @@ class Counters:
                 "train_seconds": self.train_seconds, "wall_seconds": time.monotonic() - self.started,
                 "bytes_sent": traffic.bytes_sent, "bytes_received": traffic.bytes_received,
                 "rejected": traffic.rejected, "rejected_by_kind": dict(traffic.rejected_by_kind),
-                "clipped": traffic.clipped, "streams_in": traffic.streams_in, "rank_drift": self.rank_drift, "rejoins": self.rejoins,
-                "island_sync_seconds": self.island_sync_seconds, "dht_calls": dht_io.calls_summary()}
+                "clipped": traffic.clipped, "streams_in": traffic.streams_in, "rank_drift": self.rank_drift,
+                "rejoins": self.rejoins, "island_sync_seconds": self.island_sync_seconds,
+                "dht_calls": dht_io.calls_summary()}
 
 
 class MetricsLog:

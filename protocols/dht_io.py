@@ -62,18 +62,14 @@ _calls_lock = threading.Lock()  # the event loop's calls and the blocking ones o
 
 
 def _count(op: str, key: str, started: float, value: Any = None, gave_up: bool = False) -> None:
+    inner = getattr(value, "value", None)  # a ValueWithExpiration: a dict of subkeys, or one value
+    entries = 0 if op != "get" or value is None else len(inner) if isinstance(inner, dict) else 1
     with _calls_lock:
-        _count_locked(op, key, started, value, gave_up)
-
-
-def _count_locked(op: str, key: str, started: float, value: Any, gave_up: bool) -> None:
-    stats = CALLS.setdefault(f"{op} {key_kind(key)}", CallStats())
-    stats.calls += 1
-    stats.seconds += time.monotonic() - started
-    stats.gave_up += gave_up
-    if op == "get" and value is not None:
-        inner = getattr(value, "value", None)  # a ValueWithExpiration: a dict of subkeys, or one value
-        stats.entries += len(inner) if isinstance(inner, dict) else 1
+        stats = CALLS.setdefault(f"{op} {key_kind(key)}", CallStats())
+        stats.calls += 1
+        stats.seconds += time.monotonic() - started
+        stats.gave_up += gave_up
+        stats.entries += entries
 
 
 def calls_summary() -> dict[str, dict[str, Any]]:

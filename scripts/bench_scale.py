@@ -42,25 +42,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from swarm import LocalSwarm, StatusReader, wait_for  # noqa: E402
+from swarm import LocalSwarm, StatusReader, descendants, wait_for  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP_DELAY = 0.25  # seconds per inner step on every daemon: keeps N daemons' compute off the protocol's path
 COMMON = ["--batch-size", "4", "--algorithm", "decoupled", "--sync-every", "20"]
-
-
-def descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            children = [int(c) for task in os.listdir(f"/proc/{p}/task")
-                        for c in Path(f"/proc/{p}/task/{task}/children").read_text().split()]
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        out += children
-        todo += children
-    return out
 
 
 def proc_figures(pid: int) -> dict[str, float] | None:

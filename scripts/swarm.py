@@ -184,9 +184,9 @@ class LocalSwarm:
         self.stop_all(timeout=30)
 
 
-def process_groups(pid: int) -> set[int]:
-    """The process groups of ``pid``'s descendants (from /proc; empty where there is none)."""
-    groups, todo = set(), [pid]
+def descendants(pid: int) -> list[int]:
+    """``pid``'s descendants, children before their own (from /proc; empty where there is none)."""
+    out, todo = [], [pid]
     while todo:
         p = todo.pop()
         try:
@@ -194,10 +194,17 @@ def process_groups(pid: int) -> set[int]:
                         for c in Path(f"/proc/{p}/task/{task}/children").read_text().split()]
         except (FileNotFoundError, ProcessLookupError):
             continue
-        for child in children:
-            todo.append(child)
-            with contextlib.suppress(ProcessLookupError):
-                groups.add(os.getpgid(child))
+        out += children
+        todo += children
+    return out
+
+
+def process_groups(pid: int) -> set[int]:
+    """The process groups of ``pid``'s descendants (from /proc; empty where there is none)."""
+    groups = set()
+    for child in descendants(pid):
+        with contextlib.suppress(ProcessLookupError):
+            groups.add(os.getpgid(child))
     return groups
 
 
