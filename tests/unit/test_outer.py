@@ -41,6 +41,30 @@ def test_nesterov_chunking_does_not_change_the_result():
     assert torch.equal(p1, p2) and torch.equal(b1, b2)
 
 
+def test_sibling_lines_averaged_by_their_weights_equal_one_round_of_every_member():
+    """The ground of the sibling merge (docs/design.md, "Past one group"): the outer step is linear in its delta
+    given one base and one momentum, so G groups that merged their own means from one replica, averaged by the
+    weight each merged, give what one group of all their members would have given (a mean round; RDA is not
+    linear). Checked in float64 against that one round."""
+    torch.manual_seed(1)
+    opt = NesterovOuter(lr=0.7, momentum=0.9)
+    base, momentum = torch.randn(40, dtype=torch.float64), torch.randn(40, dtype=torch.float64) * 0.1
+    groups = [[torch.randn(40, dtype=torch.float64) for _ in range(n)] for n in (3, 5, 2)]
+    weights = [[float(w) for w in torch.randint(1, 9, (len(g),))] for g in groups]
+    lines = []
+    for deltas, ws in zip(groups, weights):
+        params, buf = base.clone(), momentum.clone()
+        opt.step(params, buf, weighted_mean(deltas, ws))
+        lines.append((params, buf, sum(ws)))
+    total = sum(w for _, _, w in lines)
+    merged_params = sum(p * w for p, _, w in lines) / total
+    merged_buf = sum(b * w for _, b, w in lines) / total
+    params, buf = base.clone(), momentum.clone()
+    opt.step(params, buf, weighted_mean([d for g in groups for d in g], [w for ws in weights for w in ws]))
+    assert torch.allclose(merged_params, params, rtol=0, atol=1e-12)
+    assert torch.allclose(merged_buf, buf, rtol=0, atol=1e-12)
+
+
 def test_nesterov_rejects_bad_hyperparameters():
     with pytest.raises(ValueError):
         NesterovOuter(lr=0)

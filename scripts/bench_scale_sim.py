@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""What the protocol costs one island, and how much of the swarm's work it keeps, at hundreds to thousands of
+islands: the real protocol code over a simulated DHT, in virtual time (``scripts/sim/scale.py``).
+
+    python scripts/bench_scale_sim.py [--sizes 64 256 1024] [--seeds 0 1 2] [--largest-seeds 1] [--seconds 120]
+        [--max-group 16]
+
+For each size and seed one swarm runs ``--warmup`` virtual seconds, then is measured for ``--seconds``; four
+newcomers join during the window. Per island and minute it reports the DHT calls, the entries (records) and KiB
+they returned; the busiest key's reads per second (the load on the DHT nodes that hold it); round formation time
+and members; a newcomer's seconds to its first merged round; the distinct replicas among training islands (a
+fork is two or more); and the share of all the work merged in rounds that the most-held replica at the end
+carries (``work kept``: the rest was merged on lines that were given up for a heavier one).
+
+Each figure is the mean over seeds, with the lowest and highest seed; its growth with N is the least-squares
+slope of log figure against log N (0: flat, 1: linear). Nothing here is timed on the wall clock: the figures are
+counts, the same on any machine. Writes docs/results/bench_scale_sim.json and .png (``--out`` to change).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_scale import power_law  # noqa: E402
+from sim.scale import SimConfig, simulate  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+FIGURES = {  # key: (label, unit, how to read it from one run's summary)
+    "entries": ("records read per island", "per min", lambda r: r["per_island_per_min"]["entries"]),
+    "kib": ("bytes read per island", "KiB/min", lambda r: r["per_island_per_min"]["kib"]),
+    "calls": ("DHT calls per island", "per min", lambda r: r["per_island_per_min"]["calls"]),
+    "hot_key": ("reads of the busiest key", "per s", lambda r: r["busiest_key"]["reads_per_s"]),
+    "formation": ("round formation", "s", lambda r: r["formation_s"].get("mean")),
+    "members": ("round members", "islands", lambda r: r["round_members"].get("mean")),
+    "newcomer": ("newcomer to its first round", "s", lambda r: r["newcomer_s_to_first_round"].get("mean")),
+    "replicas": ("distinct replicas (mean over time)", "", lambda r: r["replicas_over_time"].get("mean")),
+    "work_kept": ("work kept on the surviving line", "share", lambda r: r["work_kept"]),
+}
+
+
+def row(n: int, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"islands": n, "seeds": len(runs)}
+    for key, (_, _, get) in FIGURES.items():
+        values = [v for v in (get(r) for r in runs) if v is not None]
+        out[key] = statistics.fmean(values) if values else None
+        out[key + "_range"] = [min(values), max(values)] if values else None
+    return out
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = doc["sizes"]
+    sizes = [r["islands"] for r in rows]
+    fig, axes = plt.subplots(3, 3, figsize=(13, 10))
+    for ax, (key, (label, unit, _)) in zip(axes.flat, FIGURES.items()):
+        values = [r[key] for r in rows]
+        lo = [v - r[key + "_range"][0] if v is not None else 0 for v, r in zip(values, rows)]
+        hi = [r[key + "_range"][1] - v if v is not None else 0 for v, r in zip(values, rows)]
+        ax.errorbar(sizes, values, yerr=[lo, hi], fmt="o-", color="C0", capsize=3)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(n) for n in sizes])
+        slope = doc["growth"].get(key)
+        ax.set_title(label + (f" (∝ N^{slope:.2f})" if slope is not None else ""), fontsize=10)
+        ax.set_xlabel("islands")
+        ax.set_ylabel(unit)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"bench_scale_sim: the protocol's real code over a simulated DHT, groups capped at "
+                 f"{doc['max_group']} (mean over seeds, bars: lowest and highest seed)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--largest-seeds", type=int, help="run only this many of the seeds at the largest size (its "
+                    "cost grows as N^2: ~25 min a seed at 1024 on one core)")
+    ap.add_argument("--seconds", type=float, default=120.0, help="the measured window (virtual seconds)")
+    ap.add_argument("--warmup", type=float, default=30.0)
+    ap.add_argument("--max-group", type=int, default=16)
+    ap.add_argument("--latency", type=float, default=0.1, help="seconds per DHT call")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "bench_scale_sim")
+    args = ap.parse_args()
+    if any(n < 2 for n in args.sizes) or args.max_group < 1 or args.seconds <= 0 or args.latency < 0:
+        print("bench_scale_sim: error: sizes must be at least 2, --max-group at least 1, --seconds positive and "
+              "--latency not negative", file=sys.stderr)
+        return 2
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    runs: dict[int, list[dict[str, Any]]] = {}
+    for n in args.sizes:
+        seeds = args.seeds[:args.largest_seeds] if args.largest_seeds and n == max(args.sizes) else args.seeds
+        for seed in seeds:
+            started = time.monotonic()
+            cfg = SimConfig(islands=n, seconds=args.seconds, warmup=args.warmup, max_group=args.max_group,
+                            latency=args.latency, seed=seed)
+            result = simulate(cfg)
+            result["wall_s"] = round(time.monotonic() - started, 1)
+            runs.setdefault(n, []).append(result)
+            print(f"N={n} seed={seed}: " + ", ".join(
+                f"{key} {get(result):.3g}" for key, (_, _, get) in FIGURES.items() if get(result) is not None)
+                  + f" ({result['wall_s']} s)", flush=True)
+        rows = [row(m, rs) for m, rs in runs.items()]
+        growth = {key: power_law([r["islands"] for r in rows], [r[key] for r in rows]) for key in FIGURES}
+        doc = {"command": shlex.join(["python", "scripts/bench_scale_sim.py", *sys.argv[1:]]),
+               "seconds": args.seconds, "warmup": args.warmup, "max_group": args.max_group,
+               "latency": args.latency, "seeds": args.seeds, "sizes": rows, "growth": growth,
+               "runs": {str(m): rs for m, rs in runs.items()}}
+        args.out.with_suffix(".json").write_text(json.dumps(doc, indent=1))  # after each size: a later one may fail
+        plot(doc, args.out.with_suffix(".png"))
+    for key, (label, unit, _) in FIGURES.items():
+        cells = "  ".join(f"{r[key]:.3g}" if r[key] is not None else "-" for r in rows)
+        slope = growth[key]
+        print(f"{label:36s} {unit:8s} {cells}" + (f"   slope {slope:.2f}" if slope is not None else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
