@@ -97,8 +97,8 @@ class RunConfig:
                                  "(1-A)*merged", metavar="A")
     quorum: int = opt(1, help="minimum members before a round may close (decoupled); ddp: daemons that start "
                               "together", metavar="K")
-    max_group: int = opt(16, help="round-size cap: more ready daemons form several groups, forks that "
-                                  "consistency heals", metavar="N")
+    max_group: int = opt(16, help="round-size cap: more ready daemons form several groups, whose results are "
+                                  "then merged into one", metavar="N")
     grace_gamma: float = opt(0.5, help="share of the overlap's slack a round may wait for more members, in [0, 1)",
                              metavar="G")
     # Without the join window (atoll.node.round_protocol.join_window), at τ·step_time below a second, rounds close

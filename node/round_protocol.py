@@ -14,6 +14,7 @@ import enum
 import logging
 import threading
 import time
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +23,7 @@ from hivemind.utils import get_dht_time
 from atoll.models.robust import MergeRule
 from atoll.protocols import dht_io
 from atoll.protocols.averaging import HONEST, AllreduceResult, AveragingServicer, GroupSpec, Tamper, allreduce
-from atoll.protocols.matchmaking import POLL_INTERVAL, form_group
+from atoll.protocols.matchmaking import POLL_INTERVAL, form_group, sibling_group
 from atoll.protocols.records import ProgressRecord, Status, open_rounds_key, parse_open_round, unwrap_subkeys
 
 from .catchup import CatchUp
@@ -31,6 +32,7 @@ from .peers import PeerTable
 
 logger = logging.getLogger("atoll")
 MAX_ATTEMPTS = 3
+SIBLING_ATTEMPTS = 1000  # the attempt numbers (in group ids) of a split round's merge of its groups
 OPEN_ROUND_POLL = 0.5  # seconds between reads of the rounds others opened (decoupled)
 PEERS_MAX_AGE = 1.0  # seconds a peer table read may be reused while forming a group (it is polled)
 
@@ -128,6 +130,7 @@ class RoundProtocol:
                                                                    and peer.fragment_hashes[p] != digest)}
 
             self._last_round[p] = version
+            decided: list[list[list[str]]] = []
             if algo.joins_open_rounds:
                 ctx.spawn(self._announce(p, version))
             members = await form_group(
@@ -136,7 +139,7 @@ class RoundProtocol:
                 abort=lambda: self.catch_up.behind(p), quorum=run.quorum if algo.quorum else None,
                 grace=self.grace, on_reject=ctx.reject, max_group=run.max_group,
                 excluded=lambda peer: ctx.cooldown.active(peer) or ctx.revoked(peer),
-                base=digest, not_before=ctx.started_at,
+                base=digest, not_before=ctx.started_at, on_groups=decided.append,
             )
             formed = time.monotonic()
             if members is None:
@@ -162,6 +165,8 @@ class RoundProtocol:
             self.sync_time.update(time.monotonic() - formed)
             if use_ef and result.sent is not None:
                 ctx.error_feedback.commit(str(p), target, result.sent)
+            if decided and len(decided[-1]) > 1:
+                result = await self._merge_siblings(p, version, decided[-1], result, digest)
             applied = await asyncio.get_running_loop().run_in_executor(
                 None, ctx.replica.apply_outer_step, p, version, result.merged, result.weight, ctx.outer, digest,
                 result.shards, result.rda_norm)
@@ -178,6 +183,29 @@ class RoundProtocol:
             if behind:
                 self.catch_up.maybe_catch_up()
 
+    async def _merge_siblings(self, p: int, version: int, groups: list[list[str]], result: AllreduceResult,
+                              digest: str) -> AllreduceResult:
+        """A round split into several groups (more registrants than ``max_group``) merges their results, so that it
+        ends on one replica instead of one per group. Every group started from the same replica, and the outer step
+        is linear in the merged delta: the groups' merged deltas averaged by their weights give what one group of
+        all the members would have (a ``mean`` round exactly, up to the codec; RDA's per-group results are averaged
+        as they are). This member merges with the one at its position in every other group
+        (``matchmaking.sibling_group``), and all those sibling groups sum in the groups' order: each computes the
+        same bits. One that fails, or a member at a position not every group has, keeps its own group's result,
+        the lighter replica: it adopts the merged one by download, as it would a fork's."""
+        siblings = sibling_group(groups, self.ctx.peer_id)
+        if siblings is None:
+            return result
+        run = self.ctx.cfg.run
+        merged, _ = await self.allreduce(p, version, siblings, result.merged, result.weight, "mean", run.compression,
+                                         first_attempt=SIBLING_ATTEMPTS, base=digest, ordered=True)
+        if merged is None:
+            logger.info("round f%d v%d: could not merge with the round's other %d groups; keeping our group's "
+                        "result", p, version, len(groups) - 1)
+            return result
+        contributors = sorted({m for members in groups if set(members) & set(merged.contributors) for m in members})
+        return dataclasses.replace(merged, contributors=contributors, sent=result.sent)
+
     def _refused(self, refusers: list[str]) -> None:
         """Members that refused our group, counted (``group_refusal``) but not held against them: in a swarm under
         faults honest views of a group disagree often enough that cooling a refuser down split the swarm (a
@@ -187,7 +215,7 @@ class RoundProtocol:
 
     async def allreduce(self, p: int, version: int, members: list[str], tensor: torch.Tensor, weight: float,
                         mode: str, codec: str, tamper: Tamper = HONEST, first_attempt: int = 0,
-                        base: str = "") -> tuple[AllreduceResult | None, list[str]]:
+                        base: str = "", ordered: bool = False) -> tuple[AllreduceResult | None, list[str]]:
         """The group's all-reduce, retried without reducers that failed; (None, _) when it cannot complete.
         Attempt numbers are part of the group id, so a caller that starts over passes a fresh ``first_attempt``."""
         ctx = self.ctx
@@ -200,7 +228,7 @@ class RoundProtocol:
                 logger.info("round f%d v%d: no reachable member to reduce; skipping this round", p, version)
                 return None, alive
             spec = GroupSpec(ctx.cfg.run_id, p, version, attempt, tuple(alive), tensor.numel(), mode, codec,
-                             ctx.cfg.run.codec_block, base, MergeRule(ctx.cfg.run.robust_merge), reducers)
+                             ctx.cfg.run.codec_block, base, MergeRule(ctx.cfg.run.robust_merge), reducers, ordered)
             result = await allreduce(ctx.p2p, self.averager, spec, ctx.peer_id, tensor, weight,
                                      ctx.cfg.run.round_timeout, tamper)
             if result.merged is not None:

@@ -96,6 +96,9 @@ class GroupSpec:
     base: str = ""  # the digest of the replica the round starts from: forks at one version are different groups
     merge: MergeRule = MergeRule.CLIP  # how reducers merge (the run's robust_merge)
     reducers: tuple[str, ...] = ()  # the members that reduce a shard, in member order; () means every member
+    # Sum the parts in member order, not sorted by peer id: sibling groups (matchmaking.sibling_group) list one
+    # member of each round group in the groups' order, and each must compute the same bits from the same parts.
+    ordered: bool = False
 
     @property
     def reducer_list(self) -> tuple[str, ...]:
@@ -109,6 +112,8 @@ class GroupSpec:
             text += f"|{MergeRule(self.merge).value}"
         if self.reducers and self.reducers != self.members:  # every member reducing keeps the ids they had
             text += f"|r={','.join(self.reducers)}"
+        if self.ordered:
+            text += "|ordered"
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 
     def bounds(self) -> list[tuple[int, int]]:
@@ -184,7 +189,8 @@ class _Reduction:
             self.result.set_result(result)
 
     def _compute(self) -> ShardResult:
-        peers = sorted(self.parts)  # fixed summation order: the result does not depend on arrival order
+        # A fixed summation order: the result does not depend on arrival order.
+        peers = [m for m in self.spec.members if m in self.parts] if self.spec.ordered else sorted(self.parts)
         weights = [self.parts[p][0] for p in peers]
         norms = [self.parts[p][2] for p in peers]
         if self.spec.mode == "rda":

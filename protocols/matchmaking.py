@@ -8,8 +8,8 @@ The earliest counted registrant (by time, then peer id) is the round's coordinat
 every peer it expects has registered (the live peers at this version or one behind, i.e. about to arrive), or
 — with a minimum quorum K — once K members are in and the grace window since then has passed, or at its
 gather deadline; then it publishes the sorted member list under ``<round key>_group`` — several lists when more
-than the round-size cap registered (those groups fork the fragment at this version on purpose, and consistency
-reconciles them: gossip rather than one all-reduce over the whole swarm). Everyone else waits for a group
+than the round-size cap registered (each group all-reduces apart, and then the groups' results are merged:
+``sibling_group`` and ``RoundProtocol._merge_siblings``). Everyone else waits for a group
 record and uses it verbatim, so all members run the all-reduce with the same list. A daemon left
 out of the group (it registered too late) gets an empty list and catches up by download; a coordinator that has
 not published well after its deadline (it died, or it forged an early time) is bypassed and the next registrant
@@ -54,6 +54,21 @@ def split_groups(registered: dict[str, float], max_group: int) -> list[list[str]
     return [sorted(ordered[i::count]) for i in range(count)]
 
 
+def sibling_group(groups: list[list[str]], peer_id: str) -> list[str] | None:
+    """Who ``peer_id`` merges the groups' results with, when a round was split into several groups (``split_groups``):
+    the member at its own position in every group, in the groups' order (the order every sibling group sums in,
+    so that all of them compute the same merge). None if the round has one group, or if ``peer_id`` is at a
+    position some group does not reach (groups differ in size by one at most): its group's result stays lighter
+    than the merge, which it then adopts by download like a replica of a fork."""
+    mine = next((members for members in groups if peer_id in members), None)
+    if mine is None or len(groups) < 2:
+        return None
+    position = mine.index(peer_id)
+    if position >= min(len(members) for members in groups):
+        return None
+    return [members[position] for members in groups]
+
+
 async def form_group(
     dht: DHT,
     *,
@@ -74,6 +89,7 @@ async def form_group(
     excluded: Callable[[str], bool] = lambda peer: False,
     base: str = "",
     not_before: float = 0.0,
+    on_groups: Callable[[list[list[str]]], None] = lambda groups: None,
 ) -> list[str] | None:
     """Register for the round and return its sorted member list.
 
@@ -90,6 +106,7 @@ async def form_group(
     it; if some members followed that decision and others the honest coordinator's, they would disagree about
     the round. Every member that saw the offence ignores it; a daemon that never did may follow it and miss the
     round (it catches up by download), but no replica forks.
+    ``on_groups(groups)`` hears the round's decision, every group of it (``sibling_group``).
     ``not_before``: the DHT time this daemon's process started. A decision made earlier was made without us:
     a daemon restarted mid-round finds its previous life's registration listed in it, and following it would
     run that round's all-reduce again, from reducers that answer with their results of the first run — a replica
@@ -129,6 +146,7 @@ async def form_group(
         deciders = Deciders(registered, signers, peer_id, now, gather_timeout, max_group)
         groups = _first_decision(group_entry, gather_timeout, on_reject, excluded, not_before, deciders)
         if groups is not None:
+            on_groups(groups)
             return next((members for members in groups if peer_id in members), [])
         coordinator = _coordinator(registered, t, gather_timeout)
         if coordinator is None:
@@ -150,6 +168,7 @@ async def form_group(
                 # itself for the coordinator: everyone follows the earliest decision, so we do too.
                 first = _first_decision(await dht_io.get(dht, gkey, on_timeout=timed_out), gather_timeout,
                                         on_reject, excluded, not_before, deciders)
+                on_groups(first or groups)
                 return next((members for members in (first or groups) if peer_id in members), [])
         await asyncio.sleep(poll_interval)
 

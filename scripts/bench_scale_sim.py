@@ -5,12 +5,16 @@ islands: the real protocol code over a simulated DHT, in virtual time (``scripts
     python scripts/bench_scale_sim.py [--sizes 64 256 1024] [--seeds 0 1 2] [--largest-seeds 1] [--seconds 120]
         [--max-group 16]
 
-For each size and seed one swarm runs ``--warmup`` virtual seconds, then is measured for ``--seconds``; four
-newcomers join during the window. Per island and minute it reports the DHT calls, the entries (records) and KiB
+For each size and seed two swarms run, side by side: ``merged`` (the protocol: a round split into groups merges
+their results, ``RoundProtocol._merge_siblings``) and ``split`` (the protocol before that: the groups' replicas
+stay apart, and adoption keeps the heaviest). Each runs ``--warmup`` virtual seconds, is measured for
+``--seconds`` (four newcomers join during it), then drains for 30 s without new rounds. Per island and minute it reports the DHT calls, the entries (records) and KiB
 they returned; the busiest key's reads per second (the load on the DHT nodes that hold it); round formation time
-and members; a newcomer's seconds to its first merged round; the distinct replicas among training islands (a
-fork is two or more); and the share of all the work merged in rounds that the most-held replica at the end
-carries (``work kept``: the rest was merged on lines that were given up for a heavier one).
+and members (its group) and contributors (every group merged into its result); a newcomer's seconds to its first
+merged round; the distinct replicas at the newest version over the window (a fork is two or more); after the
+drain, the share of all the work merged in rounds that the most-held replica carries (``work kept``: the rest
+was merged on lines given up for a heavier one), and the seconds after the last rounds until every island held
+one replica.
 
 Each figure is the mean over seeds, with the lowest and highest seed; its growth with N is the least-squares
 slope of log figure against log N (0: flat, 1: linear). Nothing here is timed on the wall clock: the figures are
@@ -39,15 +43,21 @@ FIGURES = {  # key: (label, unit, how to read it from one run's summary)
     "calls": ("DHT calls per island", "per min", lambda r: r["per_island_per_min"]["calls"]),
     "hot_key": ("reads of the busiest key", "per s", lambda r: r["busiest_key"]["reads_per_s"]),
     "formation": ("round formation", "s", lambda r: r["formation_s"].get("mean")),
-    "members": ("round members", "islands", lambda r: r["round_members"].get("mean")),
+    "members": ("round members (its group)", "islands", lambda r: r["round_members"].get("mean")),
+    "contributors": ("round contributors (groups merged)", "islands",
+                     lambda r: r["round_contributors"].get("mean")),
     "newcomer": ("newcomer to its first round", "s", lambda r: r["newcomer_s_to_first_round"].get("mean")),
-    "replicas": ("distinct replicas (mean over time)", "", lambda r: r["replicas_over_time"].get("mean")),
+    "replicas": ("replicas at the newest version", "mean", lambda r: r["replicas_over_time"].get("mean")),
     "work_kept": ("work kept on the surviving line", "share", lambda r: r["work_kept"]),
+    "settled": ("one replica, after the last rounds", "s", lambda r: r["settled_s"]),
 }
 
 
-def row(n: int, runs: list[dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {"islands": n, "seeds": len(runs)}
+VARIANTS = {"merged": True, "split": False}  # name: SimConfig.merge_groups
+
+
+def row(n: int, variant: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"islands": n, "variant": variant, "seeds": len(runs)}
     for key, (_, _, get) in FIGURES.items():
         values = [v for v in (get(r) for r in runs) if v is not None]
         out[key] = statistics.fmean(values) if values else None
@@ -61,24 +71,31 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = doc["sizes"]
-    sizes = [r["islands"] for r in rows]
-    fig, axes = plt.subplots(3, 3, figsize=(13, 10))
+    fig, axes = plt.subplots(3, 4, figsize=(17, 10))
     for ax, (key, (label, unit, _)) in zip(axes.flat, FIGURES.items()):
-        values = [r[key] for r in rows]
-        lo = [v - r[key + "_range"][0] if v is not None else 0 for v, r in zip(values, rows)]
-        hi = [r[key + "_range"][1] - v if v is not None else 0 for v, r in zip(values, rows)]
-        ax.errorbar(sizes, values, yerr=[lo, hi], fmt="o-", color="C0", capsize=3)
+        for color, variant in zip(("C0", "C3"), VARIANTS):
+            rows = [r for r in doc["sizes"] if r["variant"] == variant and r[key] is not None]
+            if not rows:
+                continue
+            sizes, values = [r["islands"] for r in rows], [r[key] for r in rows]
+            lo = [max(0.0, v - r[key + "_range"][0]) for v, r in zip(values, rows)]  # float rounding: never < 0
+            hi = [max(0.0, r[key + "_range"][1] - v) for v, r in zip(values, rows)]
+            slope = doc["growth"][variant].get(key)
+            ax.errorbar(sizes, values, yerr=[lo, hi], fmt="o-", color=color, capsize=3,
+                        label=variant + (f" (∝ N^{slope:.2f})" if slope is not None else ""))
+            ax.set_xticks(sizes, [str(n) for n in sizes])
         ax.set_xscale("log", base=2)
-        ax.set_xticks(sizes, [str(n) for n in sizes])
-        slope = doc["growth"].get(key)
-        ax.set_title(label + (f" (∝ N^{slope:.2f})" if slope is not None else ""), fontsize=10)
+        ax.set_title(label, fontsize=10)
         ax.set_xlabel("islands")
         ax.set_ylabel(unit)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(FIGURES):]:
+        ax.axis("off")
     fig.suptitle(f"bench_scale_sim: the protocol's real code over a simulated DHT, groups capped at "
-                 f"{doc['max_group']} (mean over seeds, bars: lowest and highest seed)")
+                 f"{doc['max_group']}; merged: a split round's groups merge, split: they stay apart "
+                 f"(mean over seeds, bars: lowest and highest seed)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -88,7 +105,7 @@ def main() -> int:
     ap.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--largest-seeds", type=int, help="run only this many of the seeds at the largest size (its "
-                    "cost grows as N^2: ~25 min a seed at 1024 on one core)")
+                    "cost grows as N^2: ~10 min a seed and variant at 1024 on one core)")
     ap.add_argument("--seconds", type=float, default=120.0, help="the measured window (virtual seconds)")
     ap.add_argument("--warmup", type=float, default=30.0)
     ap.add_argument("--max-group", type=int, default=16)
@@ -100,31 +117,36 @@ def main() -> int:
               "--latency not negative", file=sys.stderr)
         return 2
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    runs: dict[int, list[dict[str, Any]]] = {}
+    runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for n in args.sizes:
         seeds = args.seeds[:args.largest_seeds] if args.largest_seeds and n == max(args.sizes) else args.seeds
         for seed in seeds:
-            started = time.monotonic()
-            cfg = SimConfig(islands=n, seconds=args.seconds, warmup=args.warmup, max_group=args.max_group,
-                            latency=args.latency, seed=seed)
-            result = simulate(cfg)
-            result["wall_s"] = round(time.monotonic() - started, 1)
-            runs.setdefault(n, []).append(result)
-            print(f"N={n} seed={seed}: " + ", ".join(
-                f"{key} {get(result):.3g}" for key, (_, _, get) in FIGURES.items() if get(result) is not None)
-                  + f" ({result['wall_s']} s)", flush=True)
-        rows = [row(m, rs) for m, rs in runs.items()]
-        growth = {key: power_law([r["islands"] for r in rows], [r[key] for r in rows]) for key in FIGURES}
+            for variant, merge in VARIANTS.items():
+                started = time.monotonic()
+                cfg = SimConfig(islands=n, seconds=args.seconds, warmup=args.warmup, max_group=args.max_group,
+                                latency=args.latency, seed=seed, merge_groups=merge)
+                result = simulate(cfg)
+                result["wall_s"] = round(time.monotonic() - started, 1)
+                runs.setdefault((n, variant), []).append(result)
+                print(f"N={n} seed={seed} {variant}: " + ", ".join(
+                    f"{key} {get(result):.3g}" for key, (_, _, get) in FIGURES.items() if get(result) is not None)
+                      + f" ({result['wall_s']} s)", flush=True)
+        rows = [row(m, v, rs) for (m, v), rs in runs.items()]
+        growth = {v: {key: power_law([r["islands"] for r in rows if r["variant"] == v],
+                                     [r[key] for r in rows if r["variant"] == v]) for key in FIGURES}
+                  for v in VARIANTS}
         doc = {"command": shlex.join(["python", "scripts/bench_scale_sim.py", *sys.argv[1:]]),
                "seconds": args.seconds, "warmup": args.warmup, "max_group": args.max_group,
                "latency": args.latency, "seeds": args.seeds, "sizes": rows, "growth": growth,
-               "runs": {str(m): rs for m, rs in runs.items()}}
+               "runs": {f"{m} {v}": rs for (m, v), rs in runs.items()}}
         args.out.with_suffix(".json").write_text(json.dumps(doc, indent=1))  # after each size: a later one may fail
         plot(doc, args.out.with_suffix(".png"))
-    for key, (label, unit, _) in FIGURES.items():
-        cells = "  ".join(f"{r[key]:.3g}" if r[key] is not None else "-" for r in rows)
-        slope = growth[key]
-        print(f"{label:36s} {unit:8s} {cells}" + (f"   slope {slope:.2f}" if slope is not None else ""))
+    for variant in VARIANTS:
+        print(variant)
+        for key, (label, unit, _) in FIGURES.items():
+            cells = "  ".join(f"{r[key]:.3g}" if r[key] is not None else "-" for r in rows if r["variant"] == variant)
+            slope = growth[variant][key]
+            print(f"  {label:36s} {unit:8s} {cells}" + (f"   slope {slope:.2f}" if slope is not None else ""))
     return 0
 
 

@@ -16,6 +16,9 @@ What stands in:
 - the learner: an island trains ``sync_every`` steps of ``step_time`` (times its speed factor) between rounds;
 - the all-reduce: the members that reach it within ``allreduce_s`` of the first merge; every one of them ends
   on one new replica (version + 1, the members' weights added, a digest of the base and the members);
+- the merge of a split round's groups (``RoundProtocol._merge_siblings``): the groups of one decision whose results
+  reach it within ``allreduce_s`` of the first end on one replica (their weights added); a member at a position
+  some group lacks keeps its group's result, as in the protocol, and adopts the merge by download;
 - a download: ``download_s`` seconds, then the donor's replica as it is then.
 
 Time is virtual (``VirtualLoop``): the event loop jumps to its next timer instead of sleeping, so a minute of a
@@ -229,7 +232,9 @@ class SimConfig:
     gather_timeout: float = 30.0
     allreduce_s: float = 2.0
     download_s: float = 5.0
-    newcomers: int = 4  # islands that join after the warm-up
+    merge_groups: bool = True  # False: a split round's groups stay apart (the protocol before its groups merged)
+    drain: float = 30.0  # virtual seconds after the window without new rounds (``Swarm.run``)
+    newcomers: int = 4  # islands that join during the window
     seed: int = 0
 
 
@@ -268,6 +273,7 @@ class Island:
         self.in_round = False
         self.downloading = False
         self.opened = asyncio.Event()
+        self.next_due = math.inf  # when our next round is due (``train``)
         self.last_round_version = -1
         self.first_merge_at: float | None = None
         self.formation: list[float] = []
@@ -316,10 +322,11 @@ class Island:
         self.downloading = True
         try:
             await asyncio.sleep(self.sim.cfg.download_s)
-            donor = self.sim.by_peer[best.peer_id].replica
-            if heavier(donor.identity(), self.replica.identity()):
-                self.replica.version, self.replica.weight, self.replica.digest = donor.identity()
-                self.replica.schedule_step = donor.schedule_step
+            donor = self.sim.by_peer[best.peer_id]
+            if heavier(donor.replica.identity(), self.replica.identity()):
+                self.replica.version, self.replica.weight, self.replica.digest = donor.replica.identity()
+                self.replica.schedule_step = donor.replica.schedule_step
+                self.next_due = donor.next_due
                 self.adopted += self.status == Status.TRAINING
         finally:
             self.downloading = False
@@ -342,22 +349,22 @@ class Island:
                     self.opened.set()
 
     async def train(self) -> None:
-        """Steps, and a round every ``sync_every`` of them (or at the next step boundary after a peer opened one at
-        our version). Training goes on while a round runs (decoupled); a round due while the last one still runs
-        starts when it ends."""
+        """A step every ``step_time``; at a step boundary, a round when ``sync_every`` steps have passed since the
+        last (``next_due``) or a peer opened one at our version. Training goes on while a round runs (decoupled); a
+        round due while the last still runs starts when it ends. A download takes the donor's place in the schedule
+        (``catch_up``), as the protocol's catch-up does."""
         cfg, running = self.sim.cfg, None
+        self.next_due = self.sim.clock.now + cfg.sync_every * self.step_time
         while True:
-            started = self.sim.clock.now
-            try:
-                await asyncio.wait_for(self.opened.wait(), cfg.sync_every * self.step_time)
-                await asyncio.sleep(self.step_time)  # the next step boundary
-            except asyncio.TimeoutError:
-                pass
+            await asyncio.sleep(self.step_time)
+            self.step += 1
+            if not (self.opened.is_set() or self.sim.clock.now >= self.next_due):
+                continue
             self.opened.clear()
-            self.step += max(1, round((self.sim.clock.now - started) / self.step_time))
+            self.next_due = self.sim.clock.now + cfg.sync_every * self.step_time
             if running is not None and not running.done():
                 await running
-            if not self.downloading:
+            if not self.downloading and self.sim.clock.now < self.sim.rounds_stop_at:
                 running = asyncio.ensure_future(self.outer_round())
 
     async def outer_round(self) -> None:
@@ -365,6 +372,7 @@ class Island:
         version, _, digest = self.replica.identity()
         self.in_round, self.last_round_version = True, version
         started = sim.clock.now
+        decided: list[list[list[str]]] = []
         try:
             await self.ctx.dht.store(open_rounds_key(sim.run_id),
                                      {"peer_id": self.peer_id, "fragment": 0, "version": version},
@@ -383,18 +391,22 @@ class Island:
                 self.ctx.dht, run_id=sim.run_id, fragment=0, version=version, peer_id=self.peer_id,
                 subkey=self.subkey, weight=float(cfg.sync_every * TOKENS_PER_STEP), live_peers=live_peers,
                 gather_timeout=cfg.gather_timeout, abort=lambda: bool(self.heavier_peers()), quorum=1,
-                grace=lambda: grace, max_group=cfg.max_group, base=digest, not_before=self.joins_at)
+                grace=lambda: grace, max_group=cfg.max_group, base=digest, not_before=self.joins_at,
+                on_groups=decided.append)
             if not members:
                 return
-            if sim.clock.now >= sim.measure_from:
+            if sim.measure_from <= sim.clock.now < sim.rounds_stop_at:
                 self.formation.append(sim.clock.now - started)
             merged = await sim.allreduce(self, version, digest, tuple(members))
+            if (merged is not None and cfg.merge_groups and len(decided[-1]) > 1
+                    and matchmaking.sibling_group(decided[-1], self.peer_id)):
+                merged = await sim.merge_siblings(version, digest, decided[-1], merged) or merged
             if merged is None or self.replica.identity() != (version, self.replica.weight, digest):
                 return  # the round failed, or we adopted another replica meanwhile
             self.replica.version, self.replica.weight, self.replica.digest = merged[0], merged[1], merged[2]
             self.replica.schedule_step = self.step
             self.rounds += 1
-            if sim.clock.now >= sim.measure_from:
+            if sim.measure_from <= sim.clock.now < sim.rounds_stop_at:
                 self.sizes.append(len(members))
                 self.contributors.append(merged[3])
             if self.first_merge_at is None:
@@ -428,7 +440,10 @@ class Swarm:
         self.islands = [Island(self, i, rng, t) for i, t in enumerate(starts)]
         self.by_peer = {island.peer_id: island for island in self.islands}
         self._groups: dict[tuple, dict[str, Any]] = {}
+        self._merges: dict[tuple, dict[str, Any]] = {}
         self.merged_weight = 0.0  # the weight every merged group added, on any line
+        self.rounds_stop_at = math.inf
+        self.settled_at: float | None = None  # when every training island held one replica, after rounds stopped
         self.lines: list[tuple[float, int]] = []  # (time, distinct replicas among training islands)
 
     async def allreduce(self, island: Island, version: int, digest: str, members: tuple[str, ...]
@@ -443,6 +458,29 @@ class Swarm:
             return None  # too late: the others merged without us
         group["arrived"].append(island.peer_id)
         return await asyncio.shield(group["done"])
+
+    async def merge_siblings(self, version: int, digest: str, groups: list[list[str]],
+                             own: tuple[int, float, str, int]) -> tuple[int, float, str, int] | None:
+        """Stands in for ``RoundProtocol._merge_siblings``: the results of one decision's groups that reach the merge
+        within ``allreduce_s`` of the first, combined into one replica; None for a group that comes too late."""
+        key = (version, digest, tuple(map(tuple, groups)))
+        merge = self._merges.get(key)
+        if merge is None:
+            merge = self._merges[key] = {"results": {}, "done": asyncio.get_running_loop().create_future()}
+            asyncio.get_running_loop().call_later(self.cfg.allreduce_s, self._merge_groups, key,
+                                                  own[1] - own[3] * self.cfg.sync_every * TOKENS_PER_STEP)
+        if merge["done"].done():
+            return None
+        merge["results"][own[2]] = own
+        return await asyncio.shield(merge["done"])
+
+    def _merge_groups(self, key: tuple, base_weight: float) -> None:
+        version, digest, _ = key
+        merge = self._merges.pop(key)
+        results = sorted(merge["results"].values(), key=lambda r: r[2])
+        new = hashlib.sha256(f"{digest}/{version}/{','.join(r[2] for r in results)}".encode()).hexdigest()[:16]
+        merge["done"].set_result((version + 1, base_weight + sum(r[1] - base_weight for r in results), new,
+                                  sum(r[3] for r in results)))
 
     def _merge(self, key: tuple, base_weight: float) -> None:
         version, digest, _ = key
@@ -461,12 +499,20 @@ class Swarm:
                 newest = max(i.replica.version for i in training)
                 self.lines.append((self.clock.now, len({i.replica.digest for i in training
                                                         if i.replica.version == newest})))
+                if (self.settled_at is None and self.clock.now >= self.rounds_stop_at
+                        and len({i.replica.identity() for i in training}) == 1):
+                    self.settled_at = self.clock.now
 
     async def run(self) -> None:
+        """Warm-up, the measured window, then ``drain`` seconds in which no round starts and the replicas settle
+        (the rounds under way end, catch-up goes on): work kept and convergence are counted with nothing in flight."""
         tasks = [asyncio.ensure_future(island.live()) for island in self.islands]
         tasks.append(asyncio.ensure_future(self.watch_lines()))
         await asyncio.sleep(self.measure_from + self.cfg.seconds - self.clock.now)
         self._snapshot = {i.peer_id: _totals(i.traffic) for i in self.islands}
+        self.key_reads_at_end = dict(self.dht.key_reads), dict(self.dht.key_bytes)
+        self.rounds_stop_at = self.clock.now
+        await asyncio.sleep(self.cfg.drain)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -504,6 +550,7 @@ async def _with_baseline(swarm: Swarm, baseline: dict[str, dict]) -> None:
     async def note() -> None:
         await asyncio.sleep(swarm.measure_from - swarm.clock.now)
         baseline.update({i.peer_id: _totals(i.traffic) for i in swarm.islands})
+        swarm.key_reads_at_start = dict(swarm.dht.key_reads), dict(swarm.dht.key_bytes)
 
     await asyncio.gather(note(), swarm.run())
 
@@ -511,8 +558,10 @@ async def _with_baseline(swarm: Swarm, baseline: dict[str, dict]) -> None:
 def summarize(swarm: Swarm, baseline: dict[str, dict]) -> dict[str, Any]:
     """Per island and minute of the measured window (islands present all along): DHT calls, entries and KiB
     returned, by ``op kind`` and in all; the busiest key's reads per second; round formation seconds and sizes;
-    newcomers' seconds to their first merged round; the distinct replicas at the newest version over time, and
-    the share of merged work on the replica most islands hold at the end."""
+    newcomers' seconds to their first merged round; the distinct replicas at the newest version over the window;
+    after the drain, the replicas held and the share of all merged work on the one most islands hold; and how
+    long after the last rounds began every island held one replica (``settled_s``; None if not within the drain).
+    """
     cfg = swarm.cfg
     minutes = cfg.seconds / 60
     steady = [i for i in swarm.islands[:cfg.islands]]
@@ -527,19 +576,20 @@ def summarize(swarm: Swarm, baseline: dict[str, dict]) -> dict[str, Any]:
     sizes = [s for i in steady for s in i.sizes]
     newcomers = swarm.islands[cfg.islands:]
     to_round = [i.first_merge_at - i.joins_at for i in newcomers if i.first_merge_at is not None]
-    busiest = max(swarm.dht.key_reads, key=swarm.dht.key_reads.get)
-    elapsed = swarm.clock.now - (swarm.measure_from - cfg.warmup)
+    (reads0, bytes0), (reads1, bytes1) = swarm.key_reads_at_start, swarm.key_reads_at_end
+    reads = {key: n - reads0.get(key, 0) for key, n in reads1.items()}
+    busiest = max(reads, key=reads.get)
     final = [i.replica.identity() for i in swarm.islands if i.status == Status.TRAINING]
     top = max(set(final), key=final.count)
-    lines = [n for t, n in swarm.lines if t >= swarm.measure_from]
+    lines = [n for t, n in swarm.lines if swarm.measure_from <= t < swarm.rounds_stop_at]
     return {
         "islands": cfg.islands, "config": dataclasses.asdict(cfg),
         "per_island_per_min": {"calls": totals["calls"], "entries": totals["entries"],
                                "kib": totals["bytes"] / 1024,
                                "by_kind": {k: {f: round(v, 2) for f, v in d.items()}
                                            for k, d in sorted(per_kind.items())}},
-        "busiest_key": {"kind": key_kind(busiest), "reads_per_s": swarm.dht.key_reads[busiest] / elapsed,
-                        "mib_per_s": swarm.dht.key_bytes[busiest] / elapsed / 2**20},
+        "busiest_key": {"kind": key_kind(busiest), "reads_per_s": reads[busiest] / cfg.seconds,
+                        "mib_per_s": (bytes1[busiest] - bytes0.get(busiest, 0)) / cfg.seconds / 2**20},
         "formation_s": _stats(formation), "round_members": _stats(sizes),
         "round_contributors": _stats([c for i in steady for c in i.contributors]),
         "rounds_per_island_per_min": len(sizes) / len(steady) / minutes,
@@ -547,6 +597,7 @@ def summarize(swarm: Swarm, baseline: dict[str, dict]) -> dict[str, Any]:
         "replicas_at_end": len(set(final)), "islands_on_top_line": final.count(top),
         "replicas_over_time": _stats([float(n) for n in lines]),
         "work_kept": top[1] / swarm.merged_weight if swarm.merged_weight else 0.0,
+        "settled_s": swarm.settled_at - swarm.rounds_stop_at if swarm.settled_at is not None else None,
     }
 
 
