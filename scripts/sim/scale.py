@@ -281,12 +281,12 @@ class Island:
         self.contributors: list[int] = []
         self.adopted = 0
         stats = TrafficStats()
-        cfg = SimpleNamespace(heartbeat=sim.cfg.heartbeat, client_mode=False, run_id=sim.run_id,
-                              run=SimpleNamespace(max_group=sim.cfg.max_group))
+        cfg = SimpleNamespace(heartbeat=sim.cfg.heartbeat, client_mode=False, run_id=sim.run_id)
         counters = SimpleNamespace(status=Status.JOINING, progress=self._progress)
         self.ctx = SimpleNamespace(
             cfg=cfg, dht=sim.dht.client(self.traffic), peer_id=self.peer_id, subkey=self.subkey,
-            replica=self.replica, counters=counters, stats=stats, algorithm=SimpleNamespace(quorum=True), cooldown=Cooldown(60.0, sim.clock),
+            replica=self.replica, counters=counters, stats=stats,
+            cooldown=Cooldown(60.0, sim.clock),
             run_public_key=None, revocation=None, namespace=lambda: sim.run_id,
             revoked=lambda peer: False, reject=stats.reject,
         )
