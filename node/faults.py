@@ -24,6 +24,9 @@ The faults, each triggered by the daemon's own step or round count (never by a c
 - ``kill_rank=R`` with ``kill_rank_at=S``: in an island of several ranks, rank R SIGKILLs its process group (for
   rank 0: its DHT child and p2pd too) before its step S+1, in the launcher's first attempt only (a restarted island,
   which resumes from an earlier step, does not die again).
+- ``data_shard=K``: read shard K of the corpus, not the one the peer id picks. Daemons that start from one model
+  and read one shard train identically; a test whose daemons must make different lines pins different shards
+  (three peer ids hash into one of 16 shards together about one time in six).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ logger = logging.getLogger("atoll")
 KINDS: dict[str, type] = {"kill_in_round": int, "step_delay": float, "corrupt_round": int, "split_side": int,
                           "split_until": int, "byzantine": str, "byzantine_from": int, "start_together": int,
                           "kill_in_checkpoint": int, "checkpoint_kill_signal": int, "kill_rank": int,
-                          "kill_rank_at": int, "slow_checkpoint": float}
+                          "kill_rank_at": int, "slow_checkpoint": float, "data_shard": int}
 BYZANTINE = ("scale", "nan", "shape", "direction")
 CORRUPTIONS = ("truncated", "header", "codec", "nan")
 BYZANTINE_SCALE = 1000.0
@@ -153,6 +156,10 @@ class Faults:
                 self._checkpoint_kill_armed = True
 
             signal.signal(signal.SIGUSR1, arm)
+
+    def data_shard(self, shard: int, num_shards: int) -> int:
+        """The corpus shard this daemon reads, ``shard`` unless ``data_shard`` pins another."""
+        return self.spec.get("data_shard", shard) % num_shards
 
     def start_barrier(self) -> int:
         """How many daemons (this one included) must train before the first step; 0 for none."""

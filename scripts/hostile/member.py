@@ -6,7 +6,7 @@ its own, and serves the run's two RPCs with answers of its choosing. Each attack
 
 - ``fake_heavier``: its progress record claims a replica five versions ahead of the swarm's, and it serves an
   all-zero model whose digest matches the claim (``refuse=True``: it claims the same and refuses to serve).
-- ``scrambled_heavier``: the same claim, serving the run's initial model Θ₀ with its values shuffled, and zero
+- ``scrambled_heavier``: the same claim, serving the run's initial model Θ₀ with its values shuffled and doubled, and zero
   momentum: a replica of about the trained one's norm (the gross filter lets it through) that is no model at all,
   and none of the daemons' ancestors (Θ₀ itself is every young replica's ancestor).
 - ``decoy``: its progress record claims a replica at the swarm's version that nobody holds, and that loses every
@@ -47,6 +47,7 @@ from atoll.node.algorithm import algorithm
 from atoll.models.fragments import make_fragments
 from atoll.models.gpt import GPT
 from atoll.models.outer import tensor_hash
+from atoll.node.catchup import MAX_NORM_RATIO
 from atoll.protocols import averaging, dht_io, state_sync
 from atoll.protocols.auth import JoinToken, identity_bytes
 from atoll.protocols.matchmaking import group_key
@@ -80,7 +81,10 @@ class HostileMember:
                                embedding=gpt.embed.weight)
         self.numels = [f.numel for f in frags]
         generator = torch.Generator().manual_seed(1)
-        self.scrambled = [t[torch.randperm(t.numel(), generator=generator)]
+        # Twice Θ₀'s norm: a replica's norm grows from Θ₀'s as it trains, and the gross filter admits a factor of
+        # MAX_NORM_RATIO (2) either way, so this passes it from Θ₀ until the replica is four times Θ₀'s norm (with
+        # Θ₀'s own norm, a replica trained past twice that refused it before the held-out check was reached).
+        self.scrambled = [MAX_NORM_RATIO * t[torch.randperm(t.numel(), generator=generator)]
                           for t in (f.gather(list(gpt.parameters())) for f in frags)]
         self.mode = "serve"  # what the state servicer does: "serve" its claim, or "refuse"
         self.served = [torch.zeros(n) for n in self.numels]  # the Θ of its claim, per fragment

@@ -42,7 +42,8 @@ REFUSED = "vouched for by nobody: its held-out loss is"  # the learner's log lin
 def test_a_forked_swarm_heals_and_a_scrambled_model_is_refused(tmp_path):
     with LocalSwarm(tmp_path, COMMON) as swarm:
         for side, name in enumerate(HONEST):
-            swarm.start(name, ["--fault", f"split_side={side}"], join=name != "a")
+            # Three lines need three shards: two daemons reading one shard from one model train identically.
+            swarm.start(name, ["--fault", f"split_side={side}", "--fault", f"data_shard={side}"], join=name != "a")
         a = swarm.daemons["a"]
         wait_for(lambda: len(a.rounds()) >= 3, 180, "a's first rounds")
         members = {}
@@ -84,7 +85,7 @@ def test_a_forked_swarm_heals_and_a_scrambled_model_is_refused(tmp_path):
         refused = summaries[0]["rejected_by_kind"]
         assert refused.get("worse_state", 0) >= 1
         # worse_state: the scrambled state got past the gross filter and the held-out check refused it. Its norm
-        # is Θ₀'s, so once a's replica has grown past twice that, the gross filter refuses it first
+        # is twice Θ₀'s, so once a's replica has grown past four times that, the gross filter refuses it first
         # (implausible_state), as it should.
         # Two of the three lines were given up: two daemons adopted another line once the sides met. Such an
         # adoption is a fork healed, except that ancestry proves a fork only as far back as the new replica's

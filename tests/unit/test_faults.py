@@ -19,7 +19,13 @@ def test_no_faults_means_every_hook_is_a_no_op():
     faults = Faults()
     assert faults.tamper(4, 0, 0) is HONEST and faults.start_barrier() == 0
     assert faults.namespace("run", 0) == "run" and faults.checkpoint_interrupt(1) is None
+    assert faults.data_shard(5, 16) == 5
     faults.group_formed(0, 0)  # would SIGKILL the test run if it did anything
+
+
+def test_data_shard_pins_the_shard_within_the_runs_count():
+    assert Faults(["data_shard=2"]).data_shard(9, 16) == 2
+    assert Faults(["data_shard=18"]).data_shard(9, 16) == 2
 
 
 def test_corrupt_kinds_advance_only_when_a_completed_round_carried_them():
