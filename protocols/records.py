@@ -27,6 +27,7 @@ from hivemind.utils import get_dht_time
 import msgpack
 from pydantic.v1 import StrictBool, StrictBytes, StrictFloat, StrictStr, conint, constr
 
+from . import validated
 from .auth import JoinToken, MembershipValidator, RevocationList, owner_of_subkey, peer_id_of
 
 logger = logging.getLogger("atoll")
@@ -319,6 +320,7 @@ class RunRecordValidator(RecordValidatorBase):
         if self.revocation is not None and revocation.serial <= self.revocation.serial:
             return False
         self.revocation = revocation
+        validated.forget_all()  # records that passed before may be the revoked members'
         logger.info("applying revocation list %d of run %r: %d member(s) revoked", revocation.serial, self.run_id,
                     len(revocation.revoked))
         return True
@@ -392,14 +394,16 @@ def _validate_dictionary_per_subkey(self: DHTProtocol, key_bytes: bytes, diction
     """hivemind's ``DHTProtocol._validate_dictionary``, except that an invalid subkey is dropped alone instead of
     failing the whole dictionary: with the stock rule, one record that became invalid (its signer was revoked, its
     certificate expired) or that a node without atoll's validators stored would hide every honest record under its
-    key from each reader. Returns False only if no subkey is valid."""
+    key from each reader. Returns False only if no subkey is valid. A record that passed the same validator
+    moments ago is not checked again (``validated``)."""
     if self.record_validator is None:
         return True
+    memory = validated.memory_of(self.record_validator)
     invalid = []
     with dictionary.freeze():
         for subkey, (value_bytes, expiration_time) in dictionary.items():
             record = DHTRecord(key_bytes, self.serializer.dumps(subkey), value_bytes, expiration_time)
-            if not self.record_validator.validate(record):
+            if not memory.validate(self.record_validator, record):
                 invalid.append(subkey)
     for subkey in invalid:
         del dictionary[subkey]
