@@ -7,6 +7,8 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
+from test_dht_records import _progress
+
 from atoll.protocols import validated
 from atoll.protocols.auth import RevocationList, RunKey, peer_id_of
 from atoll.protocols.records import RunRecordValidator, make_validators, progress_key, revoked_key
@@ -78,13 +80,7 @@ def test_a_revoked_members_record_that_passed_is_refused_once_the_list_is_applie
                            MSGPackSerializer.dumps(value), get_dht_time() + 30)
         return dataclasses.replace(record, value=CompositeValidator(writer).sign_value(record))
 
-    progress = signed(progress_key(RUN), {
-        "peer_id": me, "status": "training", "device": "cpu", "ranks": 1, "algorithm": "diloco", "step": 1,
-        "version": 0, "fragment_versions": [0], "fragment_weights": [1.0], "fragment_hashes": ["f" * 16],
-        "schedule_step": 1, "tokens": 1, "tokens_per_s": 1.0, "loss": None, "held_out_loss": None, "rounds": 0,
-        "rounds_skipped": 0, "forks_healed": 0, "tokens_lost": 0, "goodput": 1.0, "blocked_s": 0.0,
-        "bytes_sent": 0, "bytes_received": 0, "rejected": 0, "rejected_by_kind": {}, "clipped": 0,
-        "time": float(get_dht_time()), "reachable": True})
+    progress = signed(progress_key(RUN), _progress(me))
     assert memory.validate(reader, progress) and memory.validate(reader, progress) and memory.hits == 1
     revocation = signed(revoked_key(RUN), RevocationList(RUN, 1, (me,), 1.0).signed(run_key).to_record())
     assert memory.validate(reader, revocation)  # read through this node: applied
