@@ -21,6 +21,7 @@ Verdicts are kept per validator (a process may run DHT nodes of several runs, wi
 
 from __future__ import annotations
 
+import hashlib
 import time
 import weakref
 from collections.abc import Callable
@@ -39,7 +40,8 @@ def forget_all() -> None:
 
 
 class Remembered:
-    """The records one validator passed recently: ``(key, subkey, value, expiration) -> (when, generation)``."""
+    """The records one validator passed recently: ``(key, subkey, value digest, expiration) -> (when,
+    generation)``."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
@@ -49,7 +51,10 @@ class Remembered:
 
     def validate(self, validator: Any, record: Any) -> bool:
         """``validator.validate(record)``, unless the same record passed it less than ``REMEMBER_S`` ago."""
-        ident = (record.key, record.subkey, record.value, record.expiration_time)
+        # The value by a 128-bit digest: a remembered verdict costs ~150 bytes, not the record's (up to 32 KB);
+        # finding other bytes with a passed record's digest is a second preimage of BLAKE2b.
+        ident = (record.key, record.subkey, hashlib.blake2b(record.value, digest_size=16).digest(),
+                 record.expiration_time)
         now = self.clock()
         seen = self._passed.get(ident)
         if seen is not None and now - seen[0] < REMEMBER_S and seen[1] == _generation:
