@@ -18,7 +18,9 @@ one replica.
 
 Each figure is the mean over seeds, with the lowest and highest seed; its growth with N is the least-squares
 slope of log figure against log N (0: flat, 1: linear). Nothing here is timed on the wall clock: the figures are
-counts, the same on any machine. Writes docs/results/bench_scale_sim.json and .png (``--out`` to change).
+counts, the same on any machine. Writes docs/results/bench_scale_sim.json and .png (``--out`` to change);
+``--add-to JSON`` keeps an earlier run's results and adds the sizes given (each variant of the largest size can
+then run in its own process: ``--variants``).
 """
 
 from __future__ import annotations
@@ -102,15 +104,18 @@ def plot(doc: dict[str, Any], path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024])
+    ap.add_argument("--sizes", type=int, nargs="*", default=[64, 256, 1024])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--largest-seeds", type=int, help="run only this many of the seeds at the largest size (its "
                     "cost grows as N^2: ~10 min a seed and variant at 1024 on one core)")
     ap.add_argument("--seconds", type=float, default=120.0, help="the measured window (virtual seconds)")
     ap.add_argument("--warmup", type=float, default=30.0)
+    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     ap.add_argument("--max-group", type=int, default=16)
     ap.add_argument("--latency", type=float, default=0.1, help="seconds per DHT call")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "bench_scale_sim")
+    ap.add_argument("--add-to", type=Path, nargs="+", default=[], help="earlier runs' JSON: keep their runs and add "
+                    "these sizes' (the figures are counts in virtual time, the same on any machine and day)")
     args = ap.parse_args()
     if any(n < 2 for n in args.sizes) or args.max_group < 1 or args.seconds <= 0 or args.latency < 0:
         print("bench_scale_sim: error: sizes must be at least 2, --max-group at least 1, --seconds positive and "
@@ -118,10 +123,21 @@ def main() -> int:
         return 2
     args.out.parent.mkdir(parents=True, exist_ok=True)
     runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
-    for n in args.sizes:
-        seeds = args.seeds[:args.largest_seeds] if args.largest_seeds and n == max(args.sizes) else args.seeds
+    commands = [shlex.join(["python", "scripts/bench_scale_sim.py", *sys.argv[1:]])]
+    earlier_commands = []
+    for path in args.add_to:
+        earlier = json.loads(path.read_text())
+        for name, results in earlier["runs"].items():
+            n, variant = name.split(" ", 1)
+            if int(n) not in args.sizes:
+                runs.setdefault((int(n), variant), []).extend(results)
+        earlier_commands += [c for c in (earlier["command"], *earlier.get("added", [])) if c not in earlier_commands]
+    commands = [*earlier_commands, *commands]
+    for n in args.sizes or [None]:
+        seeds = [] if n is None else (args.seeds[:args.largest_seeds] if args.largest_seeds and n == max(args.sizes)
+                                   else args.seeds)
         for seed in seeds:
-            for variant, merge in VARIANTS.items():
+            for variant, merge in ((v, VARIANTS[v]) for v in args.variants):
                 started = time.monotonic()
                 cfg = SimConfig(islands=n, seconds=args.seconds, warmup=args.warmup, max_group=args.max_group,
                                 latency=args.latency, seed=seed, merge_groups=merge)
@@ -131,14 +147,14 @@ def main() -> int:
                 print(f"N={n} seed={seed} {variant}: " + ", ".join(
                     f"{key} {get(result):.3g}" for key, (_, _, get) in FIGURES.items() if get(result) is not None)
                       + f" ({result['wall_s']} s)", flush=True)
-        rows = [row(m, v, rs) for (m, v), rs in runs.items()]
+        rows = [row(m, v, rs) for (m, v), rs in sorted(runs.items())]
         growth = {v: {key: power_law([r["islands"] for r in rows if r["variant"] == v],
                                      [r[key] for r in rows if r["variant"] == v]) for key in FIGURES}
                   for v in VARIANTS}
-        doc = {"command": shlex.join(["python", "scripts/bench_scale_sim.py", *sys.argv[1:]]),
+        doc = {"command": commands[0], "added": commands[1:],
                "seconds": args.seconds, "warmup": args.warmup, "max_group": args.max_group,
                "latency": args.latency, "seeds": args.seeds, "sizes": rows, "growth": growth,
-               "runs": {f"{m} {v}": rs for (m, v), rs in runs.items()}}
+               "runs": {f"{m} {v}": rs for (m, v), rs in sorted(runs.items())}}
         args.out.with_suffix(".json").write_text(json.dumps(doc, indent=1))  # after each size: a later one may fail
         plot(doc, args.out.with_suffix(".png"))
     for variant in VARIANTS:
