@@ -46,8 +46,7 @@ class Remembered:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self._passed: dict[tuple[bytes, bytes, bytes, float], tuple[float, int]] = {}
-        self.hits = 0
-        self.checks = 0
+        self.hits = 0  # verdicts given from memory
 
     def validate(self, validator: Any, record: Any) -> bool:
         """``validator.validate(record)``, unless the same record passed it less than ``REMEMBER_S`` ago."""
@@ -60,7 +59,6 @@ class Remembered:
         if seen is not None and now - seen[0] < REMEMBER_S and seen[1] == _generation:
             self.hits += 1
             return True
-        self.checks += 1
         if not validator.validate(record):
             self._passed.pop(ident, None)
             return False

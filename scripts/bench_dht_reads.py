@@ -18,7 +18,6 @@ variants run one after the other within each repeat, on fresh nodes. Writes docs
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import os
@@ -95,7 +94,7 @@ def measure(chains: list, nodes: int, reads: int, run_key: RunKey) -> dict[str, 
     records = signed_records(chains)
     dhts: list[DHT] = []
     try:
-        for i in range(nodes):
+        for _ in range(nodes):
             peers = [str(a) for a in dhts[0].get_visible_maddrs()] if dhts else []
             dhts.append(DHT(initial_peers=peers, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                             record_validators=make_validators(RUN, run_key.issue_token(RUN))))

@@ -15,7 +15,6 @@ sys.path.insert(0, str(ROOT / "scripts"))  # the swarm launcher doubles as the i
 os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
 
-
 def _lines_mended(tb: types.TracebackType | None) -> types.TracebackType | None:
     """``tb`` again, with every entry that has no line number given its function's first line."""
     if tb is None:
