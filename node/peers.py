@@ -1,15 +1,21 @@
 """This daemon's progress record and its table of live peers, both through the DHT (on the syncer's event loop).
 
-Every daemon publishes one signed progress record per heartbeat under the run's progress key; reading that key
-gives the table of live peers. Malformed records are counted and cool their signing key down; the records of
-peers (or keys) cooling down are ignored, and so are leaving peers.
+Every daemon publishes one signed progress record per heartbeat under its shard of the run's progress keys
+(``records.progress_shard``); reading the shards gives the table of live peers. A small swarm's table reads every
+shard each time. Past ``READ_BUDGET`` records, a read takes our own shard and as many others, in turns, as make about
+``READ_BUDGET`` records, and the table keeps what each shard held until it is read again (for at most one turn
+round the shards and the records' lifetime): what one read costs stays flat as the swarm grows, and the table is
+a view of the swarm that is at most one turn old. Malformed records are counted and cool their signing key down;
+the records of peers (or keys) cooling down are ignored, and so are leaving peers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
+import math
 import threading
 import time
 from typing import Any
@@ -21,6 +27,7 @@ from atoll.protocols.auth import newest_revocation, owner_of_raw_subkey, peer_id
 from atoll.protocols.records import (
     MAX_CLOCK_SKEW,
     MAX_EXPIRY,
+    PROGRESS_SHARDS,
     HeadRecord,
     ProgressRecord,
     Status,
@@ -29,6 +36,7 @@ from atoll.protocols.records import (
     parse_head,
     parse_progress,
     progress_key,
+    progress_shard,
     revoked_key,
     sync_run_validator,
     unwrap_subkeys,
@@ -45,11 +53,30 @@ HEAD_TTL = 7 * 24 * 3600.0  # a run's head outlives its daemons: a newcomer then
 REVOCATION_POLL = 5.0  # seconds between reads of the run's revocation list (and of the DHT's refusal counts)
 REVOCATION_REPUBLISH = CONFIG_REPUBLISH
 REVOCATION_TTL = MAX_EXPIRY["revoked"] - 60.0  # a revocation outlives the daemons that know it (and is kept on disk)
+READ_BUDGET = 64  # progress records one read of the table aims at; below it, every shard is read each time
+FOLLOW_S = 20.0  # seconds the shards of peers we follow (``follow``) are read at every read of the table
+FOLLOW_PEERS = 2
+
+
+@dataclasses.dataclass
+class _Shard:
+    read_at: float  # monotonic
+    peers: dict[str, ProgressRecord]
+    everyone: dict[str, ProgressRecord]
 
 
 class PeerTable:
-    def __init__(self, ctx: SyncContext, config_record: dict[str, Any] | None = None) -> None:
+    def __init__(self, ctx: SyncContext, config_record: dict[str, Any] | None = None,
+                 shards: int = PROGRESS_SHARDS) -> None:
         self.ctx = ctx
+        self.shards = shards
+        self.my_shard = progress_shard(ctx.peer_id, shards)
+        self._held: dict[int, _Shard] = {}  # what each shard held when it was last read
+        self._per_shard: float | None = None  # records per shard in the last read (None: nothing read yet)
+        self._turn = 0  # the next of the other shards to read, when not all are read at once
+        self._keep = 0.0  # seconds a shard's records are kept when it is not read again
+        self._looked_up: dict[int, float] = {}  # shard -> when ``look_up`` last read it (monotonic)
+        self._follow: dict[int, float] = {}  # shard -> until when every read takes it (``follow``)
         self.config_record = config_record
         self._config_published = 0.0
         self._head_published = 0.0
@@ -83,7 +110,7 @@ class PeerTable:
         ctx = self.ctx
         rec = self.progress_record(status or ctx.counters.status)
         ttl = ttl if ttl is not None else 3 * ctx.cfg.heartbeat
-        await dht_io.store(ctx.dht, progress_key(ctx.namespace()), rec, get_dht_time() + ttl, ctx.subkey,
+        await dht_io.store(ctx.dht, progress_key(ctx.namespace(), self.my_shard), rec, get_dht_time() + ttl, ctx.subkey,
                            timeout=timeout, on_timeout=ctx.reject)
 
     async def republish_config(self) -> None:
@@ -165,33 +192,92 @@ class PeerTable:
 
     def _drop_revoked(self) -> None:
         with self._lock:
+            for held in self._held.values():
+                held.peers = {p: r for p, r in held.peers.items() if not self.ctx.revoked(p)}
+                held.everyone = {p: r for p, r in held.everyone.items() if not self.ctx.revoked(p)}
             self._peers = {p: r for p, r in self._peers.items() if not self.ctx.revoked(p)}
             self._everyone = {p: r for p, r in self._everyone.items() if not self.ctx.revoked(p)}
 
     # ---- the table ------------------------------------------------------------------------------------------
     async def refresh(self, max_age: float = 0.0) -> dict[str, ProgressRecord]:
-        """Read the live peers' progress records.
+        """Read the live peers' progress records (all shards, or our own and some others in turns: see the module).
 
         ``max_age > 0``: a table whose read began less than ``max_age`` seconds ago is returned as it is, and a
-        read in flight is shared. Reads are not cheap: the progress key holds one signed record per peer, and each
-        DHT node asked checks every signature, so a swarm of N daemons polling it costs O(N^2) checks per poll."""
+        read in flight is shared. Reads are not cheap: each DHT node asked checks the signature of every record
+        it returns."""
         if max_age > 0:
             if self._read is not None and not self._read.done():
                 return await asyncio.shield(self._read)
             if time.monotonic() - self._read_at < max_age:
                 return self.peers()
         self._read_at = time.monotonic()
-        read = asyncio.ensure_future(self._read_table())
+        read = asyncio.ensure_future(self._read_shards(self._shards_to_read(), prune=True))
         if max_age > 0:
             self._read = read
         return await asyncio.shield(read)
 
-    async def _read_table(self) -> dict[str, ProgressRecord]:
+    async def look_up(self, peer_ids: set[str], max_age: float = 1.0) -> dict[str, ProgressRecord]:
+        """Read the shards (``records.progress_shard``) of those of ``peer_ids`` the table does not hold, in one DHT
+        call, and return the live peers. A shard looked up less than ``max_age`` seconds ago (or being read) is not
+        read again: looking up strangers or newcomers costs at most one read per shard and ``max_age``."""
+        now, known = time.monotonic(), self.everyone()
+        shards = sorted({progress_shard(p, self.shards) for p in peer_ids if p not in known}
+                        - {s for s, at in self._looked_up.items() if now - at < max_age})
+        if shards:
+            self._looked_up.update((s, now) for s in shards)
+            await self._read_shards(shards)
+        return self.peers()
+
+    def follow(self, peer_ids: list[str]) -> None:
+        """Read the shards of a few of ``peer_ids`` at every read of the table for the next ``FOLLOW_S`` seconds. A
+        daemon left out of a round follows its members: they are about to hold the replica it must catch up to, and
+        read in turns their records could reach it a turn round the shards late, too late for the next round (it
+        would be left out again, and again)."""
+        until = time.monotonic() + FOLLOW_S
+        for peer in sorted(peer_ids)[:FOLLOW_PEERS]:
+            self._follow[progress_shard(peer, self.shards)] = until
+
+    def _shards_to_read(self) -> list[int]:
+        """Every shard while the swarm fits ``READ_BUDGET``; past it, our own shard, the next others in turn, and the
+        shards we follow."""
+        if self._per_shard is None or self._per_shard * self.shards <= READ_BUDGET:
+            self._keep = 0.0
+            return list(range(self.shards))
+        others = [s for s in range(self.shards) if s != self.my_shard]
+        count = max(1, min(len(others), round(READ_BUDGET / max(self._per_shard, 1.0)) - 1))
+        chosen = [others[(self._turn + i) % len(others)] for i in range(count)]
+        self._turn = (self._turn + count) % len(others)
+        # A shard not read now is kept one turn round the others (at a read per heartbeat) and a record's lifetime.
+        self._keep = (math.ceil(len(others) / count) + 3) * self.ctx.cfg.heartbeat
+        now = time.monotonic()
+        self._follow = {s: until for s, until in self._follow.items() if until > now}
+        return [self.my_shard, *chosen, *sorted(set(self._follow) - set(chosen) - {self.my_shard})]
+
+    async def _read_shards(self, shards: list[int], prune: bool = False) -> dict[str, ProgressRecord]:
+        """Read ``shards`` into the table; ``prune``: drop the shards not read for longer than ``_keep``."""
+        ctx, ns = self.ctx, self.ctx.namespace()
+        keys = [progress_key(ns, shard) for shard in shards]
+        found = await dht_io.get_many(ctx.dht, keys, on_timeout=ctx.reject)
+        now, at = get_dht_time(), time.monotonic()
+        held = 0
+        for shard, key in zip(shards, keys):
+            entries = unwrap_subkeys(found.get(key))
+            held += len(entries)
+            self._held[shard] = _Shard(at, *self._parse_shard(shard, entries, now))
+        if len(shards) > 1:
+            self._per_shard = held / len(shards)
+        with self._lock:
+            stale = [s for s, h in self._held.items() if s not in shards and at - h.read_at > self._keep]
+            for shard in stale if prune else ():
+                del self._held[shard]
+            self._peers = {p: r for h in self._held.values() for p, r in h.peers.items()}
+            self._everyone = {p: r for h in self._held.values() for p, r in h.everyone.items()}
+            return dict(self._peers)
+
+    def _parse_shard(self, shard: int, entries: dict[bytes, Any], now: float) -> tuple[dict, dict]:
         ctx = self.ctx
-        entry = await dht_io.get(ctx.dht, progress_key(ctx.namespace()), on_timeout=ctx.reject)
-        now = get_dht_time()
         peers, everyone = {}, {}
-        for subkey, value in unwrap_subkeys(entry).items():
+        for subkey, value in entries.items():
             if ctx.cooldown.active(subkey):
                 continue
             rec = parse_progress(value)
@@ -200,6 +286,9 @@ class PeerTable:
                 continue
             if rec.time > now + MAX_CLOCK_SKEW:
                 ctx.reject("progress_record_time")  # from the future: counted, not held against the key (clocks drift)
+                continue
+            if progress_shard(rec.peer_id, self.shards) != shard:
+                ctx.reject("progress_shard", subkey)  # our DHT's validator refuses these; a foreign node may not
                 continue
             if ctx.run_public_key is not None:
                 # Our DHT's validator refuses these already; a record it stored before it knew, or one a node
@@ -215,9 +304,7 @@ class PeerTable:
                 everyone[rec.peer_id] = rec
                 if not ctx.cooldown.active(rec.peer_id):
                     peers[rec.peer_id] = rec
-        with self._lock:
-            self._peers, self._everyone = peers, everyone
-        return peers
+        return peers, everyone
 
     def peers(self) -> dict[str, ProgressRecord]:
         """The live peers as last read (thread-safe)."""
@@ -237,7 +324,8 @@ class PeerTable:
 
         A joiner asks for state right after publishing its first record, which may still be on its way to us: an
         unknown peer is looked for again for up to ``MEMBER_WAIT`` seconds before it is refused. Concurrent askers
-        share one refresh at a time, at most two a second, so a flood of strangers costs the DHT little."""
+        share one read of the peer's shard at a time, at most two a second, so a flood of strangers costs the DHT
+        little."""
         if self.ctx.revoked(peer_id):
             self.ctx.reject("revoked")
             return False
@@ -246,7 +334,7 @@ class PeerTable:
             if time.monotonic() > deadline:
                 return False
             try:
-                await self.refresh(max_age=0.5)
+                await self.look_up({peer_id}, max_age=0.5)
             except Exception as e:  # the DHT may fail a read; we look again or refuse
                 logger.debug("could not refresh peers: %r", e)
             if peer_id not in self.peers():

@@ -24,7 +24,7 @@ from atoll.models.robust import MergeRule
 from atoll.protocols import dht_io
 from atoll.protocols.averaging import HONEST, AllreduceResult, AveragingServicer, GroupSpec, Tamper, allreduce
 from atoll.protocols.matchmaking import POLL_INTERVAL, form_group, sibling_group
-from atoll.protocols.records import ProgressRecord, Status, open_rounds_key, parse_open_round, unwrap_subkeys
+from atoll.protocols.records import Status, open_rounds_key, parse_open_round, unwrap_subkeys
 
 from .catchup import CatchUp
 from .context import SyncContext
@@ -100,6 +100,7 @@ class RoundProtocol:
         self._open: set[int] = set()  # decoupled: fragments whose round at our version a peer opened
         self._open_lock = threading.Lock()
         self._last_round: dict[int, int] = {}  # fragment -> the version of the last round we registered for
+        self._announced: dict[int, int] = {}  # fragment -> the version whose round a peer announced
 
     def grace(self) -> float:
         """The adaptive grace window (seconds) a decoupled round may wait for more members after quorum: the
@@ -124,20 +125,24 @@ class RoundProtocol:
 
             async def live_peers() -> dict[str, int]:
                 peers = await self.peers.refresh(max_age=PEERS_MAX_AGE)
-                # A peer at our version with another replica (a fork) meets in another round: do not expect it.
                 return {peer.peer_id: peer.fragment_versions[p] for peer in peers.values()
-                        if peer.status == Status.TRAINING and not (peer.fragment_versions[p] == version
-                                                                   and peer.fragment_hashes[p] != digest)}
+                        if peer.status == Status.TRAINING}
+
+            def expects(peer_id: str) -> bool:
+                # A peer at our version with another replica (a fork) meets in another round: do not wait for it.
+                peer = self.peers.peers().get(peer_id)
+                return peer is None or not (peer.fragment_versions[p] == version and peer.fragment_hashes[p] != digest)
 
             self._last_round[p] = version
             decided: list[list[list[str]]] = []
-            if algo.joins_open_rounds:
-                ctx.spawn(self._announce(p, version))
+            if algo.joins_open_rounds and self._announced.get(p) != version:
+                ctx.spawn(self._announce(p, version, digest))
             members = await form_group(
                 ctx.dht, run_id=ctx.namespace(), fragment=p, version=version, peer_id=ctx.peer_id,
                 subkey=ctx.subkey, weight=weight, live_peers=live_peers, gather_timeout=run.gather_timeout,
                 abort=lambda: self.catch_up.behind(p), quorum=run.quorum if algo.quorum else None,
-                grace=self.grace, on_reject=ctx.reject, max_group=run.max_group,
+                grace=self.grace, on_reject=ctx.reject, max_group=run.max_group, look_up=self.peers.look_up,
+                expects=expects,
                 excluded=lambda peer: ctx.cooldown.active(peer) or ctx.revoked(peer),
                 base=digest, not_before=ctx.started_at, on_groups=decided.append,
             )
@@ -146,6 +151,8 @@ class RoundProtocol:
                 behind = True
                 return RoundOutcome(Outcome.BEHIND, version, seconds=formed - started)
             if not members:
+                if decided:  # left out: its members will hold the replica to catch up to
+                    self.peers.follow([m for group in decided[-1] for m in group])
                 return RoundOutcome(Outcome.FAILED, version, seconds=formed - started)
             if run.quorum > 1:
                 self.quorum_time.update(formed - started)
@@ -264,47 +271,51 @@ class RoundProtocol:
         return tuple(m for m in members if reachable(m))
 
     # ---- decoupled: join rounds that others opened -----------------------------------------------------------
-    async def _announce(self, p: int, version: int) -> None:
+    async def _announce(self, p: int, version: int, base: str) -> None:
         ctx = self.ctx
         record = {"peer_id": ctx.peer_id, "fragment": p, "version": version}
-        await dht_io.store(ctx.dht, open_rounds_key(ctx.namespace()), record,
+        await dht_io.store(ctx.dht, open_rounds_key(ctx.namespace(), p, version, base), record,
                            get_dht_time() + ctx.cfg.run.gather_timeout, ctx.subkey, on_timeout=ctx.reject)
 
     async def watch_open_rounds(self) -> None:
-        """Daemons drift apart in their schedules (different speeds, joins, restarts). Whenever a live peer opens a
-        round of a fragment at the version we hold, note it for the learner, which contributes to it at its next
-        step boundary instead of at its own due step: rounds stay full without anyone waiting."""
+        """Daemons drift apart in their schedules (different speeds, joins, restarts). Whenever a peer opens a round
+        of a fragment from the replica we hold, note it for the learner, which contributes to it at its next step
+        boundary instead of at its own due step: rounds stay full without anyone waiting.
+
+        Each poll reads the announcement keys of the rounds we could join (one per fragment: our version and
+        digest), in one DHT call. A round already announced by a peer is not announced again by those who join it
+        (``_announced``), so a read returns the few daemons that opened it, whatever the swarm's size. An
+        announcement is a hint to contribute early, not a membership: the round's registrations are checked as
+        always, and a fragment joins at most one opened round per version."""
         ctx = self.ctx
         while True:
             await asyncio.sleep(OPEN_ROUND_POLL)
+            ids = [ctx.replica.identity(p) for p in range(ctx.replica.num_fragments)]
+            keys = [open_rounds_key(ctx.namespace(), p, version, digest) for p, (version, _, digest) in enumerate(ids)]
             try:
                 t0 = time.monotonic()
-                entry = await dht_io.get(ctx.dht, open_rounds_key(ctx.namespace()), on_timeout=ctx.reject)
+                found = await dht_io.get_many(ctx.dht, keys, on_timeout=ctx.reject)
                 self.read_time.update(time.monotonic() - t0)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the next poll tries again
                 logger.debug("could not read open rounds: %r", e)
                 continue
-            peers = self.peers.peers()
-            for subkey, value in unwrap_subkeys(entry).items():
-                parsed = parse_open_round(value) if not ctx.cooldown.active(subkey) else None
-                if parsed is None:
-                    if not ctx.cooldown.active(subkey):
-                        ctx.reject("open_round", subkey)
-                    continue
-                peer, p, version = parsed
-                if (peer == ctx.peer_id or peer not in peers or p >= ctx.replica.num_fragments
-                        or p in ctx.in_round or self._last_round.get(p) == version
-                        or version != ctx.replica.identity(p)[0] or self._forked_from(peers[peer], p)):
-                    continue
-                with self._open_lock:
-                    self._open.add(p)
-
-    def _forked_from(self, peer: ProgressRecord, p: int) -> bool:
-        """The peer holds another replica of fragment ``p`` at our version (its round is not ours to join)."""
-        version, _, digest = self.ctx.replica.identity(p)
-        return peer.fragment_versions[p] == version and peer.fragment_hashes[p] != digest
+            for p, ((version, _, _), key) in enumerate(zip(ids, keys)):
+                for subkey, value in unwrap_subkeys(found.get(key)).items():
+                    parsed = parse_open_round(value) if not ctx.cooldown.active(subkey) else None
+                    if parsed is None or parsed[1:] != (p, version):
+                        if not ctx.cooldown.active(subkey):
+                            ctx.reject("open_round", subkey)
+                        continue
+                    peer = parsed[0]
+                    if peer == ctx.peer_id or ctx.cooldown.active(peer):
+                        continue
+                    self._announced[p] = version  # opened by a peer: joining it needs no announcement of ours
+                    if p in ctx.in_round or self._last_round.get(p) == version:
+                        continue
+                    with self._open_lock:
+                        self._open.add(p)
 
     def take_open_rounds(self) -> set[int]:
         """Fragments whose round at our version a peer has opened since the last call; thread-safe."""

@@ -13,7 +13,7 @@ from atoll.protocols.records import (
     make_validators,
     parse_progress,
     parse_run_config,
-    progress_key,
+    progress_keys,
     unwrap_subkeys,
 )
 
@@ -23,10 +23,11 @@ from .config import ConfigError, NodeConfig
 def collect_status(dht: Any, run_id: str) -> dict[str, Any]:
     """The stable JSON document ``atoll status --json`` prints: run_id, config, peers (sorted), totals."""
     peers = []
-    for value in unwrap_subkeys(dht_io.get_blocking(dht, progress_key(run_id))).values():
-        rec = parse_progress(value)
-        if rec is not None:
-            peers.append(rec.dict())
+    for entry in dht_io.get_many_blocking(dht, progress_keys(run_id)).values():
+        for value in unwrap_subkeys(entry).values():
+            rec = parse_progress(value)
+            if rec is not None:
+                peers.append(rec.dict())
     peers.sort(key=lambda r: r["peer_id"])
     configs = [c for c in map(parse_run_config, unwrap_subkeys(dht_io.get_blocking(dht, config_key(run_id))).values())
                if c is not None]

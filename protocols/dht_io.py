@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import re
 import threading
@@ -32,12 +33,18 @@ WRITE_TIMEOUT = 10.0
 
 OnTimeout = Callable[[str], Any] | None  # hears "dht_read_timeout" or "dht_write_timeout" (a counter's kind)
 _ROUND = re.compile(r"_round_\d+_\d+(_\w+)?$")
+_PROGRESS = re.compile(r"_progress_\d+$")
+_OPEN = re.compile(r"_open_\d+_\d+_\w*$")
 
 
 def key_kind(key: str) -> str:
     """The kind of record a key holds (``records.py``'s key functions): progress, open, head, config, revoked,
     round or group; "other" for any other key."""
-    for kind in ("progress", "open", "head", "config", "revoked"):
+    if _PROGRESS.search(key) is not None:
+        return "progress"
+    if _OPEN.search(key) is not None:
+        return "open"
+    for kind in ("head", "config", "revoked"):
         if key.endswith("_" + kind):
             return kind
     if _ROUND.search(key) is None:
@@ -61,9 +68,14 @@ CALLS: dict[str, CallStats] = {}  # "get progress", "store round", ...: this pro
 _calls_lock = threading.Lock()  # the event loop's calls and the blocking ones of start-up and ``atoll status``
 
 
-def _count(op: str, key: str, started: float, value: Any = None, gave_up: bool = False) -> None:
+def _entries(value: Any) -> int:
     inner = getattr(value, "value", None)  # a ValueWithExpiration: a dict of subkeys, or one value
-    entries = 0 if op != "get" or value is None else len(inner) if isinstance(inner, dict) else 1
+    return 0 if value is None else len(inner) if isinstance(inner, dict) else 1
+
+
+def _count(op: str, key: str, started: float, value: Any = None, gave_up: bool = False,
+           entries: int | None = None) -> None:
+    entries = (_entries(value) if op == "get" else 0) if entries is None else entries
     with _calls_lock:
         stats = CALLS.setdefault(f"{op} {key_kind(key)}", CallStats())
         stats.calls += 1
@@ -106,6 +118,42 @@ async def store(dht: DHT, key: str, value: Any, expiration_time: float, subkey: 
         return False
     _count("store", key, started)
     return stored
+
+
+async def get_many(dht: DHT, keys: list[str], timeout: float | None = None,
+                   on_timeout: OnTimeout = None) -> dict[str, Any]:
+    """The latest value of each of ``keys`` (None where there is none), found in one traversal of the DHT (hivemind
+    asks each node for several keys at once); ``{}`` if it did not complete within ``timeout`` seconds. Counted as
+    one call, of the first key's kind, with the entries of all."""
+    timeout, started = READ_TIMEOUT if timeout is None else timeout, time.monotonic()
+    try:
+        found = await asyncio.wait_for(_awaitable(dht.run_coroutine(functools.partial(_get_many, tuple(keys)),
+                                                                    return_future=True)), timeout)
+    except asyncio.TimeoutError:
+        _count("get", keys[0], started, gave_up=True)
+        _gave_up("read", f"{keys[0]} and {len(keys) - 1} more keys", timeout, on_timeout)
+        return {}
+    _count("get", keys[0], started, entries=sum(map(_entries, found.values())))
+    return found
+
+
+def get_many_blocking(dht: DHT, keys: list[str], timeout: float | None = None,
+                      on_timeout: OnTimeout = None) -> dict[str, Any]:
+    """``get_many`` for code outside an event loop."""
+    timeout, started = READ_TIMEOUT if timeout is None else timeout, time.monotonic()
+    try:
+        found = dht.run_coroutine(functools.partial(_get_many, tuple(keys)), return_future=True).result(timeout)
+    except (concurrent.futures.TimeoutError, TimeoutError):
+        _count("get", keys[0], started, gave_up=True)
+        _gave_up("read", f"{keys[0]} and {len(keys) - 1} more keys", timeout, on_timeout)
+        return {}
+    _count("get", keys[0], started, entries=sum(map(_entries, found.values())))
+    return found
+
+
+async def _get_many(keys: tuple[str, ...], _dht: Any, node: Any) -> dict[str, Any]:
+    # Runs in the DHT's process (``DHT.run_coroutine``); ``latest``, as ``get`` asks.
+    return dict(await node.get_many(keys, sufficient_expiration_time=float("inf")))
 
 
 def get_blocking(dht: DHT, key: str, timeout: float | None = None, on_timeout: OnTimeout = None) -> Any:

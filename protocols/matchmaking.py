@@ -36,7 +36,9 @@ from .records import MAX_CLOCK_SKEW, MAX_GROUP, parse_group_record, parse_round_
 
 logger = logging.getLogger("atoll")
 DECISION_LIFETIME_FACTOR = 3  # a group decision older than this many gather timeouts is stale
-POLL_INTERVAL = 0.2  # seconds between a registrant's reads of the round's registrations and decisions
+POLL_INTERVAL = 0.2  # seconds between a registrant's reads of the round's decisions (and the coordinator's of its
+# registrations)
+REGISTRATIONS_REREAD = 1.0  # seconds between a registrant's reads of the registrations while it waits for a decision
 
 
 def group_key(run_id: str, fragment: int, version: int, base: str = "") -> str:
@@ -90,6 +92,8 @@ async def form_group(
     base: str = "",
     not_before: float = 0.0,
     on_groups: Callable[[list[list[str]]], None] = lambda groups: None,
+    look_up: Callable[[set[str]], Awaitable[Any]] | None = None,
+    expects: Callable[[str], bool] = lambda peer: True,
 ) -> list[str] | None:
     """Register for the round and return its sorted member list.
 
@@ -107,6 +111,11 @@ async def form_group(
     the round. Every member that saw the offence ignores it; a daemon that never did may follow it and miss the
     round (it catches up by download), but no replica forks.
     ``on_groups(groups)`` hears the round's decision, every group of it (``sibling_group``).
+    ``look_up(peer_ids)``: registrants that ``live_peers`` does not list are looked up (a large swarm's table is
+    read in turns: a newcomer may not be in it yet), and ``live_peers`` is asked again.
+    ``expects(peer)``: whether the coordinator waits for a live peer's registration (not for one whose record shows
+    another replica at this version: it meets in another round). Its registration, under this round's key, counts
+    all the same: the record may be older than the registration.
     ``not_before``: the DHT time this daemon's process started. A decision made earlier was made without us:
     a daemon restarted mid-round finds its previous life's registration listed in it, and following it would
     run that round's all-reduce again, from reducers that answer with their results of the first run — a replica
@@ -122,13 +131,30 @@ async def form_group(
     if not await dht_io.store(dht, key, record, expiration, subkey, on_timeout=timed_out):
         logger.warning("round v%d: could not store registration in the DHT", version)
     quorum_since: float | None = None
+    entry, read_at, coordinating = None, -float("inf"), True
     while True:
         if abort():
             return None
-        entry, group_entry = await asyncio.gather(
-            dht_io.get(dht, key, on_timeout=timed_out), dht_io.get(dht, gkey, on_timeout=timed_out)
-        )
+        # The registrations (one per registrant: the round's biggest record) are read at every poll only by the
+        # coordinator. The others poll the decision, and read the registrations when one appears (to check it),
+        # and every ``REGISTRATIONS_REREAD`` seconds (to see a coordinator that must be bypassed).
+        loop = asyncio.get_running_loop()
+        if coordinating or loop.time() - read_at >= REGISTRATIONS_REREAD:
+            read_at = loop.time()
+            entry, group_entry = await asyncio.gather(
+                dht_io.get(dht, key, on_timeout=timed_out), dht_io.get(dht, gkey, on_timeout=timed_out))
+        else:
+            group_entry = await dht_io.get(dht, gkey, on_timeout=timed_out)
+            if unwrap_subkeys(group_entry):
+                read_at = loop.time()
+                entry = await dht_io.get(dht, key, on_timeout=timed_out)
         peers = await live_peers()
+        if look_up is not None:
+            unknown = {rec["peer_id"] for rec in map(parse_round_record, unwrap_subkeys(entry).values())
+                       if rec is not None and rec["peer_id"] not in peers and rec["peer_id"] != peer_id}
+            if unknown:
+                await look_up(unknown)
+                peers = await live_peers()
         registered: dict[str, float] = {peer_id: now}
         signers: dict[bytes, str] = {subkey: peer_id}  # whose key signed each counted registration
         t = get_dht_time()
@@ -153,8 +179,9 @@ async def form_group(
             logger.warning("round v%d: no group was decided in time", version)
             return []
         deadline = registered[coordinator] + gather_timeout
-        if coordinator == peer_id:
-            expected = {p for p, v in peers.items() if version - 1 <= v <= version}
+        coordinating = coordinator == peer_id
+        if coordinating:
+            expected = {p for p, v in peers.items() if version - 1 <= v <= version and expects(p)}
             t = get_dht_time()
             close = expected <= set(registered) or t > deadline
             if quorum is not None and len(registered) >= quorum:

@@ -50,6 +50,9 @@ MAX_NORM = 1e30  # a contribution's declared norm (RDA), from a member or a redu
 MAX_CLOCK_SKEW = 10.0  # seconds another daemon's clock may run ahead of ours before its times are implausible
 MAX_REJECTION_KINDS = 32
 MAX_GROUP = 1024  # members of one round's groups together (matchmaking re-exports it)
+# Progress records are spread over this many keys by a hash of the peer id (``progress_shard``): no key is written
+# by every daemon each heartbeat, and a reader of a large swarm reads a few shards at a time (``node/peers.py``).
+PROGRESS_SHARDS = 16
 SPLIT_SIDES = 4  # fault injection's split namespaces ``<run>-side{0..3}`` whose static keys are known (faults.py)
 
 # How far in the future a record's expiration may lie, per kind of key (seconds; a clock skew is added). Each is
@@ -70,8 +73,19 @@ def config_key(run_id: str) -> str:
     return f"{run_id}_config"
 
 
-def progress_key(run_id: str) -> str:
-    return f"{run_id}_progress"
+def progress_shard(peer_id: str, shards: int = PROGRESS_SHARDS) -> int:
+    """The shard that holds ``peer_id``'s progress record: a hash of the id, so any reader can find one peer's record
+    by reading one shard."""
+    return int.from_bytes(hashlib.blake2b(peer_id.encode(), digest_size=8).digest(), "big") % shards
+
+
+def progress_key(run_id: str, shard: int) -> str:
+    """Where the progress records of the peers of ``shard`` (``progress_shard``) live, a subkey per peer."""
+    return f"{run_id}_progress_{shard}"
+
+
+def progress_keys(run_id: str, shards: int = PROGRESS_SHARDS) -> list[str]:
+    return [progress_key(run_id, shard) for shard in range(shards)]
 
 
 def round_key(run_id: str, fragment: int, version: int, base: str = "") -> str:
@@ -87,9 +101,12 @@ def head_key(run_id: str) -> str:
     return f"{run_id}_head"
 
 
-def open_rounds_key(run_id: str) -> str:
-    """Where daemons announce the rounds they just registered for, so that others can join them early."""
-    return f"{run_id}_open"
+def open_rounds_key(run_id: str, fragment: int, version: int, base: str) -> str:
+    """Where the round of fragment ``fragment`` at ``version`` from replica ``base`` (a digest) is announced once it
+    opened, so that the others holding that replica join it early. Each daemon reads only the keys of the rounds it
+    could join, and only the first daemons of a round announce it: a read returns a few announcements, however
+    large the swarm."""
+    return f"{run_id}_open_{fragment}_{version}_{base}"
 
 
 def parse_open_round(value: Any) -> Optional[tuple[str, int, int]]:
@@ -211,7 +228,8 @@ class HeadRecord(pydantic.BaseModel):
 
 
 class RunSchema(pydantic.BaseModel):
-    progress: Dict[BytesWithPublicKey, Optional[ProgressRecord]]
+    # Progress records live under their shards' keys (``progress_key``), which ``RunRecordValidator`` knows and
+    # checks with ``parse_progress``: a second pydantic parse of the most-read records would only cost time.
     config: Dict[BytesWithPublicKey, Optional[RunConfigRecord]]
     head: Dict[BytesWithPublicKey, Optional[HeadRecord]]
 
@@ -277,11 +295,13 @@ class RunRecordValidator(RecordValidatorBase):
 
     - The subkey is exactly one owner marker (``auth.owner_of_subkey``): one record per owner key and key.
     - The value is at most ``MAX_VALUE_BYTES`` of its kind and expires at most ``MAX_EXPIRY`` of its kind from now.
-    - The value has its kind's shape. The kind of the run's static keys (progress, config, head, open rounds,
+    - The value has its kind's shape. The kind of the run's static keys (progress shards, config, head,
       revocations, also under fault injection's split namespaces) is known from the key's DHTID. Round
-      registrations and group decisions live under dynamic keys (``<run>_round_{fragment}_{version}_{base}``) that
-      a DHTID cannot be mapped back to: any other key must hold a round registration or a group decision (in an
-      open run, whose nodes may also hold other runs' records, any of atoll's shapes, each with its kind's caps).
+      registrations, group decisions and open-round announcements live under dynamic keys
+      (``<run>_round_{fragment}_{version}_{base}``, ``<run>_open_...``) that a DHTID cannot be mapped back to: any
+      other key must hold one of those three (in an open run, whose nodes may also hold other runs' records, any of
+      atoll's shapes, each with its kind's caps).
+    - A progress record lies in its peer's shard (``progress_shard``): nobody can crowd another shard's key.
     - In a private run (``run_public_key``): a record claiming a peer id (progress, head, registration, open round)
       claims its signer's (``auth.peer_id_of``: a member's libp2p identity is its member key); its signer is not on
       the revocation list; a revocation list is signed by the run key. Every valid list with a higher serial that
@@ -297,12 +317,15 @@ class RunRecordValidator(RecordValidatorBase):
         self.refused: dict[str, int] = {}
         self._last_log: dict[str, float] = {}
         self._kinds: dict[bytes, str] = {}
+        self._shards: dict[bytes, int] = {}  # a progress key's shard
         for ns in [run_id, *(f"{run_id}-side{i}" for i in range(SPLIT_SIDES))]:
-            for kind, name in (("progress", progress_key(ns)), ("head", head_key(ns)), ("open", open_rounds_key(ns))):
-                self._kinds[DHTID.generate(source=name).to_bytes()] = kind
+            self._kinds[DHTID.generate(source=head_key(ns)).to_bytes()] = "head"
+            for shard, name in enumerate(progress_keys(ns)):
+                key = DHTID.generate(source=name).to_bytes()
+                self._kinds[key], self._shards[key] = "progress", shard
         self._kinds[DHTID.generate(source=config_key(run_id)).to_bytes()] = "config"
         self._kinds[DHTID.generate(source=revoked_key(run_id)).to_bytes()] = "revoked"
-        self._dynamic = ("round", "group") if run_public_key is not None else (
+        self._dynamic = ("round", "group", "open") if run_public_key is not None else (
             "round", "group", "open", "progress", "head", "config", "revoked")
 
     @property
@@ -345,19 +368,22 @@ class RunRecordValidator(RecordValidatorBase):
         if not record.expiration_time <= self.clock() + MAX_EXPIRY[kind] + MAX_CLOCK_SKEW:
             return self._refuse("dht_expiry", owner, f"a {kind} record expiring in "
                                 f"{record.expiration_time - self.clock():.0f} s (at most {MAX_EXPIRY[kind]:.0f})")
-        if self.run_public_key is None:
-            return True
-        signer = peer_id_of(owner)
-        if signer is None or signer in self.revoked:
-            return self._refuse("dht_revoked", owner, "its signer is revoked")
-        if kind in PEER_ID_KINDS and value["peer_id"] != signer:
-            return self._refuse("dht_peer_id", owner, f"a {kind} record claiming peer id {value['peer_id'][-8:]!r}, "
-                                                      f"not its signer's {signer[-8:]}")
-        if kind == "revoked":
-            revocation = RevocationList.parse(self.run_id, value)
-            if not revocation.verify(self.run_public_key):
-                return self._refuse("dht_revocation", owner, "a revocation list not signed by the run key")
-            self.apply(revocation)
+        if self.run_public_key is not None:
+            signer = peer_id_of(owner)
+            if signer is None or signer in self.revoked:
+                return self._refuse("dht_revoked", owner, "its signer is revoked")
+            if kind in PEER_ID_KINDS and value["peer_id"] != signer:
+                return self._refuse("dht_peer_id", owner, f"a {kind} record claiming peer id "
+                                                          f"{value['peer_id'][-8:]!r}, not its signer's {signer[-8:]}")
+            if kind == "revoked":
+                revocation = RevocationList.parse(self.run_id, value)
+                if not revocation.verify(self.run_public_key):
+                    return self._refuse("dht_revocation", owner, "a revocation list not signed by the run key")
+                self.apply(revocation)
+        shard = self._shards.get(record.key) if kind == "progress" else None
+        if shard is not None and progress_shard(value["peer_id"]) != shard:
+            return self._refuse("dht_shard", owner, f"the progress record of peer {value['peer_id'][-8:]!r} in "
+                                                    f"shard {shard}, not its own")
         return True
 
     def _refuse(self, kind: str, owner: bytes, reason: str) -> bool:

@@ -37,7 +37,15 @@ sys.path.insert(0, str(ROOT))
 from atoll.node.status import collect_status  # noqa: E402
 from atoll.protocols import dht_io, validated  # noqa: E402
 from atoll.protocols.auth import RunKey, peer_id_of  # noqa: E402
-from atoll.protocols.records import MAX_EXPIRY, make_validators, parse_progress, progress_key, unwrap_subkeys  # noqa: E402
+from atoll.protocols.records import (  # noqa: E402
+    MAX_EXPIRY,
+    make_validators,
+    parse_progress,
+    progress_key,
+    progress_keys,
+    progress_shard,
+    unwrap_subkeys,
+)
 
 RUN = "bench"
 HOLD_CHUNK = 8  # records per call into a DHT process (a call larger than its pipe's buffer fails there)
@@ -65,10 +73,10 @@ def members(run_key: RunKey, count: int) -> list[tuple[list, str]]:
 
 def signed_records(chains: list[tuple[list, str]]) -> list[tuple[bytes, bytes, bytes, float]]:
     """Each member's progress record, signed and certified by its chain, expiring as late as the run's rules let
-    a progress record: (key, subkey, value, expiration) as a DHT node stores them."""
-    key = DHTID.generate(source=progress_key(RUN)).to_bytes()
+    a progress record, under its shard's key: (key, subkey, value, expiration) as a DHT node stores them."""
     out = []
     for chain, peer in chains:
+        key = DHTID.generate(source=progress_key(RUN, progress_shard(peer))).to_bytes()
         subkey = chain[0].local_public_key
         record = DHTRecord(key, MSGPackSerializer.dumps(subkey), MSGPackSerializer.dumps(progress_value(peer)),
                            get_dht_time() + MAX_EXPIRY["progress"] - 30)
@@ -106,14 +114,15 @@ def measure(chains: list, nodes: int, reads: int, run_key: RunKey) -> dict[str, 
         client = DHT(initial_peers=bootstrap, start=True, client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                      record_validators=make_validators(RUN, run_key.issue_token(RUN)))
         try:
-            dht_io.get_blocking(client, progress_key(RUN))  # routing tables filled before the clock starts
+            dht_io.get_many_blocking(client, progress_keys(RUN))  # routing tables filled before the clock starts
             seconds, cpu, seen = [], [], []
             for _ in range(reads):
                 c0, t0 = cpu_seconds(client.pid), time.perf_counter()
-                entry = dht_io.get_blocking(client, progress_key(RUN), timeout=60)
+                found = dht_io.get_many_blocking(client, progress_keys(RUN), timeout=60)
                 seconds.append(time.perf_counter() - t0)
                 cpu.append(cpu_seconds(client.pid) - c0)
-                seen.append(sum(parse_progress(v) is not None for v in unwrap_subkeys(entry).values()))
+                seen.append(sum(parse_progress(v) is not None for entry in found.values()
+                                for v in unwrap_subkeys(entry).values()))
         finally:
             client.shutdown()
         fresh = DHT(initial_peers=bootstrap, start=True, client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],

@@ -58,6 +58,8 @@ from atoll.protocols.records import (
     open_rounds_key,
     parse_progress,
     progress_key,
+    progress_keys,
+    progress_shard,
     round_key,
     unwrap_subkeys,
 )
@@ -137,8 +139,8 @@ class HostileMember:
 
     # ---- what the honest daemons publish -------------------------------------------------------------------------
     async def _honest(self) -> list[ProgressRecord]:
-        entry = await dht_io.get(self.dht, progress_key(self.namespace))
-        records = [parse_progress(v) for v in unwrap_subkeys(entry).values()]
+        found = await dht_io.get_many(self.dht, progress_keys(self.namespace))
+        records = [parse_progress(v) for entry in found.values() for v in unwrap_subkeys(entry).values()]
         return [r for r in records if r is not None and r.peer_id != self.peer_id and r.status == "training"]
 
     @property
@@ -151,7 +153,8 @@ class HostileMember:
         return version, weight, tensor_hash(self.served[p], torch.zeros(self.numels[p]))
 
     async def _publish(self, record: dict[str, Any], ttl: float = 6.0) -> bool:
-        return await dht_io.store(self.dht, progress_key(self.namespace), record, get_dht_time() + ttl, self.subkey)
+        return await dht_io.store(self.dht, progress_key(self.namespace, progress_shard(self.peer_id)), record,
+                                  get_dht_time() + ttl, self.subkey)
 
     def _record_like(self, honest: ProgressRecord, **changes: Any) -> dict[str, Any]:
         record = honest.dict()
@@ -277,7 +280,8 @@ class HostileMember:
                 await self._publish(self._record_like(top))
                 for p in range(len(top.fragment_versions)):
                     record = {"peer_id": self.peer_id, "fragment": p, "version": top.fragment_versions[p]}
-                    announced += await dht_io.store(self.dht, open_rounds_key(self.run_id), record,
+                    key = open_rounds_key(self.run_id, p, top.fragment_versions[p], top.fragment_hashes[p])
+                    announced += await dht_io.store(self.dht, key, record,
                                                     get_dht_time() + 8, self.subkey)
             await asyncio.sleep(0.5)
         return {"announced": announced}
@@ -292,9 +296,10 @@ class HostileMember:
         top = max(honest, key=lambda r: r.version)
         ten_years = get_dht_time() + 10 * 365 * 86400
         for i in range(50):
-            record = self._record_like(top, peer_id=f"Qm{'fake' * 8}{i:04d}")
-            counts["fake_identities"] += await dht_io.store(self.dht, progress_key(self.run_id), record, ten_years,
-                                                            self.subkey + b"%04d" % i)
+            fake = f"Qm{'fake' * 8}{i:04d}"
+            record = self._record_like(top, peer_id=fake)
+            counts["fake_identities"] += await dht_io.store(self.dht, progress_key(self.run_id, progress_shard(fake)),
+                                                            record, ten_years, self.subkey + b"%04d" % i)
         version, _, base = top.fragment(0)
         # (Oversized, but under hivemind's own limit on what its DHT process reliably takes through its pipe: larger
         # commands arrive in pieces there and get lost, a hivemind race.)
@@ -302,7 +307,7 @@ class HostileMember:
                 {"peer_id": self.peer_id, "weight": 1.0, "time": 1.0, "extra": "x" * 8_000}, [1, 2, 3]]
         for value in junk:
             for key in (round_key(self.run_id, 0, version, base), group_key(self.run_id, 0, version, base),
-                        open_rounds_key(self.run_id)):
+                        open_rounds_key(self.run_id, 0, version, base)):
                 counts["malformed"] += await dht_io.store(self.dht, key, value, get_dht_time() + 600, self.subkey)
         hijack = {"fields": {"model": "12b", "clip_factor": 0.0}, "started_by": self.peer_id, "started_at": 0.0,
                   "access": "open", "run_key": None, "signature": None}

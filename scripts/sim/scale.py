@@ -48,7 +48,7 @@ from atoll.node.round_protocol import OPEN_ROUND_POLL, grace_window, join_window
 from atoll.protocols import dht_io, matchmaking, records
 from atoll.protocols.cooldown import Cooldown
 from atoll.protocols.dht_io import key_kind
-from atoll.protocols.records import Status, heavier, open_rounds_key, parse_open_round
+from atoll.protocols.records import PROGRESS_SHARDS, Status, heavier, open_rounds_key, parse_open_round
 from atoll.protocols.stats import TrafficStats
 
 SIGNATURE_BYTES = 256  # hivemind's RSASignatureValidator appends a 2048-bit signature to every value
@@ -184,19 +184,34 @@ class SimClient:
 
     def get(self, key: str, latest: bool = True, return_future: bool = True) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
-        asyncio.get_running_loop().call_later(self.dht.latency, self._answer, key, future)
+        asyncio.get_running_loop().call_later(self.dht.latency, self._answer, [key], future, False)
         return future
 
-    def _answer(self, key: str, future: asyncio.Future) -> None:
-        live, size = self.dht.read(key)
-        name = "get " + key_kind(key)
+    def run_coroutine(self, fn: Any, return_future: bool = True) -> asyncio.Future:
+        """What ``dht_io.get_many`` asks of a DHT's process: ``fn(dht, node)`` with a node whose ``get_many`` reads
+        several keys in one call of ``latency`` seconds."""
+        return asyncio.ensure_future(fn(self, SimpleNamespace(get_many=self._get_many)))
+
+    async def _get_many(self, keys: tuple[str, ...], sufficient_expiration_time: float = 0.0) -> dict[str, Any]:
+        future = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_later(self.dht.latency, self._answer, list(keys), future, True)
+        return await future
+
+    def _answer(self, keys: list[str], future: asyncio.Future, many: bool) -> None:
+        """One call (counted once, of the first key's kind) that returns every key's live entries (``many``: as a
+        dict by key, else the one key's)."""
+        name = "get " + key_kind(keys[0])
         self.traffic.calls[name] += 1
-        self.traffic.entries[name] += len(live)
-        self.traffic.bytes[name] += size
-        self.dht.key_reads[key] += 1
-        self.dht.key_bytes[key] += size
+        found = {}
+        for key in keys:
+            live, size = self.dht.read(key)
+            self.traffic.entries[name] += len(live)
+            self.traffic.bytes[name] += size
+            self.dht.key_reads[key] += 1
+            self.dht.key_bytes[key] += size
+            found[key] = ValueWithExpiration(live, self.dht.latest[key]) if live else None
         if not future.done():
-            future.set_result(ValueWithExpiration(live, self.dht.latest[key]) if live else None)
+            future.set_result(found if many else found[keys[0]])
 
     def store(self, key: str, value: Any, expiration_time: float, subkey: Any = None,
               return_future: bool = True) -> asyncio.Future:
@@ -233,6 +248,7 @@ class SimConfig:
     allreduce_s: float = 2.0
     download_s: float = 5.0
     merge_groups: bool = True  # False: a split round's groups stay apart (the protocol before its groups merged)
+    progress_shards: int = PROGRESS_SHARDS  # 1: every record under one key, read whole (the layout before shards)
     drain: float = 30.0  # virtual seconds after the window without new rounds (``Swarm.run``)
     newcomers: int = 4  # islands that join during the window
     seed: int = 0
@@ -275,6 +291,7 @@ class Island:
         self.opened = asyncio.Event()
         self.next_due = math.inf  # when our next round is due (``train``)
         self.last_round_version = -1
+        self.announced = -1  # the version whose round a peer announced (``RoundProtocol._announced``)
         self.first_merge_at: float | None = None
         self.formation: list[float] = []
         self.sizes: list[int] = []
@@ -290,7 +307,7 @@ class Island:
             run_public_key=None, revocation=None, namespace=lambda: sim.run_id,
             revoked=lambda peer: False, reject=stats.reject,
         )
-        self.table = peers_module.PeerTable(self.ctx)
+        self.table = peers_module.PeerTable(self.ctx, shards=sim.cfg.progress_shards)
 
     def _progress(self) -> dict[str, Any]:
         return {"status": self.status.value, "device": "cpu", "ranks": 1, "algorithm": "decoupled",
@@ -332,20 +349,18 @@ class Island:
             self.downloading = False
 
     async def watch_open_rounds(self) -> None:
-        """As ``RoundProtocol.watch_open_rounds``: a live peer's round at our version and replica, opened."""
+        """As ``RoundProtocol.watch_open_rounds``: a peer's round from our version and replica, opened."""
         while True:
             await asyncio.sleep(OPEN_ROUND_POLL)
-            entry = await dht_io.get(self.ctx.dht, open_rounds_key(self.sim.run_id))
-            peers = self.table.peers()
-            for value in records.unwrap_subkeys(entry).values():
+            version, _, digest = self.replica.identity()
+            key = open_rounds_key(self.sim.run_id, 0, version, digest)
+            found = await dht_io.get_many(self.ctx.dht, [key])
+            for value in records.unwrap_subkeys(found.get(key)).values():
                 parsed = _parse_open_round(value)
-                if parsed is None:
+                if parsed is None or parsed[0] == self.peer_id or parsed[1:] != (0, version):
                     continue
-                peer, _, version = parsed
-                mine = self.replica.identity()
-                if (peer != self.peer_id and peer in peers and not self.in_round
-                        and self.last_round_version != version and version == mine[0]
-                        and peers[peer].fragment(0) == (version, peers[peer].fragment(0)[1], mine[2])):
+                self.announced = version
+                if not self.in_round and self.last_round_version != version:
                     self.opened.set()
 
     async def train(self) -> None:
@@ -374,15 +389,19 @@ class Island:
         started = sim.clock.now
         decided: list[list[list[str]]] = []
         try:
-            await self.ctx.dht.store(open_rounds_key(sim.run_id),
-                                     {"peer_id": self.peer_id, "fragment": 0, "version": version},
-                                     sim.clock.now + cfg.gather_timeout, self.subkey)
+            if self.announced != version:
+                await self.ctx.dht.store(open_rounds_key(sim.run_id, 0, version, digest),
+                                         {"peer_id": self.peer_id, "fragment": 0, "version": version},
+                                         sim.clock.now + cfg.gather_timeout, self.subkey)
 
             async def live_peers() -> dict[str, int]:
                 table = await self.table.refresh(max_age=1.0)
                 return {peer.peer_id: peer.fragment_versions[0] for peer in table.values()
-                        if peer.status == Status.TRAINING and not (peer.fragment_versions[0] == version
-                                                                   and peer.fragment_hashes[0] != digest)}
+                        if peer.status == Status.TRAINING}
+
+            def expects(peer_id: str) -> bool:
+                peer = self.table.peers().get(peer_id)
+                return peer is None or not (peer.fragment_versions[0] == version and peer.fragment_hashes[0] != digest)
 
             grace = max(grace_window(cfg.grace_gamma, cfg.overlap, self.step_time, 0.0, cfg.allreduce_s),
                         join_window(self.step_time, cfg.latency, cfg.sync_every, OPEN_ROUND_POLL,
@@ -392,8 +411,10 @@ class Island:
                 subkey=self.subkey, weight=float(cfg.sync_every * TOKENS_PER_STEP), live_peers=live_peers,
                 gather_timeout=cfg.gather_timeout, abort=lambda: bool(self.heavier_peers()), quorum=1,
                 grace=lambda: grace, max_group=cfg.max_group, base=digest, not_before=self.joins_at,
-                on_groups=decided.append)
+                on_groups=decided.append, look_up=self.table.look_up, expects=expects)
             if not members:
+                if decided:  # as ``RoundProtocol.run``: left out, follow the members
+                    self.table.follow([m for group in decided[-1] for m in group])
                 return
             if sim.measure_from <= sim.clock.now < sim.rounds_stop_at:
                 self.formation.append(sim.clock.now - started)
@@ -413,6 +434,7 @@ class Island:
                 self.first_merge_at = sim.clock.now
         finally:
             self.in_round = False
+            self._published = asyncio.ensure_future(self.table.publish(self.status))  # as ``RoundProtocol.run``
 
     async def live(self) -> None:
         await asyncio.sleep(max(0.0, self.joins_at - self.sim.clock.now))

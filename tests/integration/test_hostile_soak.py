@@ -18,7 +18,7 @@ from test_swarm import assert_replicas_agree, peer_id, wait_for
 
 from atoll.protocols.averaging import AveragingServicer
 from atoll.protocols.matchmaking import group_key
-from atoll.protocols.records import open_rounds_key, progress_key, round_key
+from atoll.protocols.records import open_rounds_key, progress_keys, round_key
 from atoll.protocols.state_sync import StateServicer
 from atoll.protocols.wire import pack_request
 
@@ -91,7 +91,8 @@ async def flood(dht: DHT, targets: list[PeerID], signer: RSASignatureValidator,
     await asyncio.gather(*calls)
 
     fragment, version, digest = current  # the round the daemons are about to form: they read these keys
-    keys = [progress_key(RUN), open_rounds_key(RUN), round_key(RUN, fragment, version, digest),
+    keys = [*progress_keys(RUN), open_rounds_key(RUN, fragment, version, digest),
+            round_key(RUN, fragment, version, digest),
             group_key(RUN, fragment, version, digest), *(round_key(RUN, 0, v) for v in range(40)),
             *(group_key(RUN, 0, v) for v in range(40))]
     junk = [None, 1, "x" * 1000, [1, 2], {"peer_id": 5}, {"groups": [["b", "a"]], "time": 1.0},

@@ -11,7 +11,7 @@ from swarm import LocalSwarm, StatusReader
 from test_swarm import assert_replicas_agree, peer_id, wait_for
 
 from atoll.protocols.stats import TrafficStats
-from atoll.protocols.records import make_validators, open_rounds_key, progress_key, round_key
+from atoll.protocols.records import make_validators, open_rounds_key, progress_key, progress_shard, round_key
 from atoll.models.configs import get_model_config
 from atoll.models.gpt import GPT
 from atoll.protocols.state_sync import _continue_from, _Transfer, p2p_opener
@@ -68,16 +68,18 @@ def test_outsider_cannot_write_records_or_join_rounds(swarm, outsider):
     dht, subkey = outsider
     a = swarm.daemons["a"]
     me = str(dht.peer_id)
-    version = max(r["version"] for r in a.rounds())
+    newest = max(a.rounds(), key=lambda r: r["version"])
+    version, digest = newest["version"], newest["hash"]
     # A heavier replica (it would make members download from it), a round registration for the next rounds, and an
     # open-round announcement: the members' DHT nodes refuse to store any of them.
     expiration = get_dht_time() + 60
-    assert not dht.store(progress_key("atoll"), _fake_progress(me, version + 50), expiration, subkey=subkey)
+    assert not dht.store(progress_key("atoll", progress_shard(me)), _fake_progress(me, version + 50), expiration,
+                         subkey=subkey)
     for v in range(version, version + 4):
         assert not dht.store(round_key("atoll", 0, v), {"peer_id": me, "weight": 1e6, "time": float(get_dht_time())},
                              expiration, subkey=subkey)
-    assert not dht.store(open_rounds_key("atoll"), {"peer_id": me, "fragment": 0, "version": version + 1},
-                         expiration, subkey=subkey)
+    announcement = {"peer_id": me, "fragment": 0, "version": version}
+    assert not dht.store(open_rounds_key("atoll", 0, version, digest), announcement, expiration, subkey=subkey)
     wait_for(lambda: "refused a DHT record of owner key" in a.log(), 30, "a to log the refused records")
     reader = StatusReader(swarm.bootstrap)
     try:

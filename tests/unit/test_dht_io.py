@@ -96,7 +96,8 @@ def test_calls_are_counted_by_kind_with_the_entries_read():
     from atoll.protocols.matchmaking import group_key
     from atoll.protocols.records import config_key, head_key, open_rounds_key, progress_key, revoked_key, round_key
 
-    kinds = {progress_key("r_open"): "progress", open_rounds_key("r"): "open", head_key("r"): "head",
+    kinds = {progress_key("r_open", 3): "progress", progress_key("r", 12): "progress",
+             open_rounds_key("r", 0, 5, "ab12"): "open", head_key("r"): "head",
              config_key("r"): "config", revoked_key("r"): "revoked", round_key("r", 0, 5): "round",
              round_key("r", 1, 12, "ab_cd"): "round", group_key("r", 0, 5): "group",
              group_key("r", 2, 7, "ab12"): "group", "r_elsewhere": "other"}
@@ -109,8 +110,8 @@ def test_calls_are_counted_by_kind_with_the_entries_read():
             return future
 
     dht_io.CALLS.clear()
-    assert dht_io.get_blocking(AnsweringDHT(), progress_key("r")).value == {"a": 1, "b": 2, "c": 3}
-    assert dht_io.get_blocking(AnsweringDHT(), progress_key("r")) is not None
+    assert dht_io.get_blocking(AnsweringDHT(), progress_key("r", 0)).value == {"a": 1, "b": 2, "c": 3}
+    assert dht_io.get_blocking(AnsweringDHT(), progress_key("r", 0)) is not None
     assert dht_io.get_blocking(BlockingSilentDHT(), head_key("r"), timeout=0.01) is None
     summary = dht_io.calls_summary()
     assert list(summary) == ["get head", "get progress"]

@@ -35,6 +35,7 @@ from atoll.protocols.records import (
     make_validators,
     open_rounds_key,
     progress_key,
+    progress_shard,
     revoked_key,
     round_key,
 )
@@ -101,11 +102,11 @@ def _refusals(validators) -> dict:
 # ---- one record per member per key ------------------------------------------------------------------------------
 def test_subkey_must_be_exactly_one_owner_marker(member, reader):
     validators, me = member
-    owner = validators[0].local_public_key
-    assert _accepts(reader, _record(validators, progress_key(RUN), _progress(me)))
+    owner, mine = validators[0].local_public_key, progress_key(RUN, progress_shard(me))
+    assert _accepts(reader, _record(validators, mine, _progress(me)))
     for subkey in (owner + b"fake1", b"x" + owner, owner + owner, owner[:-1] + b" x]"):
         # hivemind's signature check alone accepts each of these (the owner signed them): 50 fake records did.
-        assert not _accepts(reader, _record(validators, progress_key(RUN), _progress(me), subkey=subkey)), subkey
+        assert not _accepts(reader, _record(validators, mine, _progress(me), subkey=subkey)), subkey
     membership = next(v for v in reader if type(v).__name__ == "MembershipValidator")
     assert membership.refused["dht_member"] >= 3  # a private run's certificate check refuses them first
     assert owner_of_subkey(MSGPackSerializer.dumps(owner)) is not None
@@ -117,8 +118,9 @@ def test_subkey_must_be_exactly_one_owner_marker(member, reader):
 def test_open_runs_check_the_subkey_too_but_owner_keys_are_free():
     writer, reader = make_validators(RUN), make_validators(RUN)
     owner = writer[0].local_public_key
-    assert _accepts(reader, _record(writer, progress_key(RUN), _progress("anyone")))  # no binding: keys are free
-    assert not _accepts(reader, _record(writer, progress_key(RUN), _progress("anyone"), subkey=owner + b"2"))
+    key = progress_key(RUN, progress_shard("anyone"))
+    assert _accepts(reader, _record(writer, key, _progress("anyone")))  # no binding: keys are free
+    assert not _accepts(reader, _record(writer, key, _progress("anyone"), subkey=owner + b"2"))
     assert _refusals(reader)["dht_subkey"] == 1
 
 
@@ -133,10 +135,10 @@ def test_identity_file_of_a_member_key_gives_the_peer_id_readers_check(run_key):
 def test_a_record_claiming_another_peer_id_is_refused(member, reader, run_key):
     validators, me = member
     other = peer_id_of(run_key.issue_token(RUN).member_key.get_public_key().to_bytes())
-    for key, value in ((progress_key(RUN), _progress(other)), (head_key(RUN), {"peer_id": other, "version": 3,
-                                                                                "time": 1.0}),
+    mine = progress_key(RUN, progress_shard(me))
+    for key, value in ((mine, _progress(other)), (head_key(RUN), {"peer_id": other, "version": 3, "time": 1.0}),
                        (round_key(RUN, 0, 5, "ab"), _registration(other)),
-                       (open_rounds_key(RUN), {"peer_id": other, "fragment": 0, "version": 5})):
+                       (open_rounds_key(RUN, 0, 5, "ab"), {"peer_id": other, "fragment": 0, "version": 5})):
         assert not _accepts(reader, _record(validators, key, value)), key
         me_value = dict(value, peer_id=me)
         assert _accepts(reader, _record(validators, key, me_value)), key
@@ -145,10 +147,11 @@ def test_a_record_claiming_another_peer_id_is_refused(member, reader, run_key):
 
 # ---- expiry and size ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("key,value,cap", [
-    (progress_key(RUN), "progress", 600), (round_key(RUN, 1, 2), "round", 3600), (group_key(RUN, 1, 2), "group", 3600),
-    (open_rounds_key(RUN), "open", 3600), (head_key(RUN), "head", 7 * 24 * 3600)])
+    ("progress", "progress", 600), (round_key(RUN, 1, 2), "round", 3600), (group_key(RUN, 1, 2), "group", 3600),
+    (open_rounds_key(RUN, 1, 2, "ab"), "open", 3600), (head_key(RUN), "head", 7 * 24 * 3600)])
 def test_expiry_is_capped_per_kind(member, reader, key, value, cap):
     validators, me = member
+    key = progress_key(RUN, progress_shard(me)) if key == "progress" else key
     value = {"progress": _progress(me), "round": _registration(me), "group": {"groups": [[me]], "time": 1.0},
              "open": {"peer_id": me, "fragment": 1, "version": 2}, "head": {"peer_id": me, "version": 1,
                                                                                "time": 1.0}}[value]
@@ -161,10 +164,10 @@ def test_sizes_are_capped_and_a_full_progress_record_fits(member, reader):
     validators, me = member
     big = _progress(me, MAX_FRAGMENTS, device="d" * 128, fragment_hashes=["f" * 64] * MAX_FRAGMENTS,
                     rejected_by_kind={f"{i:032d}": 10**9 for i in range(MAX_REJECTION_KINDS)})
-    assert _accepts(reader, _record(validators, progress_key(RUN), big))
+    assert _accepts(reader, _record(validators, progress_key(RUN, progress_shard(me)), big))
     huge_group = {"groups": [[f"{i:0100d}" for i in range(1000)]], "time": 1.0}  # 100 KB
     assert not _accepts(reader, _record(validators, group_key(RUN, 0, 1), huge_group))
-    assert not _accepts(reader, _record(validators, progress_key(RUN), "x" * 40_000))
+    assert not _accepts(reader, _record(validators, progress_key(RUN, 0), "x" * 40_000))
     assert _refusals(reader)["dht_size"] == 2
     padded = MSGPackSerializer.dumps(_registration(me)) + b"\x00" * 600  # bytes after the value
     assert not _accepts(reader, _record(validators, round_key(RUN, 0, 1), None, raw=padded))
@@ -183,9 +186,9 @@ def test_dynamic_round_keys_hold_registrations_or_group_decisions_only(member, r
                        ({"groups": [[me]], "time": 1.0, "extra": 1}, None)):
         assert not _accepts(reader, _record(validators, rkey, value, raw=raw)), (value, raw)
     assert _refusals(reader)["dht_schema"] == 7
-    assert not _accepts(reader, _record(validators, open_rounds_key(RUN), {"peer_id": me, "fragment": -1,
+    assert not _accepts(reader, _record(validators, open_rounds_key(RUN, 0, 0, "ab"), {"peer_id": me, "fragment": -1,
                                                                           "version": 0}))
-    assert not _accepts(reader, _record(validators, progress_key(RUN), _registration(me)))  # static: its own kind
+    assert not _accepts(reader, _record(validators, progress_key(RUN, 0), _registration(me)))  # static: its own kind
     assert not _accepts(reader, _record(validators, config_key(RUN), {"fields": {}}))
 
 
@@ -215,14 +218,14 @@ def test_one_invalid_subkey_is_dropped_alone():
 def test_revocation_list_signature_serial_and_refusal(run_key, member, reader):
     validators, me = member
     rules = next(v for v in reader if isinstance(v, RunRecordValidator))
-    assert _accepts(reader, _record(validators, progress_key(RUN), _progress(me)))
+    assert _accepts(reader, _record(validators, progress_key(RUN, progress_shard(me)), _progress(me)))
     first = RevocationList(RUN, 1, (me,), 1.0).signed(run_key)
     forged = RevocationList(RUN, 9, (me,), 1.0).signed(RunKey.generate())
     assert not _accepts(reader, _record(validators, revoked_key(RUN), forged.to_record()))
     assert rules.revocation is None
     assert _accepts(reader, _record(validators, revoked_key(RUN), first.to_record()))  # read: applied
     assert rules.revoked == {me}
-    assert not _accepts(reader, _record(validators, progress_key(RUN), _progress(me)))
+    assert not _accepts(reader, _record(validators, progress_key(RUN, progress_shard(me)), _progress(me)))
     assert not _accepts(reader, _record(validators, round_key(RUN, 0, 1), _registration(me)))
     assert _refusals(reader)["dht_revoked"] == 2
     # An older (replayed) list takes nobody off: the serial only grows.

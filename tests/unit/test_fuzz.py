@@ -27,6 +27,7 @@ from atoll.protocols.matchmaking import parse_group_record
 from atoll.protocols.records import (
     ProgressRecord, make_validators, parse_open_round, parse_progress, parse_round_record, parse_run_config,
     progress_key,
+    progress_shard,
 )
 from atoll.protocols.stats import TrafficStats
 from atoll.protocols.wire import MAX_MESSAGE_BYTES, WireError, pack_request, pack_response, parts_to_tensor, unpack
@@ -201,12 +202,12 @@ def test_round_records_with_the_right_keys(value):
     lambda c: {**GOOD, **c})))
 def test_schema_validator_never_raises(value):
     signer = RSASignatureValidator()
-    schema = make_validators("run1")[-1]  # the schema validator (after signatures and membership)
+    schema = make_validators("run1")[2]  # the run's rules (after signatures and membership): progress by shape
     try:
         serialized = DHTProtocol.serializer.dumps(value)
     except Exception:  # not serializable: cannot arrive over the wire
         return
-    record = DHTRecord(key=DHTID.generate(source=progress_key("run1")).to_bytes(),
+    record = DHTRecord(key=DHTID.generate(source=progress_key("run1", progress_shard(GOOD["peer_id"]))).to_bytes(),
                        subkey=DHTProtocol.serializer.dumps(signer.local_public_key), value=serialized,
                        expiration_time=get_dht_time() + 10)
     ok = schema.validate(record)

@@ -214,3 +214,71 @@ def test_a_registrant_cannot_impose_a_forged_decision(monkeypatch, groups, time,
     assert (kind, offender) in rejected
     assert members == ["a", "evil"]  # a took over once evil's turn was over, with evil still in
     assert shared[gkey][b"a"]["groups"] == [["a", "evil"]]
+
+
+def test_a_registrant_waiting_for_the_decision_reads_the_registrations_rarely_and_when_it_lands(monkeypatch):
+    """The registrations (one per registrant) are the round's biggest record: b, not the coordinator, polls the
+    decision and reads them only every ``REGISTRATIONS_REREAD`` seconds and once the decision appears (to check
+    it). Loop time is stepped by each poll's sleep, not slept."""
+    from atoll.protocols import matchmaking
+    from atoll.protocols.matchmaking import REGISTRATIONS_REREAD, form_group, group_key, round_key
+
+    key, gkey = round_key("run", 0, 13, "D"), group_key("run", 0, 13, "D")
+    monkeypatch.setattr(matchmaking, "get_dht_time", lambda: 1001.0)
+    shared = {key: {b"a": {"peer_id": "a", "weight": 1.0, "time": 1000.0}}}  # a registered first: it coordinates
+    reads = {key: 0, gkey: 0}
+    polls = int(3 * REGISTRATIONS_REREAD / 0.2)
+
+    class Counting(FakeDHT):
+        async def get(self, k, latest, return_future):
+            reads[k] += 1
+            if k == gkey and reads[gkey] == polls:  # a decides after ``polls`` polls
+                shared[gkey] = {b"a": {"groups": [["a", "b"]], "time": 1000.9}}
+            return await super().get(k, latest, return_future)
+
+    loop = asyncio.new_event_loop()
+    now = [0.0]
+    monkeypatch.setattr(loop, "time", lambda: now[0])
+
+    async def sleep(seconds):
+        now[0] += seconds
+
+    async def live():
+        return {"a": 13}
+
+    monkeypatch.setattr(matchmaking.asyncio, "sleep", sleep)
+    try:
+        members = loop.run_until_complete(form_group(
+            Counting(shared), run_id="run", fragment=0, version=13, peer_id="b", subkey=b"b", weight=1.0,
+            live_peers=live, gather_timeout=30.0, abort=lambda: False, base="D"))
+    finally:
+        loop.close()
+    assert members == ["a", "b"] and reads[gkey] == polls
+    # Every 1 s of 3 s of polls, and once more when the decision landed: not at each of the 15 polls.
+    assert reads[key] == pytest.approx(3 * 1 + 1, abs=1)
+
+
+def test_a_registrant_missing_from_the_table_is_looked_up_and_counted(monkeypatch):
+    """A large swarm's table is read in turns: a newcomer's registration may name a peer the coordinator has not
+    read yet. It is looked up (its shard read) and then counted, instead of waiting a turn round the shards."""
+    from atoll.protocols import matchmaking
+    from atoll.protocols.matchmaking import form_group, group_key, round_key
+
+    key, gkey = round_key("run", 0, 13, "D"), group_key("run", 0, 13, "D")
+    clock = iter(range(1000, 2000))
+    monkeypatch.setattr(matchmaking, "get_dht_time", lambda: float(next(clock)))
+    shared = {key: {b"n": {"peer_id": "n", "weight": 1.0, "time": 1001.0}}}  # a newcomer; we register at 1000
+    table, asked = {"a": 13}, []
+
+    async def live():
+        return dict(table)
+
+    async def look_up(peer_ids):
+        asked.append(set(peer_ids))
+        table.update({p: 13 for p in peer_ids})
+
+    members = asyncio.run(form_group(
+        FakeDHT(shared), run_id="run", fragment=0, version=13, peer_id="c", subkey=b"c", weight=1.0,
+        live_peers=live, gather_timeout=5.0, abort=lambda: False, base="D", quorum=1, poll_interval=0.0,
+        look_up=look_up))
+    assert asked[0] == {"n"} and "n" in members

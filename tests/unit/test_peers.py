@@ -1,16 +1,27 @@
-"""The peer table: reads with ``max_age`` are shared and reused, plain reads always go to the DHT (no sockets:
-the DHT read is replaced by a counting stub)."""
+"""The peer table: reads with ``max_age`` are shared and reused, plain reads always go to the DHT; the progress
+records' shards are all read while the swarm is small, and in turns within ``READ_BUDGET`` records past it (no
+sockets: the DHT read is replaced by a stub)."""
 
 import asyncio
+import math
+from types import SimpleNamespace
 
-from atoll.node.peers import PeerTable
+import pytest
+from hivemind.utils import get_dht_time
+
+from atoll.node import peers as peers_module
+from atoll.node.peers import READ_BUDGET, PeerTable
+from atoll.protocols.cooldown import Cooldown
+from atoll.protocols.records import PROGRESS_SHARDS, progress_key, progress_shard
+from atoll.protocols.stats import TrafficStats
+from test_state_sync import record
 
 
 def counting_table(delay: float = 0.0) -> tuple[PeerTable, list[int]]:
-    table = PeerTable(ctx=None)  # the stubbed read below is all a refresh touches
+    table = PeerTable(ctx=SimpleNamespace(peer_id="me"))  # the stubbed read below is all a refresh touches
     reads: list[int] = []
 
-    async def read():
+    async def read(shards, prune=False):
         reads.append(len(reads))
         await asyncio.sleep(delay)
         peers = {f"peer{len(reads)}": object()}
@@ -18,7 +29,7 @@ def counting_table(delay: float = 0.0) -> tuple[PeerTable, list[int]]:
             table._peers = peers
         return peers
 
-    table._read_table = read
+    table._read_shards = read
     return table, reads
 
 
@@ -53,29 +64,133 @@ def test_plain_reads_always_go_to_the_dht():
     asyncio.run(main())
 
 
-def test_a_progress_record_from_the_future_is_left_out_and_counted(monkeypatch):
+# ---- shards ----------------------------------------------------------------------------------------------------
+class ShardedDHT:
+    """``dht_io.get_many`` over progress records kept per shard key; notes the shards each read asked for."""
+
+    def __init__(self, records) -> None:
+        self.held: dict[str, dict] = {}
+        self.asked: list[list[int]] = []
+        for rec in records:
+            self.put(rec)
+
+    def put(self, rec, shard: int | None = None) -> None:
+        key = progress_key("run", progress_shard(rec.peer_id) if shard is None else shard)
+        self.held.setdefault(key, {})[f"k{rec.peer_id}".encode()] = SimpleNamespace(value=rec.dict())
+
+    async def get_many(self, dht, keys, on_timeout=None):
+        self.asked.append([int(key.rsplit("_", 1)[1]) for key in keys])
+        return {key: SimpleNamespace(value=dict(self.held[key])) if key in self.held else None for key in keys}
+
+
+def sharded_table(monkeypatch, peers: int, clock: list[float]) -> tuple[PeerTable, ShardedDHT, TrafficStats]:
+    now = get_dht_time()
+    records = [record(f"p{i}", [1], ["x"]) for i in range(peers)]
+    for rec in records:
+        rec.time = now
+    dht = ShardedDHT(records)
+    monkeypatch.setattr(peers_module.dht_io, "get_many", dht.get_many)
+    monkeypatch.setattr(peers_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    stats = TrafficStats()
+    ctx = SimpleNamespace(dht=None, namespace=lambda: "run", reject=stats.reject, cooldown=Cooldown(60.0),
+                          replica=SimpleNamespace(num_fragments=1), peer_id="me", run_public_key=None,
+                          cfg=SimpleNamespace(heartbeat=2.0), revoked=lambda peer: False)
+    return PeerTable(ctx), dht, stats
+
+
+def test_a_small_swarm_reads_every_shard_each_time(monkeypatch):
+    clock = [0.0]
+    table, dht, _ = sharded_table(monkeypatch, 40, clock)
+    for _ in range(3):
+        assert len(asyncio.run(table.refresh())) == 40
+        clock[0] += 2.0
+    assert dht.asked == [list(range(PROGRESS_SHARDS))] * 3
+
+
+def test_a_large_swarm_reads_its_shard_and_the_others_in_turns_within_the_budget(monkeypatch):
+    clock = [0.0]
+    n = 40 * PROGRESS_SHARDS  # 40 records a shard: one read of our own shard and one other
+    table, dht, _ = sharded_table(monkeypatch, n, clock)
+    assert len(asyncio.run(table.refresh())) == n  # the first read knows nothing yet: every shard
+    mine = table.my_shard
+    others = [s for s in range(PROGRESS_SHARDS) if s != mine]
+    turn = round(READ_BUDGET / (n / PROGRESS_SHARDS)) - 1
+    assert turn >= 1
+    seen: list[int] = []
+    for _ in range(math.ceil(len(others) / turn)):
+        clock[0] += 2.0
+        asyncio.run(table.refresh())
+        asked = dht.asked[-1]
+        assert asked[0] == mine and mine not in asked[1:] and len(asked) == 1 + turn
+        seen += asked[1:]
+        assert len(table.peers()) == n  # what was read in earlier turns is kept
+    assert set(seen) == set(others)  # one turn round reads every other shard
+    # A peer that left is gone once its shard is read again; a shard not read for longer than a turn and a
+    # record's lifetime is dropped.
+    gone = next(f"p{i}" for i in range(n) if progress_shard(f"p{i}") == mine)
+    del dht.held[progress_key("run", mine)][f"k{gone}".encode()]
+    clock[0] += 2.0
+    asyncio.run(table.refresh())
+    assert gone not in table.peers() and len(table.peers()) == n - 1
+    clock[0] += 1000.0
+    asyncio.run(table.refresh())
+    assert {progress_shard(p) for p in table.peers()} == set(dht.asked[-1])
+
+
+def test_a_record_in_the_wrong_shard_is_refused_and_counted(monkeypatch):
+    clock = [0.0]
+    table, dht, stats = sharded_table(monkeypatch, 4, clock)
+    stray = record("stray", [1], ["x"])
+    stray.time = get_dht_time()
+    dht.put(stray, shard=(progress_shard("stray") + 1) % PROGRESS_SHARDS)
+    assert set(asyncio.run(table.refresh())) == {"p0", "p1", "p2", "p3"}
+    assert stats.rejected_by_kind == {"progress_shard": 1}
+
+
+def test_a_member_is_looked_for_in_its_own_shard_only(monkeypatch):
+    clock = [0.0]
+    table, dht, _ = sharded_table(monkeypatch, 3 * PROGRESS_SHARDS, clock)
+    assert asyncio.run(table.is_member("p7"))
+    assert dht.asked == [[progress_shard("p7")]]
+
+
+@pytest.mark.parametrize("shards", [1, PROGRESS_SHARDS])
+def test_a_progress_record_from_the_future_is_left_out_and_counted(monkeypatch, shards):
     """A member's record claiming a time ahead of the reader's clock (to outlive its expiry in others' eyes, or to
     look fresher than it is) is not a live peer; it is counted, not held against the key (clocks drift)."""
-    from types import SimpleNamespace
-
-    from hivemind.utils import get_dht_time
-
-    from atoll.protocols.cooldown import Cooldown
-    from atoll.protocols.stats import TrafficStats
-    from test_state_sync import record
-
     now = get_dht_time()
     fresh, ahead = record("b", [1], ["x"]), record("m", [1], ["x"])
     fresh.time, ahead.time = now, now + 3600
-    entry = SimpleNamespace(value={b"kb": SimpleNamespace(value=fresh.dict()),
-                                   b"km": SimpleNamespace(value=ahead.dict())})
+    held: dict[str, dict] = {}
+    for subkey, rec in ((b"kb", fresh), (b"km", ahead)):
+        held.setdefault(progress_key("run", progress_shard(rec.peer_id, shards)), {})[subkey] = \
+            SimpleNamespace(value=rec.dict())
 
-    async def get(dht, key, on_timeout=None):
-        return entry
+    async def get_many(dht, keys, on_timeout=None):
+        return {key: SimpleNamespace(value=held[key]) if key in held else None for key in keys}
 
-    monkeypatch.setattr("atoll.node.peers.dht_io.get", get)
+    monkeypatch.setattr("atoll.node.peers.dht_io.get_many", get_many)
     stats = TrafficStats()
     ctx = SimpleNamespace(dht=None, namespace=lambda: "run", reject=stats.reject, cooldown=Cooldown(60.0),
-                          replica=SimpleNamespace(num_fragments=1), peer_id="me", run_public_key=None)  # open run
-    peers = asyncio.run(PeerTable(ctx)._read_table())
+                          replica=SimpleNamespace(num_fragments=1), peer_id="me", run_public_key=None,
+                          cfg=SimpleNamespace(heartbeat=2.0))  # open run
+    peers = asyncio.run(PeerTable(ctx, shards=shards).refresh())
     assert set(peers) == {"b"} and stats.rejected_by_kind == {"progress_record_time": 1}
+
+
+def test_a_look_up_reads_the_shards_of_unknown_peers_at_most_once_per_max_age(monkeypatch):
+    clock = [0.0]
+    table, dht, _ = sharded_table(monkeypatch, 3 * PROGRESS_SHARDS, clock)
+    asyncio.run(table.look_up({"p1", "p2"}))
+    assert dht.asked == [sorted({progress_shard("p1"), progress_shard("p2")})]
+    assert {"p1", "p2"} <= set(table.peers())
+    asyncio.run(table.look_up({"p1"}))  # known now: nothing to read
+    shard = progress_shard("p1")
+    stranger = next(f"q{i}" for i in range(1000) if progress_shard(f"q{i}") == shard)  # no record anywhere
+    gone = next(p for p in table.peers() if p != "p1" and progress_shard(p) == shard)
+    dht.held[progress_key("run", shard)].pop(f"k{gone}".encode())  # it left
+    asyncio.run(table.look_up({stranger}))  # its shard was read less than max_age ago: not read again
+    assert len(dht.asked) == 1 and gone in table.peers()
+    clock[0] += 1.5
+    asyncio.run(table.look_up({stranger}))
+    assert dht.asked[1] == [shard] and gone not in table.peers() and stranger not in table.peers()

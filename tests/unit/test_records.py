@@ -9,11 +9,13 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from atoll.protocols.records import (
+    PROGRESS_SHARDS,
     heavier,
     make_validators,
     parse_progress,
     parse_round_record,
     progress_key,
+    progress_shard,
     unwrap_subkeys,
 )
 
@@ -83,16 +85,20 @@ def _record(key, subkey, value):
     )
 
 
-def test_schema_validator_checks_progress_values():
-    schema = make_validators("run1")[-1]
+def test_the_run_validator_checks_progress_values_and_their_shard():
+    rules = make_validators("run1")[2]
     owner = RSASignatureValidator().local_public_key
-    assert schema.validate(_record(progress_key("run1"), owner, good_progress()))
-    assert not schema.validate(_record(progress_key("run1"), owner, good_progress(step=-5)))
+    key = progress_key("run1", progress_shard("QmPeer"))
+    assert rules.validate(_record(key, owner, good_progress()))
+    assert not rules.validate(_record(key, owner, good_progress(step=-5)))
+    elsewhere = progress_key("run1", (progress_shard("QmPeer") + 1) % PROGRESS_SHARDS)
+    assert not rules.validate(_record(elsewhere, owner, good_progress()))  # crowding another shard's key
+    assert rules.refused == {"dht_schema": 1, "dht_shard": 1}
 
 
 def test_signature_validator_refuses_unsigned_owner_records():
     validator = RSASignatureValidator()
-    record = _record(progress_key("run1"), validator.local_public_key, good_progress())
+    record = _record(progress_key("run1", 0), validator.local_public_key, good_progress())
     assert not validator.validate(record)  # an owner subkey without the owner's signature
     signed = DHTRecord(record.key, record.subkey, validator.sign_value(record), record.expiration_time)
     assert validator.validate(signed)
