@@ -123,15 +123,15 @@ class RoundProtocol:
         behind = False
         try:
 
+            forked: set[str] = set()  # a peer at our version with another replica meets in another round
+
             async def live_peers() -> dict[str, int]:
                 peers = await self.peers.refresh(max_age=PEERS_MAX_AGE)
+                forked.clear()
+                forked.update(peer.peer_id for peer in peers.values()
+                              if peer.fragment_versions[p] == version and peer.fragment_hashes[p] != digest)
                 return {peer.peer_id: peer.fragment_versions[p] for peer in peers.values()
                         if peer.status == Status.TRAINING}
-
-            def expects(peer_id: str) -> bool:
-                # A peer at our version with another replica (a fork) meets in another round: do not wait for it.
-                peer = self.peers.peers().get(peer_id)
-                return peer is None or not (peer.fragment_versions[p] == version and peer.fragment_hashes[p] != digest)
 
             self._last_round[p] = version
             decided: list[list[list[str]]] = []
@@ -142,7 +142,7 @@ class RoundProtocol:
                 subkey=ctx.subkey, weight=weight, live_peers=live_peers, gather_timeout=run.gather_timeout,
                 abort=lambda: self.catch_up.behind(p), quorum=run.quorum if algo.quorum else None,
                 grace=self.grace, on_reject=ctx.reject, max_group=run.max_group, look_up=self.peers.look_up,
-                expects=expects,
+                expects=lambda peer: peer not in forked,
                 excluded=lambda peer: ctx.cooldown.active(peer) or ctx.revoked(peer),
                 base=digest, not_before=ctx.started_at, on_groups=decided.append,
             )

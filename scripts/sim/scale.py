@@ -394,14 +394,15 @@ class Island:
                                          {"peer_id": self.peer_id, "fragment": 0, "version": version},
                                          sim.clock.now + cfg.gather_timeout, self.subkey)
 
+            forked: set[str] = set()
+
             async def live_peers() -> dict[str, int]:
                 table = await self.table.refresh(max_age=1.0)
+                forked.clear()
+                forked.update(peer.peer_id for peer in table.values()
+                              if peer.fragment_versions[0] == version and peer.fragment_hashes[0] != digest)
                 return {peer.peer_id: peer.fragment_versions[0] for peer in table.values()
                         if peer.status == Status.TRAINING}
-
-            def expects(peer_id: str) -> bool:
-                peer = self.table.peers().get(peer_id)
-                return peer is None or not (peer.fragment_versions[0] == version and peer.fragment_hashes[0] != digest)
 
             grace = max(grace_window(cfg.grace_gamma, cfg.overlap, self.step_time, 0.0, cfg.allreduce_s),
                         join_window(self.step_time, cfg.latency, cfg.sync_every, OPEN_ROUND_POLL,
@@ -411,7 +412,8 @@ class Island:
                 subkey=self.subkey, weight=float(cfg.sync_every * TOKENS_PER_STEP), live_peers=live_peers,
                 gather_timeout=cfg.gather_timeout, abort=lambda: bool(self.heavier_peers()), quorum=1,
                 grace=lambda: grace, max_group=cfg.max_group, base=digest, not_before=self.joins_at,
-                on_groups=decided.append, look_up=self.table.look_up, expects=expects)
+                on_groups=decided.append, look_up=self.table.look_up,
+                expects=lambda peer: peer not in forked)
             if not members:
                 if decided:  # as ``RoundProtocol.run``: left out, follow the members
                     self.table.follow([m for group in decided[-1] for m in group])
