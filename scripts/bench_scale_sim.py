@@ -20,7 +20,8 @@ Each figure is the mean over seeds, with the lowest and highest seed; its growth
 slope of log figure against log N (0: flat, 1: linear). Nothing here is timed on the wall clock: the figures are
 counts, the same on any machine. Writes docs/results/bench_scale_sim.json and .png (``--out`` to change);
 ``--add-to JSON`` keeps an earlier run's results and adds the sizes given (each variant of the largest size can
-then run in its own process: ``--variants``).
+then run in its own process: ``--variants``). ``--before JSON`` shows an earlier revision's merged runs beside
+these, as the baseline of a change to the protocol (the old code cannot run in the same process as the new).
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ FIGURES = {  # key: (label, unit, how to read it from one run's summary)
 
 
 VARIANTS = {"merged": True, "split": False}  # name: SimConfig.merge_groups
+BEFORE = "one key (before)"  # ``--before``: an earlier revision's merged runs, every record under one key
+COLORS = {"merged": "C0", "split": "C3", BEFORE: "C7"}
 
 
 def row(n: int, variant: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -75,14 +78,14 @@ def plot(doc: dict[str, Any], path: Path) -> None:
 
     fig, axes = plt.subplots(3, 4, figsize=(17, 10))
     for ax, (key, (label, unit, _)) in zip(axes.flat, FIGURES.items()):
-        for color, variant in zip(("C0", "C3"), VARIANTS):
+        for variant, color in COLORS.items():
             rows = [r for r in doc["sizes"] if r["variant"] == variant and r[key] is not None]
             if not rows:
                 continue
             sizes, values = [r["islands"] for r in rows], [r[key] for r in rows]
             lo = [max(0.0, v - r[key + "_range"][0]) for v, r in zip(values, rows)]  # float rounding: never < 0
             hi = [max(0.0, r[key + "_range"][1] - v) for v, r in zip(values, rows)]
-            slope = doc["growth"][variant].get(key)
+            slope = doc["growth"].get(variant, {}).get(key)
             ax.errorbar(sizes, values, yerr=[lo, hi], fmt="o-", color=color, capsize=3,
                         label=variant + (f" (∝ N^{slope:.2f})" if slope is not None else ""))
             ax.set_xticks(sizes, [str(n) for n in sizes])
@@ -96,8 +99,9 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     for ax in list(axes.flat)[len(FIGURES):]:
         ax.axis("off")
     fig.suptitle(f"bench_scale_sim: the protocol's real code over a simulated DHT, groups capped at "
-                 f"{doc['max_group']}; merged: a split round's groups merge, split: they stay apart "
-                 f"(mean over seeds, bars: lowest and highest seed)", fontsize=10)
+                 f"{doc['max_group']}; merged: a split round's groups merge, split: they stay apart; "
+                 f"{BEFORE}: an earlier revision's merged runs (mean over seeds, bars: lowest and highest seed)",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -116,6 +120,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "bench_scale_sim")
     ap.add_argument("--add-to", type=Path, nargs="+", default=[], help="earlier runs' JSON: keep their runs and add "
                     "these sizes' (the figures are counts in virtual time, the same on any machine and day)")
+    ap.add_argument("--before", type=Path, help=f"an earlier revision's JSON: its merged runs are shown as "
+                    f"{BEFORE!r}, the baseline of the progress shards and per-round open keys (the protocol's code "
+                    f"before them cannot run beside today's in one process; the counts are deterministic)")
     args = ap.parse_args()
     if any(n < 2 for n in args.sizes) or args.max_group < 1 or args.seconds <= 0 or args.latency < 0:
         print("bench_scale_sim: error: sizes must be at least 2, --max-group at least 1, --seconds positive and "
@@ -133,6 +140,11 @@ def main() -> int:
                 runs.setdefault((int(n), variant), []).extend(results)
         earlier_commands += [c for c in (earlier["command"], *earlier.get("added", [])) if c not in earlier_commands]
     commands = [*earlier_commands, *commands]
+    before = json.loads(args.before.read_text()) if args.before else None
+    for name, results in (before or {}).get("runs", {}).items():
+        n, variant = name.split(" ", 1)
+        if variant == "merged":
+            runs[(int(n), BEFORE)] = results
     for n in args.sizes or [None]:
         seeds = [] if n is None else (args.seeds[:args.largest_seeds] if args.largest_seeds and n == max(args.sizes)
                                    else args.seeds)
@@ -150,14 +162,16 @@ def main() -> int:
         rows = [row(m, v, rs) for (m, v), rs in sorted(runs.items())]
         growth = {v: {key: power_law([r["islands"] for r in rows if r["variant"] == v],
                                      [r[key] for r in rows if r["variant"] == v]) for key in FIGURES}
-                  for v in VARIANTS}
+                  for v in COLORS if any(r["variant"] == v for r in rows)}
         doc = {"command": commands[0], "added": commands[1:],
+               "before": {"path": str(args.before), "command": before["command"],
+                          "added": before.get("added", [])} if before else None,
                "seconds": args.seconds, "warmup": args.warmup, "max_group": args.max_group,
                "latency": args.latency, "seeds": args.seeds, "sizes": rows, "growth": growth,
                "runs": {f"{m} {v}": rs for (m, v), rs in sorted(runs.items())}}
         args.out.with_suffix(".json").write_text(json.dumps(doc, indent=1))  # after each size: a later one may fail
         plot(doc, args.out.with_suffix(".png"))
-    for variant in VARIANTS:
+    for variant in growth:
         print(variant)
         for key, (label, unit, _) in FIGURES.items():
             cells = "  ".join(f"{r[key]:.3g}" if r[key] is not None else "-" for r in rows if r["variant"] == variant)
