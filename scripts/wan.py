@@ -222,12 +222,17 @@ def run_delayline(tun: str, links: dict[int, tuple[float, float, float]], stats_
     class Stop(Exception):
         pass
 
+    stopping = False
+
     def on_term(*_):
-        # Once: a second signal (Ctrl-C reaches the whole group, then close() sends SIGTERM) must not interrupt
-        # the stats being written. A flag would not do: PEP 475 restarts the blocking poll() after the handler.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        raise Stop
+        # Raise once: a second signal (Ctrl-C reaches the whole group, then close() sends SIGTERM) must not
+        # interrupt the stats being written. Raise, not set a flag: PEP 475 restarts the blocking poll() after a
+        # handler that returns. Not SIG_IGN for the second either: a signal already pending when the handler is
+        # swapped raises "Signal N ignored due to race condition" wherever the interpreter then is.
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            raise Stop
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)

@@ -227,6 +227,21 @@ def _start_up(state_dir: Path, *regions: str) -> subprocess.Popen:
     raise AssertionError(f"wan.py up did not come up: {p.stderr.read()}")
 
 
+def test_delay_line_takes_two_signals_at_once(leftovers, capfd):
+    """Ctrl-C reaches the delay line and close()'s SIGTERM follows: both can be pending before Python runs either
+    handler. Made certain here by sending both while the line is stopped. It must write its stats, exit 0 and
+    print nothing (the line inherits our stderr)."""
+    with wan.Wan([Region("a", delay_ms=5), Region("b", delay_ms=5)], tag="two") as w:
+        line = w._delay
+        os.kill(line.pid, signal.SIGSTOP)
+        os.kill(line.pid, signal.SIGINT)
+        os.kill(line.pid, signal.SIGTERM)
+        os.kill(line.pid, signal.SIGCONT)
+        assert line.wait(timeout=10) == 0
+        assert json.loads(Path(w.stats_path).read_text())["pushed"] >= 0
+    assert "Traceback" not in capfd.readouterr().err
+
+
 @pytest.mark.parametrize("sig,group", [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGINT, True)])
 def test_up_tears_down_on_signal(leftovers, tmp_path, sig, group):
     """SIGINT or SIGTERM to `wan.py up`, or SIGINT to its whole process group (Ctrl-C in a terminal: the delay
