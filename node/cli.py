@@ -100,7 +100,10 @@ def _status_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="read a run's progress from the DHT")
     p.add_argument("--initial-peers", nargs="+", metavar="MADDR", required=True)
     p.add_argument("--run-id", default=_RUN_ID)
-    p.add_argument("--json", action="store_true", help="print stable JSON (run_id, config, peers, totals)")
+    p.add_argument("--json", action="store_true", help="print stable JSON (run_id, config, peers, totals, summary)")
+    p.add_argument("--peers", action=argparse.BooleanOptionalAction, default=None,
+                   help="list every peer (read every progress record), or only the run's totals from its summaries "
+                        "(--no-peers); by default a run of up to 64 peers is listed")
 
 
 def _token_parser(sub: argparse._SubParsersAction) -> None:
@@ -297,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             return prepare_data(args)
         from .status import run_status
 
-        return run_status(list(args.initial_peers), args.run_id, args.json)
+        return run_status(list(args.initial_peers), args.run_id, args.json, args.peers)
     except ConfigError as e:
         print(f"atoll: error: {e}", file=sys.stderr)
         return 2

@@ -1,12 +1,14 @@
 """This daemon's progress record and its table of live peers, both through the DHT (on the syncer's event loop).
 
 Every daemon publishes one signed progress record per heartbeat under its shard of the run's progress keys
-(``records.progress_shard``); reading the shards gives the table of live peers. A small swarm's table reads every
-shard each time. Past ``READ_BUDGET`` records, a read takes our own shard and as many others, in turns, as make about
-``READ_BUDGET`` records, and the table keeps what each shard held until it is read again (for at most one turn
-round the shards and the records' lifetime): what one read costs stays flat as the swarm grows, and the table is
-a view of the swarm that is at most one turn old. Malformed records are counted and cool their signing key down;
-the records of peers (or keys) cooling down are ignored, and so are leaving peers.
+(``records.progress_shard``); reading the shards gives the table of live peers. The first read takes every shard.
+Up to ``READ_BUDGET`` records a read takes one key instead: while its table holds at most ``WRITE_ALL_UP_TO``
+records, a daemon writes its record under the ``ALL_SHARDS`` key as well, since one read of 16 keys costs a small
+swarm several times what one key does. Past ``READ_BUDGET`` records, a read takes our own shard and as many others,
+in turns, as make about ``READ_BUDGET`` records, and the table keeps what each shard held until it is read again
+(for at most one turn round the shards and the records' lifetime): what one read costs stays flat as the swarm
+grows, and the table is a view of the swarm that is at most one turn old. Malformed records are counted and cool
+their signing key down; the records of peers (or keys) cooling down are ignored, and so are leaving peers.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from hivemind.utils import get_dht_time
 from atoll.protocols import dht_io
 from atoll.protocols.auth import newest_revocation, owner_of_raw_subkey, peer_id_of
 from atoll.protocols.records import (
+    ALL_SHARDS,
     MAX_CLOCK_SKEW,
     MAX_EXPIRY,
     PROGRESS_SHARDS,
@@ -41,6 +44,7 @@ from atoll.protocols.records import (
     sync_run_validator,
     unwrap_subkeys,
 )
+from atoll.protocols.summary import is_summarizer, summary_key, totals
 
 from .context import SyncContext
 
@@ -53,7 +57,9 @@ HEAD_TTL = 7 * 24 * 3600.0  # a run's head outlives its daemons: a newcomer then
 REVOCATION_POLL = 5.0  # seconds between reads of the run's revocation list (and of the DHT's refusal counts)
 REVOCATION_REPUBLISH = CONFIG_REPUBLISH
 REVOCATION_TTL = MAX_EXPIRY["revoked"] - 60.0  # a revocation outlives the daemons that know it (and is kept on disk)
-READ_BUDGET = 64  # progress records one read of the table aims at; below it, every shard is read each time
+READ_BUDGET = 64  # progress records one read of the table aims at; up to it, the ALL_SHARDS key is read
+ALL_READ_UP_TO = READ_BUDGET * 5 // 4  # once reading the ALL_SHARDS key, it is read up to this many records
+WRITE_ALL_UP_TO = 2 * READ_BUDGET  # a daemon writes its record under the ALL_SHARDS key while its table is this small
 FOLLOW_S = 20.0  # seconds the shards of peers we follow (``follow``) are read at every read of the table
 FOLLOW_PEERS = 2
 
@@ -73,6 +79,7 @@ class PeerTable:
         self.my_shard = progress_shard(ctx.peer_id, shards)
         self._held: dict[int, _Shard] = {}  # what each shard held when it was last read
         self._per_shard: float | None = None  # records per shard in the last read (None: nothing read yet)
+        self._reading_all = False  # the last read of the table took the ALL_SHARDS key
         self._turn = 0  # the next of the other shards to read, when not all are read at once
         self._keep = 0.0  # seconds a shard's records are kept when it is not read again
         self._looked_up: dict[int, float] = {}  # shard -> when ``look_up`` last read it (monotonic)
@@ -110,8 +117,15 @@ class PeerTable:
         ctx = self.ctx
         rec = self.progress_record(status or ctx.counters.status)
         ttl = ttl if ttl is not None else 3 * ctx.cfg.heartbeat
-        await dht_io.store(ctx.dht, progress_key(ctx.namespace(), self.my_shard), rec, get_dht_time() + ttl, ctx.subkey,
-                           timeout=timeout, on_timeout=ctx.reject)
+        size = self.size()
+        shards = [self.my_shard] + ([ALL_SHARDS] if size is None or size <= WRITE_ALL_UP_TO else [])
+        await asyncio.gather(*(dht_io.store(ctx.dht, progress_key(ctx.namespace(), shard), rec, get_dht_time() + ttl,
+                                            ctx.subkey, timeout=timeout, on_timeout=ctx.reject) for shard in shards))
+
+    def size(self) -> float | None:
+        """How many records the swarm holds by the last read of the table (an estimate past ``READ_BUDGET``); None
+        before the first read."""
+        return None if self._per_shard is None else self._per_shard * self.shards
 
     async def republish_config(self) -> None:
         """The run's config, again every ``CONFIG_REPUBLISH`` seconds: the run outlives the daemon that started it."""
@@ -147,6 +161,20 @@ class PeerTable:
             else:
                 heads.append(rec)
         return max(heads, key=lambda h: (h.version, h.time)) if heads else None
+
+    async def publish_summary(self) -> None:
+        """If this daemon is one of the run's summarizers (``summary.is_summarizer`` over its table), publish the
+        totals of its table and itself, for ``atoll status`` to read instead of every record."""
+        ctx = self.ctx
+        everyone = self.everyone()
+        if not is_summarizer(ctx.peer_id, everyone):
+            return
+        own = parse_progress(self.progress_record(ctx.counters.status))
+        record = {"peer_id": ctx.peer_id, **totals([*everyone.values(), *([own] if own is not None else [])]),
+                  "time": float(get_dht_time())}
+        # Under the run's id, not a fault-injection side's namespace: the summary is for ``atoll status`` alone.
+        await dht_io.store(ctx.dht, summary_key(ctx.cfg.run_id), record, get_dht_time() + 3 * ctx.cfg.heartbeat,
+                           ctx.subkey, on_timeout=ctx.reject)
 
     # ---- revocation ------------------------------------------------------------------------------------------
     async def check_revocations(self) -> None:
@@ -238,10 +266,14 @@ class PeerTable:
             self._follow[progress_shard(peer, self.shards)] = until
 
     def _shards_to_read(self) -> list[int]:
-        """Every shard while the swarm fits ``READ_BUDGET``; past it, our own shard, the next others in turn, and the
-        shards we follow."""
-        if self._per_shard is None or self._per_shard * self.shards <= READ_BUDGET:
-            self._keep = 0.0
+        """Every shard at the first read; the ``ALL_SHARDS`` key while the swarm fits ``READ_BUDGET`` (once there, up
+        to ``ALL_READ_UP_TO``); every shard once more when it outgrew it; then our own shard, the next others in
+        turn, and the shards we follow."""
+        size = self.size()
+        self._keep = 0.0
+        if size is not None and size <= (ALL_READ_UP_TO if self._reading_all else READ_BUDGET):
+            return [ALL_SHARDS]
+        if size is None or self._reading_all:
             return list(range(self.shards))
         others = [s for s in range(self.shards) if s != self.my_shard]
         count = max(1, min(len(others), round(READ_BUDGET / max(self._per_shard, 1.0)) - 1))
@@ -264,7 +296,11 @@ class PeerTable:
             entries = unwrap_subkeys(found.get(key))
             held += len(entries)
             self._held[shard] = _Shard(at, *self._parse_shard(shard, entries, now))
-        if len(shards) > 1:
+        if prune:
+            self._reading_all = shards == [ALL_SHARDS]
+        if self._reading_all and shards == [ALL_SHARDS]:
+            self._per_shard = held / self.shards
+        elif len(shards) > 1:
             self._per_shard = held / len(shards)
         with self._lock:
             stale = [s for s, h in self._held.items() if s not in shards and at - h.read_at > self._keep]
@@ -287,7 +323,7 @@ class PeerTable:
             if rec.time > now + MAX_CLOCK_SKEW:
                 ctx.reject("progress_record_time")  # from the future: counted, not held against the key (clocks drift)
                 continue
-            if progress_shard(rec.peer_id, self.shards) != shard:
+            if shard != ALL_SHARDS and progress_shard(rec.peer_id, self.shards) != shard:
                 ctx.reject("progress_shard", subkey)  # our DHT's validator refuses these; a foreign node may not
                 continue
             if ctx.run_public_key is not None:

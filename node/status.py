@@ -7,50 +7,79 @@ import logging
 import time
 from typing import Any
 
+from hivemind.utils import get_dht_time
+
 from atoll.protocols import dht_io
 from atoll.protocols.records import (
+    ALL_SHARDS,
+    MAX_CLOCK_SKEW,
     config_key,
     make_validators,
     parse_progress,
     parse_run_config,
+    progress_key,
     progress_keys,
     unwrap_subkeys,
 )
+from atoll.protocols.summary import merge, parse_summary, summary_key, totals
 
 from .config import ConfigError, NodeConfig
 
 
-def collect_status(dht: Any, run_id: str) -> dict[str, Any]:
-    """The stable JSON document ``atoll status --json`` prints: run_id, config, peers (sorted), totals."""
-    peers = []
-    for entry in dht_io.get_many_blocking(dht, progress_keys(run_id)).values():
-        for value in unwrap_subkeys(entry).values():
-            rec = parse_progress(value)
-            if rec is not None:
-                peers.append(rec.dict())
-    peers.sort(key=lambda r: r["peer_id"])
-    configs = [c for c in map(parse_run_config, unwrap_subkeys(dht_io.get_blocking(dht, config_key(run_id))).values())
+LIST_PEERS_UP_TO = 64  # a run of at most this many peers (by its summaries) is listed whole unless told otherwise
+
+
+def collect_status(dht: Any, run_id: str, list_peers: bool | None = None) -> dict[str, Any]:
+    """The stable JSON document ``atoll status --json`` prints: run_id, time, config, peers, totals, summary.
+
+    One DHT call reads the run's config, its summaries (``protocols/summary.py``) and the key under which a small
+    swarm's daemons write their records as well (``records.ALL_SHARDS``). Every peer is listed if ``list_peers``, or
+    by default when no summary was found or they count at most ``LIST_PEERS_UP_TO`` peers: ``peers`` is then the
+    records sorted by peer id (from that one key in a small run; from all 16 shards, in one more call, otherwise) and
+    ``totals`` is made from them. Otherwise ``peers`` is None and ``totals`` is the summaries' median. ``summary``
+    says which: ``{"source": "records" | "summaries", "summarizers": [peer ids], "age_s": age of the oldest summary
+    used}``."""
+    now = get_dht_time()
+    small = progress_key(run_id, ALL_SHARDS)
+    found = dht_io.get_many_blocking(dht, [config_key(run_id), summary_key(run_id), small])
+    configs = [c for c in map(parse_run_config, unwrap_subkeys(found.get(config_key(run_id))).values())
                if c is not None]
     config = min(configs, key=lambda c: c.started_at).fields if configs else None
-    active = [p for p in peers if p["status"] != "leaving"]
-    totals = {
-        "peers": len(active),
-        "ranks": sum(p["ranks"] for p in active),
-        "tokens": sum(p["tokens"] for p in active),
-        "tokens_per_s": sum(p["tokens_per_s"] for p in active),
-        "max_version": max((p["version"] for p in active), default=0),
-        "bytes_sent": sum(p["bytes_sent"] for p in active),
-        "bytes_received": sum(p["bytes_received"] for p in active),
-    }
-    return {"run_id": run_id, "time": time.time(), "config": config, "peers": peers, "totals": totals}
+    summaries = [s for s in map(parse_summary, unwrap_subkeys(found.get(summary_key(run_id))).values())
+                 if s is not None and s.time <= now + MAX_CLOCK_SKEW]
+    merged = merge(summaries) if summaries else None
+    is_small = merged is not None and merged["peers"] <= LIST_PEERS_UP_TO
+    if list_peers is None:
+        list_peers = merged is None or is_small
+    peers = None
+    if list_peers:
+        entries = [found.get(small)] if is_small else dht_io.get_many_blocking(dht, progress_keys(run_id)).values()
+        records = [rec for entry in entries for rec in map(parse_progress, unwrap_subkeys(entry).values())
+                   if rec is not None]
+        peers = sorted((rec.dict() for rec in records), key=lambda r: r["peer_id"])
+        run_totals = totals(records)
+    else:
+        run_totals = merged
+    summary = {"source": "records" if list_peers else "summaries",
+               "summarizers": sorted(s.peer_id for s in summaries),
+               "age_s": max((now - s.time for s in summaries), default=None)}
+    return {"run_id": run_id, "time": time.time(), "config": config, "peers": peers, "totals": run_totals,
+            "summary": summary}
 
 
 def render_table(doc: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"run {doc['run_id']}: {doc['totals']['peers']} peers, "
-                        f"{doc['totals']['tokens']:,} tokens, {doc['totals']['tokens_per_s']:,.0f} tokens/s")
+    totals_, console = doc["totals"], Console()
+    title = (f"run {doc['run_id']}: {totals_['peers']} peers, {totals_['ranks']} ranks, {totals_['tokens']:,} tokens, "
+             f"{totals_['tokens_per_s']:,.0f} tokens/s, version {totals_['max_version']}")
+    if doc["peers"] is None:  # a large run: its summaries only
+        summary = doc["summary"]
+        console.print(f"{title}\n(the median of {len(summary['summarizers'])} summaries, the oldest "
+                      f"{summary['age_s']:.0f} s old; --peers lists every peer)")
+        return
+    table = Table(title=title)
     for col in ("peer", "status", "device", "ranks", "step", "versions", "tokens", "tok/s", "loss", "held-out",
                 "rounds", "skipped", "goodput", "blocked s", "forks healed", "tokens lost", "sent MB", "recv MB",
                 "rejected"):
@@ -63,13 +92,12 @@ def render_table(doc: dict[str, Any]) -> None:
                       fmt(p["loss"]), fmt(p["held_out_loss"]), str(p["rounds"]), str(p["rounds_skipped"]),
                       f"{p['goodput']:.2f}", f"{p['blocked_s']:.1f}", str(p["forks_healed"]), f"{p['tokens_lost']:,}",
                       f"{p['bytes_sent'] / 1e6:.1f}", f"{p['bytes_received'] / 1e6:.1f}", str(p["rejected"]))
-    console = Console()
     if not console.is_terminal:
         console = Console(width=200)
     console.print(table)
 
 
-def run_status(initial_peers: list[str], run_id: str, as_json: bool) -> int:
+def run_status(initial_peers: list[str], run_id: str, as_json: bool, list_peers: bool | None = None) -> int:
     from .join import start_dht
 
     logging.getLogger("hivemind").setLevel(logging.ERROR)
@@ -77,10 +105,10 @@ def run_status(initial_peers: list[str], run_id: str, as_json: bool) -> int:
     cfg.validate()
     dht = start_dht(cfg, list(make_validators(run_id)), client_mode=True)
     try:
-        doc = collect_status(dht, run_id)
+        doc = collect_status(dht, run_id, list_peers)
     finally:
         dht.shutdown()
-    if doc["config"] is None and not doc["peers"]:
+    if doc["config"] is None and not doc["peers"] and not doc["summary"]["summarizers"]:
         raise ConfigError(f"run_id: no run {run_id!r} found through {initial_peers[0]}")
     if as_json:
         print(json.dumps(doc, indent=1, sort_keys=True))

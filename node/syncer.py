@@ -143,6 +143,7 @@ class Syncer:
                 await self.table.publish_head()
                 await self.table.check_revocations()
                 live = await self.table.refresh()
+                await self.table.publish_summary()
                 self.rejoin.check(set(live))
                 self.catch_up.maybe_catch_up()
             except asyncio.CancelledError:

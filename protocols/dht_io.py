@@ -33,18 +33,18 @@ WRITE_TIMEOUT = 10.0
 
 OnTimeout = Callable[[str], Any] | None  # hears "dht_read_timeout" or "dht_write_timeout" (a counter's kind)
 _ROUND = re.compile(r"_round_\d+_\d+(_\w+)?$")
-_PROGRESS = re.compile(r"_progress_\d+$")
+_PROGRESS = re.compile(r"_progress(_\d+)?$")
 _OPEN = re.compile(r"_open_\d+_\d+_\w*$")
 
 
 def key_kind(key: str) -> str:
     """The kind of record a key holds (``records.py``'s key functions): progress, open, head, config, revoked,
-    round or group; "other" for any other key."""
+    summary, round or group; "other" for any other key."""
     if _PROGRESS.search(key) is not None:
         return "progress"
     if _OPEN.search(key) is not None:
         return "open"
-    for kind in ("head", "config", "revoked"):
+    for kind in ("head", "config", "revoked", "summary"):
         if key.endswith("_" + kind):
             return kind
     if _ROUND.search(key) is None:

@@ -1,10 +1,10 @@
-"""DHT records of a run: its configuration, per-daemon progress, and round registrations.
+"""DHT records of a run: its configuration, per-daemon progress, the run's summaries, and round registrations.
 
 Every record lives under a key prefixed with the run id and a subkey that is exactly its owner's RSA public key
 (``[owner:...]``), so hivemind's ``RSASignatureValidator`` lets only the owner write it, and one owner writes one
 record per key. Every DHT node running atoll's validators checks each record when it stores it and when it reads
 it (``RunRecordValidator``): the owner subkey, a size cap and an expiry cap per kind of key, the value's schema
-(progress, config and head records by pydantic, round registrations, group decisions, open-round announcements
+(progress, summary, config and head records by pydantic, round registrations, group decisions, open-round announcements
 and revocation lists by their parsers, also under the dynamic round keys), and in a private run that the peer id a
 record claims is its signer's and that its signer is not revoked. Readers parse every value again.
 """
@@ -29,6 +29,7 @@ from pydantic.v1 import StrictBool, StrictBytes, StrictFloat, StrictStr, conint,
 
 from . import validated
 from .auth import JoinToken, MembershipValidator, RevocationList, owner_of_subkey, peer_id_of
+from .summary import parse_summary, summary_key
 
 logger = logging.getLogger("atoll")
 
@@ -53,20 +54,23 @@ MAX_GROUP = 1024  # members of one round's groups together (matchmaking re-expor
 # Progress records are spread over this many keys by a hash of the peer id (``progress_shard``): no key is written
 # by every daemon each heartbeat, and a reader of a large swarm reads a few shards at a time (``node/peers.py``).
 PROGRESS_SHARDS = 16
+# The key under which the daemons of a small swarm also write their record, so that one key holds the whole table:
+# a read of 16 keys costs a small swarm several times a read of one (``node/peers.py``, docs/results.md).
+ALL_SHARDS = -1
 SPLIT_SIDES = 4  # fault injection's split namespaces ``<run>-side{0..3}`` whose static keys are known (faults.py)
 
 # How far in the future a record's expiration may lie, per kind of key (seconds; a clock skew is added). Each is
 # above what honest daemons use: progress 3 heartbeats (heartbeat <= 200 s), round registrations and group
-# decisions 4 gather timeouts + 60 s (gather timeout <= 885 s), open rounds one gather timeout, the config 24 h
+# decisions 4 gather timeouts + 60 s (gather timeout <= 885 s), summaries as progress, open rounds one gather timeout, the config 24 h
 # (join.py) and 10 min (peers.py), the head and the revocation list 7 days.
-MAX_EXPIRY = {"progress": 600.0, "round": 3600.0, "group": 3600.0, "open": 3600.0, "config": 24 * 3600.0,
+MAX_EXPIRY = {"progress": 600.0, "summary": 600.0, "round": 3600.0, "group": 3600.0, "open": 3600.0, "config": 24 * 3600.0,
               "head": 7 * 24 * 3600.0, "revoked": 7 * 24 * 3600.0}
 # The largest serialized value per kind (bytes, signature and certificate stripped). A progress record with
 # MAX_FRAGMENTS fragments, 64-character hashes, the longest strings and MAX_REJECTION_KINDS kinds is ~25 KB; a
 # group decision of MAX_GROUP peer ids ~50 KB; a revocation list of MAX_REVOKED peer ids ~50 KB.
-MAX_VALUE_BYTES = {"progress": 32_768, "round": 512, "group": 65_536, "open": 512, "config": 16_384,
+MAX_VALUE_BYTES = {"progress": 32_768, "summary": 1024, "round": 512, "group": 65_536, "open": 512, "config": 16_384,
                    "head": 512, "revoked": 65_536}
-PEER_ID_KINDS = ("progress", "round", "open", "head")  # records that claim the peer id of their writer
+PEER_ID_KINDS = ("progress", "summary", "round", "open", "head")  # records that claim the peer id of their writer
 
 
 def config_key(run_id: str) -> str:
@@ -80,8 +84,9 @@ def progress_shard(peer_id: str, shards: int = PROGRESS_SHARDS) -> int:
 
 
 def progress_key(run_id: str, shard: int) -> str:
-    """Where the progress records of the peers of ``shard`` (``progress_shard``) live, a subkey per peer."""
-    return f"{run_id}_progress_{shard}"
+    """Where the progress records of the peers of ``shard`` (``progress_shard``) live, a subkey per peer; with
+    ``ALL_SHARDS``, the key a small swarm's daemons write their records under as well."""
+    return f"{run_id}_progress" if shard == ALL_SHARDS else f"{run_id}_progress_{shard}"
 
 
 def progress_keys(run_id: str, shards: int = PROGRESS_SHARDS) -> list[str]:
@@ -276,6 +281,8 @@ def _shape(kind: str, value: Any, run_id: str) -> bool:
         return parse_progress(value) is not None
     if kind == "config":
         return parse_run_config(value) is not None
+    if kind == "summary":
+        return parse_summary(value) is not None
     if kind == "head":
         return parse_head(value) is not None
     if kind == "open":
@@ -295,13 +302,14 @@ class RunRecordValidator(RecordValidatorBase):
 
     - The subkey is exactly one owner marker (``auth.owner_of_subkey``): one record per owner key and key.
     - The value is at most ``MAX_VALUE_BYTES`` of its kind and expires at most ``MAX_EXPIRY`` of its kind from now.
-    - The value has its kind's shape. The kind of the run's static keys (progress shards, config, head,
-      revocations, also under fault injection's split namespaces) is known from the key's DHTID. Round
+    - The value has its kind's shape. The kind of the run's static keys (progress shards, config, summaries,
+      head, revocations, also under fault injection's split namespaces) is known from the key's DHTID. Round
       registrations, group decisions and open-round announcements live under dynamic keys
       (``<run>_round_{fragment}_{version}_{base}``, ``<run>_open_...``) that a DHTID cannot be mapped back to: any
       other key must hold one of those three (in an open run, whose nodes may also hold other runs' records, any of
       atoll's shapes, each with its kind's caps).
-    - A progress record lies in its peer's shard (``progress_shard``): nobody can crowd another shard's key.
+    - A progress record lies in its peer's shard (``progress_shard``), or under ``ALL_SHARDS``'s key: nobody can
+      crowd another shard's key.
     - In a private run (``run_public_key``): a record claiming a peer id (progress, head, registration, open round)
       claims its signer's (``auth.peer_id_of``: a member's libp2p identity is its member key); its signer is not on
       the revocation list; a revocation list is signed by the run key. Every valid list with a higher serial that
@@ -323,10 +331,12 @@ class RunRecordValidator(RecordValidatorBase):
             for shard, name in enumerate(progress_keys(ns)):
                 key = DHTID.generate(source=name).to_bytes()
                 self._kinds[key], self._shards[key] = "progress", shard
+            self._kinds[DHTID.generate(source=progress_key(ns, ALL_SHARDS)).to_bytes()] = "progress"
         self._kinds[DHTID.generate(source=config_key(run_id)).to_bytes()] = "config"
+        self._kinds[DHTID.generate(source=summary_key(run_id)).to_bytes()] = "summary"
         self._kinds[DHTID.generate(source=revoked_key(run_id)).to_bytes()] = "revoked"
         self._dynamic = ("round", "group", "open") if run_public_key is not None else (
-            "round", "group", "open", "progress", "head", "config", "revoked")
+            "round", "group", "open", "progress", "summary", "head", "config", "revoked")
 
     @property
     def priority(self) -> int:

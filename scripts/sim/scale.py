@@ -50,6 +50,7 @@ from atoll.protocols.cooldown import Cooldown
 from atoll.protocols.dht_io import key_kind
 from atoll.protocols.records import PROGRESS_SHARDS, Status, heavier, open_rounds_key, parse_open_round
 from atoll.protocols.stats import TrafficStats
+from atoll.protocols.summary import merge, parse_summary, summary_key
 
 SIGNATURE_BYTES = 256  # hivemind's RSASignatureValidator appends a 2048-bit signature to every value
 SUBKEY_BYTES = 400  # an owner subkey: ``[owner:<the member's RSA public key>]``
@@ -327,6 +328,7 @@ class Island:
             await self.table.publish(self.status)
             await self.table.publish_head()
             await self.table.refresh()
+            await self.table.publish_summary()
             if self.status == Status.TRAINING and not self.in_round and not self.downloading and self.heavier_peers():
                 self._catching_up = asyncio.ensure_future(self.catch_up())  # as the syncer does: beside the beat
             await asyncio.sleep(self.sim.cfg.heartbeat)
@@ -535,6 +537,10 @@ class Swarm:
         await asyncio.sleep(self.measure_from + self.cfg.seconds - self.clock.now)
         self._snapshot = {i.peer_id: _totals(i.traffic) for i in self.islands}
         self.key_reads_at_end = dict(self.dht.key_reads), dict(self.dht.key_bytes)
+        # What ``atoll status`` would read now, and how many islands are live.
+        held, _ = self.dht.read(summary_key(self.run_id))
+        self.summaries_at_end = [s for s in (parse_summary(v.value) for v in held.values()) if s is not None]
+        self.live_at_end = sum(i.status in (Status.JOINING, Status.TRAINING) for i in self.islands)
         self.rounds_stop_at = self.clock.now
         await asyncio.sleep(self.cfg.drain)
         for task in tasks:
@@ -622,6 +628,8 @@ def summarize(swarm: Swarm, baseline: dict[str, dict]) -> dict[str, Any]:
         "replicas_over_time": _stats([float(n) for n in lines]),
         "work_kept": top[1] / swarm.merged_weight if swarm.merged_weight else 0.0,
         "settled_s": swarm.settled_at - swarm.rounds_stop_at if swarm.settled_at is not None else None,
+        "summary": {"summarizers": len(swarm.summaries_at_end), "live_islands": swarm.live_at_end,
+                    "peers": merge(swarm.summaries_at_end)["peers"] if swarm.summaries_at_end else None},
     }
 
 

@@ -139,6 +139,17 @@ def test_status_json_lists_all_daemons(swarm):
             assert p["status"] == "training" and p["step"] > 0 and p["version"] >= 1 and p["tokens"] > 0
             assert p["bytes_sent"] > 0 and p["loss"] is not None
     assert doc["totals"]["peers"] >= 2 and doc["totals"]["tokens"] > 0
+    # Three daemons: each is a summarizer, and the summaries' totals are what ``--no-peers`` shows.
+    assert doc["summary"]["source"] == "records" and set(doc["summary"]["summarizers"]) <= set(listed)
+    assert doc["summary"]["summarizers"], doc["summary"]
+    out = subprocess.run(
+        [sys.executable, "-m", "atoll.node.cli", "status", "--initial-peers", *swarm.bootstrap, "--json", "--no-peers"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    summarized = json.loads(out.stdout)
+    assert summarized["peers"] is None and summarized["summary"]["source"] == "summaries"
+    assert summarized["totals"]["peers"] >= 2 and summarized["totals"]["tokens"] > 0
 
 
 def _start_once(swarm, *args):

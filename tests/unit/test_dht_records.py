@@ -39,6 +39,7 @@ from atoll.protocols.records import (
     revoked_key,
     round_key,
 )
+from atoll.protocols.summary import summary_key
 
 RUN = "run1"
 
@@ -95,6 +96,11 @@ def _registration(peer: str) -> dict:
     return {"peer_id": peer, "weight": 1.0, "time": float(get_dht_time())}
 
 
+def _summary(peer: str) -> dict:
+    return {"peer_id": peer, "peers": 3, "ranks": 3, "tokens": 10, "tokens_per_s": 1.0, "max_version": 2,
+            "bytes_sent": 0, "bytes_received": 0, "time": float(get_dht_time())}
+
+
 def _refusals(validators) -> dict:
     return next(v for v in validators if isinstance(v, RunRecordValidator)).refused
 
@@ -138,23 +144,26 @@ def test_a_record_claiming_another_peer_id_is_refused(member, reader, run_key):
     mine = progress_key(RUN, progress_shard(me))
     for key, value in ((mine, _progress(other)), (head_key(RUN), {"peer_id": other, "version": 3, "time": 1.0}),
                        (round_key(RUN, 0, 5, "ab"), _registration(other)),
-                       (open_rounds_key(RUN, 0, 5, "ab"), {"peer_id": other, "fragment": 0, "version": 5})):
+                       (open_rounds_key(RUN, 0, 5, "ab"), {"peer_id": other, "fragment": 0, "version": 5}),
+                       (summary_key(RUN), _summary(other))):
         assert not _accepts(reader, _record(validators, key, value)), key
         me_value = dict(value, peer_id=me)
         assert _accepts(reader, _record(validators, key, me_value)), key
-    assert _refusals(reader)["dht_peer_id"] == 4
+    assert _refusals(reader)["dht_peer_id"] == 5
 
 
 # ---- expiry and size ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("key,value,cap", [
     ("progress", "progress", 600), (round_key(RUN, 1, 2), "round", 3600), (group_key(RUN, 1, 2), "group", 3600),
-    (open_rounds_key(RUN, 1, 2, "ab"), "open", 3600), (head_key(RUN), "head", 7 * 24 * 3600)])
+    (open_rounds_key(RUN, 1, 2, "ab"), "open", 3600), (head_key(RUN), "head", 7 * 24 * 3600),
+    (summary_key(RUN), "summary", 600)])
 def test_expiry_is_capped_per_kind(member, reader, key, value, cap):
     validators, me = member
     key = progress_key(RUN, progress_shard(me)) if key == "progress" else key
     value = {"progress": _progress(me), "round": _registration(me), "group": {"groups": [[me]], "time": 1.0},
              "open": {"peer_id": me, "fragment": 1, "version": 2}, "head": {"peer_id": me, "version": 1,
-                                                                               "time": 1.0}}[value]
+                                                                               "time": 1.0},
+             "summary": _summary(me)}[value]
     assert _accepts(reader, _record(validators, key, value, ttl=cap))
     assert not _accepts(reader, _record(validators, key, value, ttl=cap + 60))
     assert not _accepts(reader, _record(validators, key, value, ttl=10 * 365 * 24 * 3600))  # the review's 10 years

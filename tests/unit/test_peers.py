@@ -10,9 +10,9 @@ import pytest
 from hivemind.utils import get_dht_time
 
 from atoll.node import peers as peers_module
-from atoll.node.peers import READ_BUDGET, PeerTable
+from atoll.node.peers import ALL_READ_UP_TO, READ_BUDGET, WRITE_ALL_UP_TO, PeerTable
 from atoll.protocols.cooldown import Cooldown
-from atoll.protocols.records import PROGRESS_SHARDS, progress_key, progress_shard
+from atoll.protocols.records import ALL_SHARDS, PROGRESS_SHARDS, Status, progress_key, progress_shard
 from atoll.protocols.stats import TrafficStats
 from test_state_sync import record
 
@@ -66,20 +66,27 @@ def test_plain_reads_always_go_to_the_dht():
 
 # ---- shards ----------------------------------------------------------------------------------------------------
 class ShardedDHT:
-    """``dht_io.get_many`` over progress records kept per shard key; notes the shards each read asked for."""
+    """``dht_io.get_many`` over progress records kept per shard key, and under the ``ALL_SHARDS`` key as well where
+    ``all_too`` (as the writers of a small swarm do); notes the shards each read asked for (``ALL_SHARDS``: -1)."""
 
-    def __init__(self, records) -> None:
+    def __init__(self, records, all_too: bool = True) -> None:
         self.held: dict[str, dict] = {}
         self.asked: list[list[int]] = []
         for rec in records:
-            self.put(rec)
+            self.put(rec, all_too=all_too)
 
-    def put(self, rec, shard: int | None = None) -> None:
-        key = progress_key("run", progress_shard(rec.peer_id) if shard is None else shard)
-        self.held.setdefault(key, {})[f"k{rec.peer_id}".encode()] = SimpleNamespace(value=rec.dict())
+    def put(self, rec, shard: int | None = None, all_too: bool = False) -> None:
+        value = SimpleNamespace(value=rec.dict())
+        for s in [progress_shard(rec.peer_id) if shard is None else shard] + ([ALL_SHARDS] if all_too else []):
+            self.held.setdefault(progress_key("run", s), {})[f"k{rec.peer_id}".encode()] = value
+
+    def drop(self, peer: str) -> None:
+        for held in self.held.values():
+            held.pop(f"k{peer}".encode(), None)
 
     async def get_many(self, dht, keys, on_timeout=None):
-        self.asked.append([int(key.rsplit("_", 1)[1]) for key in keys])
+        self.asked.append([ALL_SHARDS if key == progress_key("run", ALL_SHARDS) else int(key.rsplit("_", 1)[1])
+                           for key in keys])
         return {key: SimpleNamespace(value=dict(self.held[key])) if key in self.held else None for key in keys}
 
 
@@ -88,7 +95,7 @@ def sharded_table(monkeypatch, peers: int, clock: list[float]) -> tuple[PeerTabl
     records = [record(f"p{i}", [1], ["x"]) for i in range(peers)]
     for rec in records:
         rec.time = now
-    dht = ShardedDHT(records)
+    dht = ShardedDHT(records, all_too=peers <= WRITE_ALL_UP_TO)
     monkeypatch.setattr(peers_module.dht_io, "get_many", dht.get_many)
     monkeypatch.setattr(peers_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     stats = TrafficStats()
@@ -98,13 +105,66 @@ def sharded_table(monkeypatch, peers: int, clock: list[float]) -> tuple[PeerTabl
     return PeerTable(ctx), dht, stats
 
 
-def test_a_small_swarm_reads_every_shard_each_time(monkeypatch):
+def test_a_small_swarm_reads_every_shard_once_then_one_key(monkeypatch):
     clock = [0.0]
     table, dht, _ = sharded_table(monkeypatch, 40, clock)
     for _ in range(3):
         assert len(asyncio.run(table.refresh())) == 40
         clock[0] += 2.0
-    assert dht.asked == [list(range(PROGRESS_SHARDS))] * 3
+    assert dht.asked == [list(range(PROGRESS_SHARDS)), [ALL_SHARDS], [ALL_SHARDS]]
+
+
+def test_a_swarm_that_grows_past_the_budget_reads_shards_and_one_that_shrinks_one_key_again(monkeypatch):
+    clock = [0.0]
+    table, dht, _ = sharded_table(monkeypatch, 60, clock)
+    asyncio.run(table.refresh())
+    asyncio.run(table.refresh())
+    assert dht.asked[-1] == [ALL_SHARDS]
+    now = get_dht_time()
+
+    def grow(to: int) -> None:
+        for i in range(len(table.peers()), to):
+            rec = record(f"p{i}", [1], ["x"])
+            rec.time = now
+            dht.put(rec, all_too=True)  # every writer's table is within WRITE_ALL_UP_TO
+
+    grow(ALL_READ_UP_TO)  # within the margin: still one key
+    assert len(asyncio.run(table.refresh())) == ALL_READ_UP_TO and dht.asked[-1] == [ALL_SHARDS]
+    grow(ALL_READ_UP_TO + 10)
+    assert len(asyncio.run(table.refresh())) == ALL_READ_UP_TO + 10 and dht.asked[-1] == [ALL_SHARDS]
+    asyncio.run(table.refresh())  # the key showed more than the margin: every shard once
+    assert dht.asked[-1] == list(range(PROGRESS_SHARDS)) and len(table.peers()) == ALL_READ_UP_TO + 10
+    asyncio.run(table.refresh())
+    assert dht.asked[-1][0] == table.my_shard and len(dht.asked[-1]) < PROGRESS_SHARDS  # then in turns
+    assert len(table.peers()) == ALL_READ_UP_TO + 10
+    for i in range(READ_BUDGET - 10, ALL_READ_UP_TO + 10):
+        dht.drop(f"p{i}")  # most leave
+    for _ in range(PROGRESS_SHARDS + 1):  # a turn round the shards sees it
+        clock[0] += 2.0
+        asyncio.run(table.refresh())
+        if dht.asked[-1] == [ALL_SHARDS]:
+            break
+    assert dht.asked[-1] == [ALL_SHARDS] and len(table.peers()) == READ_BUDGET - 10
+
+
+def test_a_daemon_writes_its_record_under_the_one_key_too_while_its_table_is_small(monkeypatch):
+    stored: list[str] = []
+
+    async def store(dht, key, *args, **kwargs):
+        stored.append(key)
+        return True
+
+    for peers, keys in ((None, 2), (40, 2), (WRITE_ALL_UP_TO, 2), (WRITE_ALL_UP_TO + 16, 1)):
+        clock = [0.0]
+        table, _, _ = sharded_table(monkeypatch, peers or 0, clock)
+        monkeypatch.setattr(peers_module.dht_io, "store", store)
+        monkeypatch.setattr(table, "progress_record", lambda status: {})
+        if peers is not None:
+            asyncio.run(table.refresh())
+        stored.clear()
+        table.ctx.subkey = b"k"
+        asyncio.run(table.publish(status=Status.TRAINING))
+        assert sorted(stored) == sorted([progress_key("run", table.my_shard), progress_key("run", ALL_SHARDS)][:keys])
 
 
 def test_a_large_swarm_reads_its_shard_and_the_others_in_turns_within_the_budget(monkeypatch):

@@ -9,6 +9,7 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from atoll.protocols.records import (
+    ALL_SHARDS,
     PROGRESS_SHARDS,
     heavier,
     make_validators,
@@ -94,6 +95,10 @@ def test_the_run_validator_checks_progress_values_and_their_shard():
     elsewhere = progress_key("run1", (progress_shard("QmPeer") + 1) % PROGRESS_SHARDS)
     assert not rules.validate(_record(elsewhere, owner, good_progress()))  # crowding another shard's key
     assert rules.refused == {"dht_schema": 1, "dht_shard": 1}
+    everyone = progress_key("run1", ALL_SHARDS)  # a small swarm's one key: any peer's record, still a progress one
+    assert rules.validate(_record(everyone, owner, good_progress()))
+    assert not rules.validate(_record(everyone, owner, {"peer_id": "QmPeer", "weight": 1.0, "time": 1.0}))
+    assert rules.refused == {"dht_schema": 2, "dht_shard": 1}
 
 
 def test_signature_validator_refuses_unsigned_owner_records():

@@ -1,0 +1,168 @@
+"""A run's summaries (``protocols/summary.py``): the totals against a naive sum, who summarizes, the median that
+one liar cannot move, and ``atoll status`` reading the summaries instead of every record of a large run (no
+sockets: the DHT read is replaced by a stub)."""
+
+import math
+import random
+from types import SimpleNamespace
+
+import pytest
+from hivemind.utils import get_dht_time
+
+from atoll.node import status as status_module
+from atoll.node.status import LIST_PEERS_UP_TO, collect_status
+from atoll.protocols.records import (
+    ALL_SHARDS,
+    config_key,
+    parse_progress,
+    progress_key,
+    progress_keys,
+    progress_shard,
+)
+from atoll.protocols.summary import (
+    SUMMARIZERS,
+    TOTALS,
+    SummaryRecord,
+    is_summarizer,
+    merge,
+    parse_summary,
+    summary_key,
+    totals,
+)
+from test_records import good_progress
+
+
+def _records(n: int, seed: int = 0) -> list:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        version = rng.randint(0, 50)
+        out.append(parse_progress(good_progress(
+            peer_id=f"p{i}", status=rng.choice(["joining", "training", "training", "leaving"]),
+            ranks=rng.randint(1, 8), tokens=rng.randint(0, 10**9), tokens_per_s=rng.uniform(0, 1e5), version=version,
+            fragment_versions=[version], bytes_sent=rng.randint(0, 10**9), bytes_received=rng.randint(0, 10**9))))
+    return out
+
+
+def test_totals_match_a_naive_sum_leaving_peers_left_out():
+    records = _records(200)
+    live = [r for r in records if r.status != "leaving"]
+    assert 0 < len(live) < len(records)
+    got = totals(records)
+    assert got["peers"] == len(live)
+    assert got["ranks"] == sum(r.ranks for r in live)
+    assert got["tokens"] == sum(r.tokens for r in live)
+    assert math.isclose(got["tokens_per_s"], math.fsum(r.tokens_per_s for r in live), rel_tol=1e-12)
+    assert got["max_version"] == max(r.version for r in live)
+    assert got["bytes_sent"] == sum(r.bytes_sent for r in live)
+    assert got["bytes_received"] == sum(r.bytes_received for r in live)
+    assert set(got) == set(TOTALS)
+    assert totals([]) == {"peers": 0, "ranks": 0, "tokens": 0, "tokens_per_s": 0.0, "max_version": 0,
+                          "bytes_sent": 0, "bytes_received": 0}
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 50, 1000])
+def test_daemons_that_know_everyone_agree_on_the_summarizers(n):
+    ids = [f"Qm{i:04d}" for i in range(n)]
+    chosen = [p for p in ids if is_summarizer(p, ids)]
+    assert len(chosen) == min(n, SUMMARIZERS)
+    # the same as a naive sort by rank
+    from atoll.protocols.summary import summary_rank
+
+    assert sorted(chosen) == sorted(sorted(ids, key=summary_rank)[:SUMMARIZERS])
+
+
+def test_a_daemon_that_knows_few_peers_may_summarize_too():
+    ids = [f"Qm{i:04d}" for i in range(100)]
+    lowest = [p for p in ids if is_summarizer(p, ids)]
+    outsider = next(p for p in ids if p not in lowest)
+    assert is_summarizer(outsider, [])  # a table that is still empty: it counts itself among the lowest
+    assert not is_summarizer(outsider, lowest)
+
+
+def _summary(peer: str, **changes) -> SummaryRecord:
+    fields = {"peer_id": peer, "peers": 1000, "ranks": 1200, "tokens": 10**9, "tokens_per_s": 5e5,
+              "max_version": 40, "bytes_sent": 10**10, "bytes_received": 10**10, "time": float(get_dht_time())}
+    fields.update(changes)
+    return SummaryRecord(**fields)
+
+
+def test_the_median_of_three_summaries_is_not_moved_by_one_liar():
+    honest = [_summary("a", peers=1000, tokens=100), _summary("b", peers=1002, tokens=105)]
+    for lie in (0, 10**15):
+        merged = merge([*honest, _summary("liar", peers=lie % (1 << 24), tokens=lie)])
+        assert 1000 <= merged["peers"] <= 1002 and 100 <= merged["tokens"] <= 105
+    # An even count takes the lower median: a figure one of them gave, an integer stays an integer.
+    assert merge(honest)["peers"] == 1000 and isinstance(merge(honest)["peers"], int)
+    with pytest.raises(ValueError):
+        merge([])
+
+
+@pytest.mark.parametrize("changes", [
+    {"peers": -1}, {"peers": 1.0}, {"tokens_per_s": math.nan}, {"tokens_per_s": -1.0}, {"time": math.inf},
+    {"extra": 1}, {"peer_id": ""}, {"peer_id": "Q" * 129}, {"max_version": "3"}, {"peers": 1 << 30}])
+def test_malformed_summaries_are_refused(changes):
+    value = _summary("a").dict()
+    value.update(changes)
+    assert parse_summary(value) is None
+    assert parse_summary(_summary("a").dict()) is not None
+    assert parse_summary("garbage") is None
+
+
+class StubDHT:
+    """``dht_io.get_many_blocking`` over a dict of key -> {subkey: value}; notes each call's keys."""
+
+    def __init__(self, held: dict) -> None:
+        self.held, self.calls = held, []
+
+    def get_many_blocking(self, dht, keys, timeout=None, on_timeout=None):
+        self.calls.append(list(keys))
+        return {key: SimpleNamespace(value={sk: SimpleNamespace(value=v) for sk, v in self.held[key].items()})
+                if key in self.held else None for key in keys}
+
+
+def _run(monkeypatch, peers: int, summaries: list[SummaryRecord]) -> StubDHT:
+    records = _records(peers, seed=1)
+    held: dict = {config_key("run"): {b"c": {"fields": {"model": "nano"}, "started_by": "p0", "started_at": 1.0}}}
+    for r in records:
+        held.setdefault(progress_key("run", progress_shard(r.peer_id)), {})[r.peer_id.encode()] = r.dict()
+        held.setdefault(progress_key("run", ALL_SHARDS), {})[r.peer_id.encode()] = r.dict()
+    held[summary_key("run")] = {s.peer_id.encode(): s.dict() for s in summaries}
+    stub = StubDHT(held)
+    monkeypatch.setattr(status_module.dht_io, "get_many_blocking", stub.get_many_blocking)
+    stub.records = records
+    return stub
+
+
+def test_status_of_a_large_run_reads_its_summaries_only(monkeypatch):
+    stub = _run(monkeypatch, 5, [_summary("a", peers=1000), _summary("b", peers=1001), _summary("c", peers=999)])
+    doc = collect_status(None, "run")
+    assert stub.calls == [[config_key("run"), summary_key("run"), progress_key("run", ALL_SHARDS)]]  # one call
+    assert doc["peers"] is None and doc["totals"]["peers"] == 1000 and doc["config"] == {"model": "nano"}
+    assert doc["summary"]["source"] == "summaries" and doc["summary"]["summarizers"] == ["a", "b", "c"]
+    assert 0 <= doc["summary"]["age_s"] < 60
+
+
+def test_status_lists_every_peer_of_a_small_run_or_when_asked(monkeypatch):
+    small = [_summary("a", peers=LIST_PEERS_UP_TO)]
+    # A small run's records are all under one key, read in the first call; otherwise every shard is read next.
+    for summaries, list_peers, calls in ((small, None, 1), (small, True, 1), ([], None, 2), ([_summary("a")], True, 2)):
+        stub = _run(monkeypatch, 30, summaries)
+        doc = collect_status(None, "run", list_peers)
+        assert len(stub.calls) == calls and (calls == 1 or stub.calls[1] == progress_keys("run"))
+        assert [p["peer_id"] for p in doc["peers"]] == sorted(r.peer_id for r in stub.records)
+        assert doc["totals"] == pytest.approx(totals(stub.records), rel=1e-12)  # summed in shard order
+        assert doc["summary"]["source"] == "records"
+
+
+def test_status_drops_summaries_from_the_future(monkeypatch):
+    stub = _run(monkeypatch, 3, [_summary("a", time=get_dht_time() + 3600)])
+    doc = collect_status(None, "run")
+    assert doc["summary"]["summarizers"] == [] and len(doc["peers"]) == 3 and len(stub.calls) == 2
+
+
+def test_the_table_of_a_large_run_is_its_totals_and_a_hint(monkeypatch, capsys):
+    _run(monkeypatch, 5, [_summary("a", peers=1000, ranks=1200), _summary("b", peers=1001, ranks=1201)])
+    status_module.render_table(collect_status(None, "run"))
+    out = capsys.readouterr().out
+    assert "1000 peers, 1200 ranks" in out and "median of 2 summaries" in out and "--peers" in out
