@@ -103,7 +103,7 @@ def _status_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print stable JSON (run_id, config, peers, totals, summary)")
     p.add_argument("--peers", action=argparse.BooleanOptionalAction, default=None,
                    help="list every peer (read every progress record), or only the run's totals from its summaries "
-                        "(--no-peers); by default a run of up to 64 peers is listed")
+                        "(--no-peers, where there are any); by default a run of up to 64 peers is listed")
 
 
 def _token_parser(sub: argparse._SubParsersAction) -> None:

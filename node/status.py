@@ -34,7 +34,7 @@ def collect_status(dht: Any, run_id: str, list_peers: bool | None = None) -> dic
 
     One DHT call reads the run's config, its summaries (``protocols/summary.py``) and the key under which a small
     swarm's daemons write their records as well (``records.ALL_SHARDS``). Every peer is listed if ``list_peers``, or
-    by default when no summary was found or they count at most ``LIST_PEERS_UP_TO`` peers: ``peers`` is then the
+    whenever no summary was found, or by default when they count at most ``LIST_PEERS_UP_TO`` peers: ``peers`` is then the
     records sorted by peer id (from that one key in a small run; from all 16 shards, in one more call, otherwise) and
     ``totals`` is made from them. Otherwise ``peers`` is None and ``totals`` is the summaries' median. ``summary``
     says which: ``{"source": "records" | "summaries", "summarizers": [peer ids], "age_s": age of the oldest summary
@@ -49,7 +49,7 @@ def collect_status(dht: Any, run_id: str, list_peers: bool | None = None) -> dic
                  if s is not None and s.time <= now + MAX_CLOCK_SKEW]
     merged = merge(summaries) if summaries else None
     is_small = merged is not None and merged["peers"] <= LIST_PEERS_UP_TO
-    if list_peers is None:
+    if list_peers is None or merged is None:  # no summary to show: the records are all there is
         list_peers = merged is None or is_small
     peers = None
     if list_peers:

@@ -146,7 +146,8 @@ def test_status_of_a_large_run_reads_its_summaries_only(monkeypatch):
 def test_status_lists_every_peer_of_a_small_run_or_when_asked(monkeypatch):
     small = [_summary("a", peers=LIST_PEERS_UP_TO)]
     # A small run's records are all under one key, read in the first call; otherwise every shard is read next.
-    for summaries, list_peers, calls in ((small, None, 1), (small, True, 1), ([], None, 2), ([_summary("a")], True, 2)):
+    for summaries, list_peers, calls in ((small, None, 1), (small, True, 1), ([], None, 2), ([], False, 2),
+                                         ([_summary("a")], True, 2)):
         stub = _run(monkeypatch, 30, summaries)
         doc = collect_status(None, "run", list_peers)
         assert len(stub.calls) == calls and (calls == 1 or stub.calls[1] == progress_keys("run"))
