@@ -52,6 +52,7 @@ from atoll.protocols import averaging, dht_io, state_sync
 from atoll.protocols.auth import JoinToken, identity_bytes
 from atoll.protocols.matchmaking import group_key
 from atoll.protocols.records import (
+    ALL_SHARDS,
     ProgressRecord,
     config_key,
     make_validators,
@@ -153,8 +154,11 @@ class HostileMember:
         return version, weight, tensor_hash(self.served[p], torch.zeros(self.numels[p]))
 
     async def _publish(self, record: dict[str, Any], ttl: float = 6.0) -> bool:
-        return await dht_io.store(self.dht, progress_key(self.namespace, progress_shard(self.peer_id)), record,
-                                  get_dht_time() + ttl, self.subkey)
+        """Under its shard and under a small swarm's one key, as an honest daemon publishes (``node/peers.py``)."""
+        keys = [progress_key(self.namespace, progress_shard(self.peer_id)), progress_key(self.namespace, ALL_SHARDS)]
+        stored = await asyncio.gather(*(dht_io.store(self.dht, key, record, get_dht_time() + ttl, self.subkey)
+                                        for key in keys))
+        return all(stored)
 
     def _record_like(self, honest: ProgressRecord, **changes: Any) -> dict[str, Any]:
         record = honest.dict()

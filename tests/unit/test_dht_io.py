@@ -94,9 +94,19 @@ def test_calls_are_counted_by_kind_with_the_entries_read():
     from hivemind.utils import ValueWithExpiration
 
     from atoll.protocols.matchmaking import group_key
-    from atoll.protocols.records import config_key, head_key, open_rounds_key, progress_key, revoked_key, round_key
+    from atoll.protocols.records import (
+        ALL_SHARDS,
+        config_key,
+        head_key,
+        open_rounds_key,
+        progress_key,
+        revoked_key,
+        round_key,
+    )
+    from atoll.protocols.summary import summary_key
 
     kinds = {progress_key("r_open", 3): "progress", progress_key("r", 12): "progress",
+             progress_key("r", ALL_SHARDS): "progress", summary_key("r"): "summary",
              open_rounds_key("r", 0, 5, "ab12"): "open", head_key("r"): "head",
              config_key("r"): "config", revoked_key("r"): "revoked", round_key("r", 0, 5): "round",
              round_key("r", 1, 12, "ab_cd"): "round", group_key("r", 0, 5): "group",
