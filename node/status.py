@@ -24,18 +24,21 @@ from atoll.protocols.records import (
 from atoll.protocols.summary import merge, parse_summary, summary_key, totals
 
 from .config import ConfigError, NodeConfig
+from .peers import READ_BUDGET
 
 
-LIST_PEERS_UP_TO = 64  # a run of at most this many peers (by its summaries) is listed whole unless told otherwise
+# A run of at most this many peers (by its summaries) is listed whole unless told otherwise; its daemons read, and
+# write, the one key that holds every record (``node/peers.py``).
+LIST_PEERS_UP_TO = READ_BUDGET
 
 
 def collect_status(dht: Any, run_id: str, list_peers: bool | None = None) -> dict[str, Any]:
     """The stable JSON document ``atoll status --json`` prints: run_id, time, config, peers, totals, summary.
 
     One DHT call reads the run's config, its summaries (``protocols/summary.py``) and the key under which a small
-    swarm's daemons write their records as well (``records.ALL_SHARDS``). Every peer is listed if ``list_peers``, or
-    whenever no summary was found, or by default when they count at most ``LIST_PEERS_UP_TO`` peers: ``peers`` is then the
-    records sorted by peer id (from that one key in a small run; from all 16 shards, in one more call, otherwise) and
+    swarm's daemons write their records as well (``records.ALL_SHARDS``). Every peer is listed if ``list_peers``,
+    whenever no summary was found, or by default when they count at most ``LIST_PEERS_UP_TO`` peers: ``peers`` is
+    then the records sorted by peer id (from that one key in a small run; from all 16 shards, in one more call, otherwise) and
     ``totals`` is made from them. Otherwise ``peers`` is None and ``totals`` is the summaries' median. ``summary``
     says which: ``{"source": "records" | "summaries", "summarizers": [peer ids], "age_s": age of the oldest summary
     used}``."""

@@ -4,8 +4,8 @@ Every record lives under a key prefixed with the run id and a subkey that is exa
 (``[owner:...]``), so hivemind's ``RSASignatureValidator`` lets only the owner write it, and one owner writes one
 record per key. Every DHT node running atoll's validators checks each record when it stores it and when it reads
 it (``RunRecordValidator``): the owner subkey, a size cap and an expiry cap per kind of key, the value's schema
-(progress, summary, config and head records by pydantic, round registrations, group decisions, open-round announcements
-and revocation lists by their parsers, also under the dynamic round keys), and in a private run that the peer id a
+(progress, summary, config and head records by pydantic, round registrations, group decisions, open-round
+announcements and revocation lists by their parsers, also under the dynamic round keys), and in a private run that the peer id a
 record claims is its signer's and that its signer is not revoked. Readers parse every value again.
 """
 
@@ -61,10 +61,10 @@ SPLIT_SIDES = 4  # fault injection's split namespaces ``<run>-side{0..3}`` whose
 
 # How far in the future a record's expiration may lie, per kind of key (seconds; a clock skew is added). Each is
 # above what honest daemons use: progress 3 heartbeats (heartbeat <= 200 s), round registrations and group
-# decisions 4 gather timeouts + 60 s (gather timeout <= 885 s), summaries as progress, open rounds one gather timeout, the config 24 h
-# (join.py) and 10 min (peers.py), the head and the revocation list 7 days.
-MAX_EXPIRY = {"progress": 600.0, "summary": 600.0, "round": 3600.0, "group": 3600.0, "open": 3600.0, "config": 24 * 3600.0,
-              "head": 7 * 24 * 3600.0, "revoked": 7 * 24 * 3600.0}
+# decisions 4 gather timeouts + 60 s (gather timeout <= 885 s), summaries as progress, open rounds one gather
+# timeout, the config 24 h (join.py) and 10 min (peers.py), the head and the revocation list 7 days.
+MAX_EXPIRY = {"progress": 600.0, "summary": 600.0, "round": 3600.0, "group": 3600.0, "open": 3600.0,
+              "config": 24 * 3600.0, "head": 7 * 24 * 3600.0, "revoked": 7 * 24 * 3600.0}
 # The largest serialized value per kind (bytes, signature and certificate stripped). A progress record with
 # MAX_FRAGMENTS fragments, 64-character hashes, the longest strings and MAX_REJECTION_KINDS kinds is ~25 KB; a
 # group decision of MAX_GROUP peer ids ~50 KB; a revocation list of MAX_REVOKED peer ids ~50 KB.

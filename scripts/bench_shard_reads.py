@@ -42,8 +42,14 @@ from bench_dht_reads import HOLD_CHUNK, _hold, cpu_seconds, progress_value  # no
 from swarm import descendants  # noqa: E402
 
 from atoll.protocols import dht_io  # noqa: E402
-from atoll.protocols.records import make_validators, parse_progress, progress_key, progress_keys, progress_shard  # noqa: E402,E501
-from atoll.protocols.records import unwrap_subkeys  # noqa: E402
+from atoll.protocols.records import (  # noqa: E402
+    make_validators,
+    parse_progress,
+    progress_key,
+    progress_keys,
+    progress_shard,
+    unwrap_subkeys,
+)
 
 RUN = "bench"
 ONE_KEY = f"{RUN}_progress_all"
