@@ -8,7 +8,8 @@ from swarm import LocalSwarm, peer_id, wait_for
 pytestmark = pytest.mark.integration
 
 COMMON = ["--model", "nano", "--batch-size", "4", "--algorithm", "decoupled", "--fragments", "1", "--sync-every", "20",
-          "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1", "--max-group", "2"]
+          "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1", "--max-group", "2",
+          "--quorum", "4"]
 NAMES = "abcd"
 
 
