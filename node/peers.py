@@ -62,6 +62,9 @@ ALL_READ_UP_TO = READ_BUDGET * 5 // 4  # once reading the ALL_SHARDS key, it is 
 WRITE_ALL_UP_TO = 2 * READ_BUDGET  # a daemon writes its record under the ALL_SHARDS key while its table is this small
 FOLLOW_S = 20.0  # seconds the shards of peers we follow (``follow``) are read at every read of the table
 FOLLOW_PEERS = 2
+# A progress record lives this many heartbeats (of the last one's length): one or two lost stores do not make a live
+# daemon vanish from the others' tables.
+LIFETIME_BEATS = 3
 
 
 @dataclasses.dataclass
@@ -96,6 +99,7 @@ class PeerTable:
         self._revocation_published = -1e9
         self._dht_refused: dict[str, int] = {}  # the DHT process's refusal counts as last added to our stats
         self._told_revoked = False
+        self._beat = 0.0  # seconds the last heartbeat took, its sleep included (0: none yet)
 
     # ---- our record -----------------------------------------------------------------------------------------
     def progress_record(self, status: Status) -> dict[str, Any]:
@@ -116,11 +120,25 @@ class PeerTable:
                       timeout: float | None = None) -> None:
         ctx = self.ctx
         rec = self.progress_record(status or ctx.counters.status)
-        ttl = ttl if ttl is not None else 3 * ctx.cfg.heartbeat
+        ttl = ttl if ttl is not None else self.lifetime()
         size = self.size()
         shards = [self.my_shard] + ([ALL_SHARDS] if size is None or size <= WRITE_ALL_UP_TO else [])
         await asyncio.gather(*(dht_io.store(ctx.dht, progress_key(ctx.namespace(), shard), rec, get_dht_time() + ttl,
                                             ctx.subkey, timeout=timeout, on_timeout=ctx.reject) for shard in shards))
+
+    def lifetime(self) -> float:
+        """Seconds our progress record lives: ``LIFETIME_BEATS`` heartbeats, as long as the last one took (at most
+        what the DHT's validators accept)."""
+        return min(LIFETIME_BEATS * max(self.ctx.cfg.heartbeat, self._beat), MAX_EXPIRY["progress"])
+
+    def heartbeat_took(self, seconds: float) -> None:
+        """The heartbeat's last cycle (its DHT calls and its sleep) took ``seconds``. A slow DHT (a loaded machine,
+        a congested link) stretches the cycle; a record that lived a fixed three heartbeats then expired before the
+        next store, and the daemon dropped out of the others' tables and of ``atoll status`` while it trained."""
+        if seconds > self.lifetime():
+            logger.warning("a heartbeat took %.1f s, longer than our progress record lived (%.0f s): records now "
+                           "live %.0f s", seconds, self.lifetime(), LIFETIME_BEATS * seconds)
+        self._beat = seconds
 
     def size(self) -> float | None:
         """How many records the swarm holds by the last read of the table (an estimate past ``READ_BUDGET``); None

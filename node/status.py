@@ -13,6 +13,7 @@ from atoll.protocols import dht_io
 from atoll.protocols.records import (
     ALL_SHARDS,
     MAX_CLOCK_SKEW,
+    ProgressRecord,
     config_key,
     make_validators,
     parse_progress,
@@ -38,7 +39,8 @@ def collect_status(dht: Any, run_id: str, list_peers: bool | None = None) -> dic
     One DHT call reads the run's config, its summaries (``protocols/summary.py``) and the key under which a small
     swarm's daemons write their records as well (``records.ALL_SHARDS``). Every peer is listed if ``list_peers``,
     whenever no summary was found, or by default when they count at most ``LIST_PEERS_UP_TO`` peers: ``peers`` is
-    then the records sorted by peer id (from that one key in a small run; from all 16 shards, in one more call, otherwise) and
+    then the records sorted by peer id (from that one key in a small run, unless it holds fewer than the summaries
+    count; from all 16 shards as well, in one more call, otherwise) and
     ``totals`` is made from them. Otherwise ``peers`` is None and ``totals`` is the summaries' median. ``summary``
     says which: ``{"source": "records" | "summaries", "summarizers": [peer ids], "age_s": age of the oldest summary
     used}``."""
@@ -56,9 +58,12 @@ def collect_status(dht: Any, run_id: str, list_peers: bool | None = None) -> dic
         list_peers = merged is None or is_small
     peers = None
     if list_peers:
-        entries = [found.get(small)] if is_small else dht_io.get_many_blocking(dht, progress_keys(run_id)).values()
-        records = [rec for entry in entries for rec in map(parse_progress, unwrap_subkeys(entry).values())
-                   if rec is not None]
+        records = _newest(found.get(small)) if is_small else {}
+        if not is_small or totals(records.values())["peers"] < merged["peers"]:
+            # A small run's one key missed records that the summarizers' tables hold (a store or a read of it that
+            # timed out on a loaded DHT; or peers that just left): their own shards, on other DHT nodes, hold them too.
+            records = _newest(found.get(small), *dht_io.get_many_blocking(dht, progress_keys(run_id)).values())
+        records = list(records.values())
         peers = sorted((rec.dict() for rec in records), key=lambda r: r["peer_id"])
         run_totals = totals(records)
     else:
@@ -68,6 +73,16 @@ def collect_status(dht: Any, run_id: str, list_peers: bool | None = None) -> dic
                "age_s": max((now - s.time for s in summaries), default=None)}
     return {"run_id": run_id, "time": time.time(), "config": config, "peers": peers, "totals": run_totals,
             "summary": summary}
+
+
+def _newest(*entries: Any) -> dict[str, ProgressRecord]:
+    """The valid progress records of DHT ``entries`` (each None or {subkey: value}), the newest of each peer's."""
+    out: dict[str, ProgressRecord] = {}
+    for entry in entries:
+        for rec in map(parse_progress, unwrap_subkeys(entry).values()):
+            if rec is not None and (rec.peer_id not in out or rec.time > out[rec.peer_id].time):
+                out[rec.peer_id] = rec
+    return out
 
 
 def render_table(doc: dict[str, Any]) -> None:

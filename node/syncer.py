@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from typing import Any
 
 import torch
@@ -137,6 +138,7 @@ class Syncer:
 
     async def _heartbeat(self) -> None:
         while True:
+            began = time.monotonic()
             try:
                 await self.table.publish()
                 await self.table.republish_config()
@@ -151,6 +153,7 @@ class Syncer:
             except Exception as e:  # one failed heartbeat must not end the loop
                 logger.warning("heartbeat failed: %r", e)
             await asyncio.sleep(self.ctx.cfg.heartbeat)
+            self.table.heartbeat_took(time.monotonic() - began)
 
     def shutdown(self) -> None:
         """Announce leaving (status ``leaving``, short expiry) and stop the event loop."""

@@ -254,3 +254,36 @@ def test_a_look_up_reads_the_shards_of_unknown_peers_at_most_once_per_max_age(mo
     clock[0] += 1.5
     asyncio.run(table.look_up({stranger}))
     assert dht.asked[1] == [shard] and gone not in table.peers() and stranger not in table.peers()
+
+
+def test_a_record_lives_three_heartbeats_of_the_last_ones_length(caplog):
+    table = PeerTable(ctx=SimpleNamespace(peer_id="me", cfg=SimpleNamespace(heartbeat=2.0)))
+    assert table.lifetime() == 6.0  # before any heartbeat: three configured ones
+    table.heartbeat_took(2.5)
+    assert table.lifetime() == 7.5 and not caplog.records
+    # A heartbeat stretched past the record's lifetime by a slow DHT: the record had expired before this store,
+    # which is said; the next records live three of these.
+    table.heartbeat_took(9.0)
+    assert table.lifetime() == 27.0
+    assert len(caplog.records) == 1 and "longer than our progress record lived (8 s)" in caplog.text
+    table.heartbeat_took(1.0)  # quick again: never below three configured heartbeats
+    assert table.lifetime() == 6.0
+    table.heartbeat_took(1e6)
+    assert table.lifetime() == peers_module.MAX_EXPIRY["progress"]  # what the DHT's validators accept
+
+
+def test_publish_stores_the_record_for_its_lifetime(monkeypatch):
+    expirations: list[float] = []
+
+    async def store(dht, key, value, expiration, *args, **kwargs):
+        expirations.append(expiration - get_dht_time())
+        return True
+
+    clock = [0.0]
+    table, _, _ = sharded_table(monkeypatch, 0, clock)
+    monkeypatch.setattr(peers_module.dht_io, "store", store)
+    monkeypatch.setattr(table, "progress_record", lambda status: {})
+    table.ctx.subkey, table.ctx.cfg = b"k", SimpleNamespace(heartbeat=1.0)
+    table.heartbeat_took(4.0)
+    asyncio.run(table.publish(status=Status.TRAINING))
+    assert expirations and all(11.5 < e <= 12.0 for e in expirations), expirations

@@ -144,7 +144,7 @@ def test_status_of_a_large_run_reads_its_summaries_only(monkeypatch):
 
 
 def test_status_lists_every_peer_of_a_small_run_or_when_asked(monkeypatch):
-    small = [_summary("a", peers=LIST_PEERS_UP_TO)]
+    small = [_summary("a", peers=totals(_records(30, seed=1))["peers"])]
     # A small run's records are all under one key, read in the first call; otherwise every shard is read next.
     for summaries, list_peers, calls in ((small, None, 1), (small, True, 1), ([], None, 2), ([], False, 2),
                                          ([_summary("a")], True, 2)):
@@ -154,6 +154,24 @@ def test_status_lists_every_peer_of_a_small_run_or_when_asked(monkeypatch):
         assert [p["peer_id"] for p in doc["peers"]] == sorted(r.peer_id for r in stub.records)
         assert doc["totals"] == pytest.approx(totals(stub.records), rel=1e-12)  # summed in shard order
         assert doc["summary"]["source"] == "records"
+
+
+def test_status_reads_the_shards_when_the_one_key_holds_fewer_records_than_the_summaries_count(monkeypatch):
+    # A loaded DHT: the one key's nodes missed two records (a store or a read that timed out); each record's own
+    # shard, on other nodes, holds it. A stale copy under the one key does not hide a newer one in the shard.
+    counted = totals(_records(30, seed=1))["peers"]  # the peers not leaving, as the summarizers count them
+    stub = _run(monkeypatch, 30, [_summary("a", peers=counted), _summary("b", peers=counted)])
+    everyone = stub.held[progress_key("run", ALL_SHARDS)]
+    for missed in [r for r in stub.records if r.status != "leaving"][:2]:
+        del everyone[missed.peer_id.encode()]
+    stale = stub.records[2]
+    newer = dict(stale.dict(), time=stale.time + 1, step=stale.step + 100)
+    stub.held[progress_key("run", progress_shard(stale.peer_id))][stale.peer_id.encode()] = newer
+    doc = collect_status(None, "run")
+    assert len(stub.calls) == 2 and stub.calls[1] == progress_keys("run")
+    assert [p["peer_id"] for p in doc["peers"]] == sorted(r.peer_id for r in stub.records)
+    assert next(p for p in doc["peers"] if p["peer_id"] == stale.peer_id)["step"] == stale.step + 100
+    assert doc["totals"]["peers"] == counted and doc["summary"]["source"] == "records"
 
 
 def test_status_drops_summaries_from_the_future(monkeypatch):
