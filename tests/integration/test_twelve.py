@@ -28,7 +28,7 @@ def full_rounds(daemon):
     return [r for r in daemon.rounds() if len(r["members"]) == COUNT]
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_twelve_daemons_train_one_replica_and_status_lists_them(tmp_path):
     swarm = LocalSwarm(tmp_path, COMMON)
     try:
@@ -49,7 +49,8 @@ def test_twelve_daemons_train_one_replica_and_status_lists_them(tmp_path):
 
         out = subprocess.run(
             [sys.executable, "-m", "atoll.node.cli", "status", "--initial-peers", *swarm.bootstrap, "--json"],
-            capture_output=True, text=True, timeout=120,
+            # A fresh process on a machine twelve daemons saturate: about 80 s here (5-6 s on an idle one).
+            capture_output=True, text=True, timeout=300,
         )
         assert out.returncode == 0, out.stderr
         doc = json.loads(out.stdout)
