@@ -39,7 +39,7 @@ from .metrics import Counters
 from .peers import PeerTable
 from .rejoin import Rejoin
 from .replica import Replica
-from .round_protocol import RoundOutcome, RoundProtocol
+from .round_protocol import RoundProtocol
 
 logger = logging.getLogger("atoll")
 LEAVE_TIMEOUT = 3.0  # seconds the leaving announcement may take

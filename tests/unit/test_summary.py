@@ -10,7 +10,7 @@ import pytest
 from hivemind.utils import get_dht_time
 
 from atoll.node import status as status_module
-from atoll.node.status import LIST_PEERS_UP_TO, collect_status
+from atoll.node.status import collect_status
 from atoll.protocols.records import (
     ALL_SHARDS,
     config_key,
