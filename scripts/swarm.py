@@ -268,6 +268,16 @@ def _live_table(doc: dict[str, Any], names: dict[str, str], elapsed: float, dura
     return table
 
 
+def smoothed(values: list[float], weight: float = 0.9) -> list[float]:
+    """An exponential moving average of ``values``, debiased at the start (as TensorBoard's smoothing is): the
+    first points are not pulled toward zero."""
+    out, avg = [], 0.0
+    for i, v in enumerate(values, start=1):
+        avg = weight * avg + (1 - weight) * v
+        out.append(avg / (1 - weight ** i))
+    return out
+
+
 def plot_loss(swarm: LocalSwarm, path: Path) -> None:
     import matplotlib
 
@@ -275,14 +285,19 @@ def plot_loss(swarm: LocalSwarm, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    for name, d in swarm.daemons.items():
+    for i, (name, d) in enumerate(swarm.daemons.items()):
+        color = f"C{i}"
         steps = [m for m in d.metrics() if "loss" in m and "event" not in m]
-        rounds = d.rounds()
+        # Held-out points only where an evaluation ran (a round's record repeats the last figure otherwise).
+        evaluated = [r for r in d.rounds()
+                     if r.get("held_out_loss") is not None and r.get("held_out_step") == r["step"]]
         if steps:
-            ax.plot([m["tokens"] for m in steps], [m["loss"] for m in steps], alpha=0.35, label=f"{name} train")
-        if rounds:
-            ax.plot([m["tokens"] for m in rounds], [m["held_out_loss"] for m in rounds], "o-",
-                    label=f"{name} held-out (after each round)")
+            tokens, losses = [m["tokens"] for m in steps], [m["loss"] for m in steps]
+            ax.plot(tokens, losses, color=color, alpha=0.2, linewidth=0.8)
+            ax.plot(tokens, smoothed(losses), color=color, linewidth=1.6, label=f"{name} train (smoothed)")
+        if evaluated:
+            ax.plot([r["tokens"] for r in evaluated], [r["held_out_loss"] for r in evaluated], "o", color=color,
+                    markeredgecolor="black", markersize=5, label=f"{name} held-out")
     ax.set_xlabel("tokens trained by the daemon")
     ax.set_ylabel("loss (nats/byte)")
     ax.set_title("atoll local swarm: loss against tokens")
