@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
             from .launch import launch, wants_launcher
 
             cfg, explicit = load_config(config_overrides(args), args.config)
-            setup_logging(cfg.log_level)
+            setup_logging(cfg.log_level, cfg.log_format)
             if wants_launcher(cfg):
                 return launch(cfg, argv[1:])
             return run_daemon(cfg, explicit)

@@ -247,6 +247,12 @@ class NodeConfig:
     restart_run: bool = opt(False, help="a newcomer that finds no live holder of the run's state starts the run over "
                                         "from the seed's initial model instead of waiting", switch=True)
     log_level: str = opt("INFO", help="DEBUG, INFO, WARNING or ERROR", metavar="LEVEL")
+    log_format: str = opt("text", help="log lines as text, or as JSON objects (time, level, peer_id, step, message) "
+                                       "for log shippers", known=("text", "json"))
+    metrics_port: int = opt(-1, help="serve Prometheus metrics at http://METRICS_HOST:PORT/metrics "
+                                     "(docs/operations.md); 0: a free port, logged; -1: none", metavar="PORT")
+    metrics_host: str = opt("127.0.0.1", help="address the metrics endpoint listens on; 0.0.0.0 for a Prometheus on "
+                                              "another host", metavar="ADDR")
     # Long enough to outlast a few rounds of a misbehaving peer, short enough that a peer that was wrongly suspected
     # (or fixed) is back within minutes.
     peer_cooldown: float = opt(120.0, help="seconds a peer whose part, record or state this daemon rejected is left "
@@ -322,6 +328,10 @@ class NodeConfig:
         if self.open and (self.join_token is not None or self.run_key is not None):
             raise ConfigError("open: an open run takes no join token or run key")
         self.parsed_faults()
+        if not -1 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port: {self.metrics_port} must be a port (0: a free one) or -1 (none)")
+        if self.log_format not in ("text", "json"):
+            raise ConfigError(f"log_format: unknown {self.log_format!r}; use text or json")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"log_level: unknown {self.log_level!r}")
 

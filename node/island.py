@@ -48,6 +48,7 @@ from .checkpoint import CheckpointWriter, load_checkpoint
 from .config import OWN_MODEL, ConfigError, NodeConfig, RunConfig, load_config
 from .ddp import DDP
 from .device import Device
+from .exporter import serve_metrics, stop_metrics
 from .faults import Faults
 from .join import agree_on_run_config, check_identity, identity_file, load_revocation, membership, start_dht
 from .local_state import LocalFragmentState
@@ -142,7 +143,7 @@ class Island:
         self._tokens_per_step, self._next_tokens, self._next_loss = tokens_per_step, None, None
         self._optimizer, self._hook = optimizer, None
         if not logger.handlers:  # a script that set up no logging of its own still sees the island's progress
-            setup_logging(cfg.log_level)
+            setup_logging(cfg.log_level, cfg.log_format)
 
     @classmethod
     def for_loop(cls, cfg: NodeConfig, explicit: set[str], build: BuildTrainee, derive: Derive, device: Device,
@@ -265,7 +266,7 @@ class Island:
         check_identity(dht, token)
         self.dht = dht
         self.peer_id = peer_id = str(dht.peer_id)
-        log_context.peer = peer_id[-8:]
+        log_context.peer_id = peer_id
         self.maddrs = [str(m) for m in dht.get_visible_maddrs()]
         if self._print_addresses:
             for maddr in self.maddrs:
@@ -298,6 +299,8 @@ class Island:
                                       revocation=self.revocation, error_feedback=error_feedback)
         syncer.start()
         self._exit.callback(syncer.shutdown)
+        if cfg.metrics_port >= 0:
+            self._exit.callback(stop_metrics, serve_metrics(cfg, peer_id, self.counters, syncer, self.replica))
         if resumed:
             self._catch_up()
         else:
@@ -416,13 +419,16 @@ class Island:
         self.local = [LocalFragmentState(trainee.gather(f), _replica_id(replica, p))
                       for p, f in enumerate(self.fragments)]
 
+    def _checkpoint_written(self, meta: dict[str, Any]) -> None:
+        self.counters.checkpoint_at = time.time()
+        self.metrics.write(event="checkpoint", version=meta["version"], step=meta["step"], tokens=meta["tokens"])
+
     def _restore(self) -> tuple[bool, dict[str, torch.Tensor]]:
         """Resume from our newest good checkpoint, if there is one: whether we did, and the error-feedback state."""
         cfg = self.cfg
         if not cfg.checkpoint_dir:
             return False, {}
-        self.checkpointer = CheckpointWriter(cfg.checkpoint_dir, lambda meta: self.metrics.write(
-            event="checkpoint", version=meta["version"], step=meta["step"], tokens=meta["tokens"]))
+        self.checkpointer = CheckpointWriter(cfg.checkpoint_dir, self._checkpoint_written)
         loaded = load_checkpoint(cfg.checkpoint_dir)
         if loaded is None:
             return False, {}

@@ -1,35 +1,68 @@
-"""One logger, ``atoll``, whose lines name the peer and the step."""
+"""One logger, ``atoll``, whose lines name the peer and the step: as text for people, or as JSON for log shippers
+(``--log-format json``)."""
 
 from __future__ import annotations
 
+import enum
+import json
 import logging
 import sys
+import time
+
+
+class LogFormat(enum.Enum):
+    TEXT = "text"
+    JSON = "json"
 
 
 class _Context(logging.Filter):
-    """Stamps every record with the daemon's short peer id and current inner step."""
+    """Stamps every record with the daemon's peer id (``peer``: its last 8 characters, as the text lines show it)
+    and current inner step."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.peer = "-"
+        self.peer_id = ""
         self.step = 0
 
     def filter(self, record: logging.LogRecord) -> bool:
-        record.peer = self.peer
+        record.peer_id = self.peer_id
+        record.peer = self.peer_id[-8:] or "-"
         record.step = self.step
         return True
+
+
+class JSONFormatter(logging.Formatter):
+    """One JSON object a line: ``time`` (ISO 8601, UTC, milliseconds), ``level``, ``peer_id`` (null before the
+    daemon has one), ``step``, ``message``, and ``exception`` when the record carries one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        when = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z"
+        line = {"time": when, "level": record.levelname, "peer_id": getattr(record, "peer_id", "") or None,
+                "step": getattr(record, "step", None), "message": record.getMessage()}
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return json.dumps(line, ensure_ascii=False)
 
 
 context = _Context()
 logger = logging.getLogger("atoll")
 
 
-def setup_logging(level: str = "INFO") -> None:
+def setup_logging(level: str = "INFO", fmt: LogFormat | str = LogFormat.TEXT) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [%(peer)s step %(step)s] %(message)s", "%H:%M:%S"))
+    if LogFormat(fmt) is LogFormat.JSON:
+        handler.setFormatter(JSONFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [%(peer)s step %(step)s] %(message)s",
+                                               "%H:%M:%S"))
     handler.addFilter(context)
     logger.handlers[:] = [handler]
     logger.setLevel(level.upper())
     logger.propagate = False
-    # hivemind logs through its own handler; keep its routine chatter out of the daemon's output.
-    logging.getLogger("hivemind").setLevel(logging.WARNING)
+    # hivemind logs through its own handler; keep its routine chatter out of the daemon's output. In JSON its lines
+    # go through ours, so that a log shipper never meets a line that is not one JSON object.
+    hivemind = logging.getLogger("hivemind")
+    hivemind.setLevel(logging.WARNING)
+    if LogFormat(fmt) is LogFormat.JSON:
+        hivemind.handlers[:] = [handler]
+        hivemind.propagate = False

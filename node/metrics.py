@@ -26,6 +26,30 @@ if TYPE_CHECKING:
     from atoll.protocols.stats import TrafficStats
 
 
+SKIPPED = "skipped"  # ``Counters.round_ended``'s result for a sync point that started no round
+# Upper bounds (seconds) of the buckets of a round's duration: from a LAN's sub-second rounds to a WAN's minutes.
+ROUND_SECONDS_BUCKETS = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class Histogram:
+    """Counts of observations at most each of ``bounds`` (cumulative, as Prometheus's buckets are), their number
+    and their sum; one writer, readers on any thread."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * len(bounds)
+        self.count, self.sum = 0, 0.0
+
+    def observe(self, x: float) -> None:
+        # In this order a reader on another thread (a scrape) never sees a bucket above a wider one or above the
+        # count: Prometheus would take that for a reset.
+        self.count += 1
+        for i in reversed(range(len(self.bounds))):
+            if x <= self.bounds[i]:
+                self.counts[i] += 1
+        self.sum += x
+
+
 @dataclass
 class Counters:
     device: str = ""
@@ -51,6 +75,20 @@ class Counters:
     rank_drift: int = 0  # checks at which a rank of the island held a θ other than rank 0's (node/ranks.py)
     island_sync_seconds: float = 0.0  # rank 0's time in the island's collectives that sent θ or compared it
     started: float = field(default_factory=time.monotonic)
+    # The training loop's: each round's end by fragment (``round_ended``), and when the last checkpoint was written.
+    rounds_by_result: dict[tuple[int, str], int] = field(default_factory=dict)
+    round_seconds: dict[int, Histogram] = field(default_factory=dict)  # merged rounds' durations by fragment
+    checkpoint_at: float | None = None  # wall-clock time
+
+    def round_ended(self, fragment: int, result: str, seconds: float | None = None) -> None:
+        """A round of ``fragment`` ended as ``result`` (a round ``Outcome``'s value, or ``SKIPPED``: none was
+        started at a sync point because the previous one had not landed), taking ``seconds`` if it merged."""
+        key = (fragment, result)
+        self.rounds_by_result[key] = self.rounds_by_result.get(key, 0) + 1
+        if result == SKIPPED:
+            self.rounds_skipped += 1
+        if seconds is not None:
+            self.round_seconds.setdefault(fragment, Histogram(ROUND_SECONDS_BUCKETS)).observe(seconds)
 
     def stepped(self, seconds: float) -> None:
         """One inner step took ``seconds``."""

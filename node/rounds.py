@@ -28,7 +28,7 @@ from atoll.protocols.state_sync import MAX_ANCESTORS
 from .algorithm import Algorithm
 from .config import NodeConfig
 from .local_state import LocalFragmentState
-from .metrics import Counters, HeldOut, MetricsLog
+from .metrics import SKIPPED, Counters, HeldOut, MetricsLog
 from .replica import Replica
 from .round_protocol import Outcome, RoundOutcome
 from .syncer import Syncer
@@ -149,7 +149,7 @@ class Rounds:
         opened that round (decoupled)."""
         if p in self.pending or p in self.snapshots:  # the previous round has not landed: do not queue another
             if own_schedule:
-                self.counters.rounds_skipped += 1
+                self.counters.round_ended(p, SKIPPED)
             return
         if own_schedule and self.algorithm.joins_open_rounds and self.local[p].steps < self.run.sync_every // 2:
             # We joined a round of p that a peer opened not long ago: opening another now would only split the
@@ -164,7 +164,7 @@ class Rounds:
         version, _, digest = self.replica.identity(p)
         if (version, digest) != local.base_id or local.steps == 0:
             # An adoption is landing right now, or one just restarted this fragment: nothing of ours to merge yet.
-            self.counters.rounds_skipped += 1
+            self.counters.round_ended(p, SKIPPED)
             return
         # θ_p as of this step, copied to host memory without holding up the next steps (on an accelerator the copy
         # lands a step or two later; the round starts then, against the base it was taken from).
@@ -220,6 +220,7 @@ class Rounds:
         except (concurrent.futures.CancelledError, Exception) as e:  # a round must never end the training loop
             logger.warning("round f%d v%d ended with an error: %r", p, pending.version, e)
             outcome = RoundOutcome(Outcome.FAILED, pending.version)
+        counters.round_ended(p, outcome.kind.value, outcome.seconds if outcome.kind is Outcome.MERGED else None)
         if outcome.kind is Outcome.BEHIND:
             logger.info("round f%d v%d abandoned: a heavier replica exists; catching up", p, pending.version)
             if self.algorithm.synchronous:

@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 from swarm import LocalSwarm, peer_id, wait_for  # noqa: F401 (other test modules import them from here)
@@ -102,7 +103,7 @@ def assert_refused_in_one_line(daemon, marker, message):
 def swarm(tmp_path_factory):
     s = LocalSwarm(tmp_path_factory.mktemp("swarm"), COMMON)
     try:
-        s.start("a", join=False)
+        s.start("a", ["--metrics-port", "0"], join=False)
         s.start("b")
         s.start("c", ["--fault", f"kill_in_round={KILL_ROUND}"])
         yield s
@@ -150,6 +151,48 @@ def test_status_json_lists_all_daemons(swarm):
     summarized = json.loads(out.stdout)
     assert summarized["peers"] is None and summarized["summary"]["source"] == "summaries"
     assert summarized["totals"]["peers"] >= 2 and summarized["totals"]["tokens"] > 0
+
+
+def scrape(url):
+    """{(name, labels): value} of every sample a Prometheus endpoint serves, as prometheus_client parses them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=30) as response:
+        assert response.status == 200 and response.headers["Content-Type"].startswith("text/plain")
+        text = response.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_endpoint_of_a_live_daemon_moves_as_it_trains(swarm):
+    d = swarm.daemons["a"]
+    url = wait_for(lambda: re.findall(r"Prometheus metrics at (http://127\.0\.0\.1:\d+/metrics)", d.log()), 60,
+                   "a's metrics address")[0]
+    merged = ("atoll_rounds_total", (("fragment", "0"), ("result", "merged")))
+    steps, tokens = ("atoll_inner_steps_total", ()), ("atoll_tokens_total", ())
+    first = scrape(url)
+    assert first[("atoll_info", (("algorithm", "diloco"), ("device", "cpu"), ("peer_id", peer_id(d)),
+                                 ("run_id", "atoll")))] == 1
+    assert first[("atoll_status", (("status", "training"),))] == 1
+    assert first[steps] > 0 and first[tokens] > 0 and first[("atoll_replica_version", (("fragment", "0"),))] >= 1
+    assert first[("atoll_peers", ())] >= 1 and first[("atoll_sent_bytes_total", ())] > 0
+    later = wait_for(lambda: (lambda m: m if m[merged] > first[merged] and m[steps] > first[steps] else None)(
+        scrape(url)), 120, "a's metrics to show another merged round")
+    assert later[tokens] > first[tokens]
+    # (The histogram and the round counts are read a moment apart: a round may land in between.)
+    assert later[("atoll_round_duration_seconds_count", (("fragment", "0"),))] >= 1
+    version = ("atoll_replica_version", (("fragment", "0"),))
+    assert later[version] > first[version]
+
+
+def test_a_daemon_logs_json_lines_with_its_peer_id_and_step(swarm):
+    d = swarm.start("j", ["--log-format", "json", "--max-steps", "40"])
+    assert d.proc.wait(180) == 0, d.log()[-2000:]
+    lines = [json.loads(line) for line in d.log().splitlines()]  # every line one JSON object
+    assert {"time", "level", "peer_id", "step", "message"} <= set(lines[-1])
+    mine = [line for line in lines if line["peer_id"] is not None]
+    assert mine and all(line["peer_id"] == peer_id(d) for line in mine)
+    assert any(line["message"].startswith("stopped at step") and line["step"] >= 40 for line in lines), lines[-3:]
 
 
 def _start_once(swarm, *args):

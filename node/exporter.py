@@ -1,0 +1,140 @@
+"""Prometheus metrics of one daemon (``--metrics-port``): what it counts anyway, read when scraped.
+
+Nothing here counts: every value is read, at each scrape, from what the daemon keeps for its progress record and
+its summary (``Counters``, the syncer's ``TrafficStats``), its replica's versions and its peer table. So a scrape
+costs the daemon nothing between scrapes, and the endpoint can never disagree with ``atoll status`` or
+``metrics.jsonl``. The names follow Prometheus's conventions: an ``atoll_`` prefix, units in the name, ``_total``
+on counters; the daemon itself is the scrape target (its ``instance``), and ``atoll_info`` carries its peer id.
+The reference is docs/operations.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from atoll.protocols.records import Status
+
+from .metrics import SKIPPED, Counters
+
+if TYPE_CHECKING:
+    from atoll.protocols.stats import TrafficStats
+
+    from .config import NodeConfig
+    from .replica import Replica
+    from .syncer import Syncer
+
+logger = logging.getLogger("atoll")
+# Every result a round of a fragment can end with, exported from the start at 0 so that rates work from the first
+# scrape (Prometheus's advice for labelled counters).
+ROUND_RESULTS = ("merged", "behind", "failed", SKIPPED)
+
+
+class DaemonCollector(Collector):
+    """The metrics of one daemon, read at each ``collect()`` (prometheus_client calls it on each scrape, on the
+    HTTP server's thread: every read here is of a value one writer updates, or a copy of a dict)."""
+
+    def __init__(self, info: dict[str, str], counters: Counters, traffic: Callable[[], TrafficStats],
+                 versions: Callable[[], list[int]], peers: Callable[[], int]) -> None:
+        self.info, self.counters, self.traffic, self.versions, self.peers = info, counters, traffic, versions, peers
+
+    def collect(self) -> Iterator[Metric]:
+        c, traffic, versions = self.counters, self.traffic(), self.versions()
+        info = GaugeMetricFamily("atoll_info", "this daemon: its peer id, run, device and algorithm (always 1)",
+                                 labels=sorted(self.info))
+        info.add_metric([self.info[k] for k in sorted(self.info)], 1)
+        yield info
+        status = GaugeMetricFamily("atoll_status", "1 for the daemon's status, 0 for the others", labels=["status"])
+        for s in Status:
+            status.add_metric([s.value], 1 if c.status is s else 0)
+        yield status
+        yield _counter("atoll_inner_steps", "inner steps trained", c.step)
+        yield _counter("atoll_tokens", "tokens trained on", c.tokens)
+        yield _gauge("atoll_tokens_per_second", "tokens trained per second, recently", c.tokens_per_s)
+        yield _gauge("atoll_loss", "training loss of the last inner step", c.loss)
+        yield _gauge("atoll_held_out_loss", "held-out loss of the last evaluation", c.held_out_loss)
+        yield _gauge("atoll_held_out_step", "inner step of the last held-out evaluation", c.held_out_step)
+        yield _counter("atoll_train_seconds", "seconds spent in inner steps", c.train_seconds)
+        yield _counter("atoll_blocked_seconds", "seconds the training loop waited on the network", c.blocked_seconds)
+        yield _counter("atoll_tokens_lost", "tokens whose work no merge kept (overwritten, forks, missed rounds)",
+                       c.tokens_lost)
+        yield _counter("atoll_forks_healed", "forks of the replica this daemon healed by adopting a heavier one",
+                       c.forks_healed)
+        yield _counter("atoll_rejoins", "times the DHT was bootstrapped again after a while with no live peer",
+                       c.rejoins)
+        rounds = CounterMetricFamily("atoll_rounds", "outer rounds by fragment and result: merged, behind (a heavier "
+                                     "replica existed), failed, skipped (the previous one had not landed)",
+                                     labels=["fragment", "result"])
+        by_result = dict(c.rounds_by_result)
+        for p in range(len(versions)):
+            for result in ROUND_RESULTS:
+                rounds.add_metric([str(p), result], by_result.get((p, result), 0))
+        yield rounds
+        durations = HistogramMetricFamily("atoll_round_duration_seconds", "seconds a merged round took, from its "
+                                          "start to its result", labels=["fragment"])
+        for p, hist in sorted(dict(c.round_seconds).items()):
+            buckets = [(_le(bound), n) for bound, n in zip(hist.bounds, list(hist.counts))] + [("+Inf", hist.count)]
+            durations.add_metric([str(p)], buckets, hist.sum)
+        yield durations
+        version = GaugeMetricFamily("atoll_replica_version", "version of each fragment of this daemon's replica",
+                                    labels=["fragment"])
+        for p, v in enumerate(versions):
+            version.add_metric([str(p)], v)
+        yield version
+        yield _gauge("atoll_peers", "training peers in this daemon's table (itself not counted)", self.peers())
+        yield _counter("atoll_sent_bytes", "bytes this daemon sent in rounds and state transfers", traffic.bytes_sent)
+        yield _counter("atoll_received_bytes", "bytes this daemon received in rounds and state transfers",
+                       traffic.bytes_received)
+        rejected = CounterMetricFamily("atoll_rejected", "network input and DHT records rejected, by kind",
+                                       labels=["kind"])
+        for kind, n in sorted(dict(traffic.rejected_by_kind).items()):
+            rejected.add_metric([kind], n)
+        yield rejected
+        yield _counter("atoll_clipped", "contributions robust merging scaled down", traffic.clipped)
+        age = None if c.checkpoint_at is None else max(0.0, time.time() - c.checkpoint_at)
+        yield _gauge("atoll_checkpoint_age_seconds", "seconds since the last checkpoint was written", age)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def _gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
+    """A gauge; NaN where there is no value yet (no loss before the first step, no checkpoint before the first)."""
+    return GaugeMetricFamily(name, doc, value=math.nan if value is None else value)
+
+
+def _le(bound: float) -> str:
+    return repr(float(bound))
+
+
+def serve_metrics(cfg: NodeConfig, peer_id: str, counters: Counters, syncer: Syncer, replica: Replica) -> Any:
+    """Serve this daemon's metrics at ``http://cfg.metrics_host:cfg.metrics_port/metrics`` on a thread of its own,
+    and log the address (port 0 takes a free one). Returns the server (``stop_metrics`` stops it); a port that
+    cannot be bound is a ``ConfigError``."""
+    from .config import ConfigError
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(DaemonCollector(
+        {"peer_id": peer_id, "run_id": cfg.run_id, "device": counters.device, "algorithm": cfg.run.algorithm},
+        counters, lambda: syncer.stats, lambda: [v for v, _, _ in replica.identities()],
+        lambda: len(syncer.table.training())))
+    try:
+        server, _ = start_http_server(cfg.metrics_port, addr=cfg.metrics_host, registry=registry)
+    except OSError as e:
+        raise ConfigError(f"metrics_port: cannot listen on {cfg.metrics_host}:{cfg.metrics_port}: "
+                          f"{e.strerror or e}") from None
+    logger.info("Prometheus metrics at http://%s:%d/metrics", cfg.metrics_host, server.server_port)
+    return server
+
+
+def stop_metrics(server: Any) -> None:
+    server.shutdown()
+    server.server_close()
