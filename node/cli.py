@@ -104,6 +104,9 @@ def _status_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--peers", action=argparse.BooleanOptionalAction, default=None,
                    help="list every peer (read every progress record), or only the run's totals from its summaries "
                         "(--no-peers, where there are any); by default a run of up to 64 peers is listed")
+    p.add_argument("--watch", nargs="?", type=float, const=5.0, default=None, metavar="SECONDS",
+                   help="read the run again every SECONDS (default 5) and show it in place, with the run's rates, "
+                        "until Ctrl-C; with --json, one JSON document a line")
 
 
 def _token_parser(sub: argparse._SubParsersAction) -> None:
@@ -300,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             return prepare_data(args)
         from .status import run_status
 
-        return run_status(list(args.initial_peers), args.run_id, args.json, args.peers)
+        return run_status(list(args.initial_peers), args.run_id, args.json, args.peers, args.watch)
     except ConfigError as e:
         print(f"atoll: error: {e}", file=sys.stderr)
         return 2

@@ -85,23 +85,41 @@ def _newest(*entries: Any) -> dict[str, ProgressRecord]:
     return out
 
 
-def render_table(doc: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
+def rates(before: dict[str, Any] | None, after: dict[str, Any]) -> dict[str, float] | None:
+    """The run's rates between two status documents: tokens/s, rounds of the newest replica per minute (its
+    version's growth) and bytes/s sent, from the change of the totals over the time between them; None for the
+    first document, or when no time passed."""
+    if before is None or after["time"] <= before["time"]:
+        return None
+    seconds = after["time"] - before["time"]
+    a, b = before["totals"], after["totals"]
+    return {"tokens_per_s": (b["tokens"] - a["tokens"]) / seconds,
+            "versions_per_min": 60 * (b["max_version"] - a["max_version"]) / seconds,
+            "sent_bytes_per_s": (b["bytes_sent"] - a["bytes_sent"]) / seconds}
 
-    totals_, console = doc["totals"], Console()
+
+def status_view(doc: dict[str, Any], rate: dict[str, float] | None = None) -> Any:
+    """What ``atoll status`` shows for ``doc``: the run's totals as a title, and a table of every peer when the
+    document lists them; with ``rate`` (``--watch``), the totals' rates since the previous read too."""
+    from rich.table import Table
+    from rich.text import Text
+
+    totals_ = doc["totals"]
     title = (f"run {doc['run_id']}: {totals_['peers']} peers, {totals_['ranks']} ranks, {totals_['tokens']:,} tokens, "
              f"{totals_['tokens_per_s']:,.0f} tokens/s, version {totals_['max_version']}")
+    if rate is not None:
+        title += (f"\nsince the last read: {rate['tokens_per_s']:,.0f} tokens/s, {rate['versions_per_min']:.1f} "
+                  f"versions/min, {rate['sent_bytes_per_s'] / 1e6:.2f} MB/s sent")
     if doc["peers"] is None:  # a large run: its summaries only
         summary = doc["summary"]
-        console.print(f"{title}\n(the median of {len(summary['summarizers'])} summaries, the oldest "
-                      f"{summary['age_s']:.0f} s old; --peers lists every peer)")
-        return
+        return Text(f"{title}\n(the median of {len(summary['summarizers'])} summaries, the oldest "
+                    f"{summary['age_s']:.0f} s old; --peers lists every peer)")
     table = Table(title=title)
     for col in ("peer", "status", "device", "ranks", "step", "versions", "tokens", "tok/s", "loss", "held-out",
                 "rounds", "skipped", "goodput", "blocked s", "forks healed", "tokens lost", "sent MB", "recv MB",
                 "rejected"):
-        table.add_column(col, justify="left" if col in ("peer", "status", "device", "versions") else "right")
+        table.add_column(col, justify="left" if col in ("peer", "status", "device", "versions") else "right",
+                         no_wrap=col == "peer")
     fmt = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
     for p in doc["peers"]:
         status = p["status"] if p["reachable"] else f"{p['status']} (NAT)"  # a --client-mode daemon
@@ -110,24 +128,62 @@ def render_table(doc: dict[str, Any]) -> None:
                       fmt(p["loss"]), fmt(p["held_out_loss"]), str(p["rounds"]), str(p["rounds_skipped"]),
                       f"{p['goodput']:.2f}", f"{p['blocked_s']:.1f}", str(p["forks_healed"]), f"{p['tokens_lost']:,}",
                       f"{p['bytes_sent'] / 1e6:.1f}", f"{p['bytes_received'] / 1e6:.1f}", str(p["rejected"]))
-    if not console.is_terminal:
-        console = Console(width=200)
-    console.print(table)
+    return table
 
 
-def run_status(initial_peers: list[str], run_id: str, as_json: bool, list_peers: bool | None = None) -> int:
+def _console() -> Any:
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=200)
+
+
+def render_table(doc: dict[str, Any]) -> None:
+    _console().print(status_view(doc))
+
+
+def watch(dht: Any, run_id: str, list_peers: bool | None, as_json: bool, interval: float,
+          doc: dict[str, Any]) -> None:
+    """``atoll status --watch``: read the run again every ``interval`` seconds through the one DHT client, and show
+    it in place (a JSON document a line with ``--json``) until Ctrl-C."""
+    from rich.live import Live
+
+    previous: dict[str, Any] | None = None
+    if as_json:
+        while True:
+            print(json.dumps(doc, sort_keys=True), flush=True)
+            time.sleep(interval)
+            doc = collect_status(dht, run_id, list_peers)
+    with Live(status_view(doc), console=_console(), auto_refresh=False) as live:
+        while True:
+            time.sleep(interval)
+            previous, doc = doc, collect_status(dht, run_id, list_peers)
+            live.update(status_view(doc, rates(previous, doc)), refresh=True)
+
+
+def run_status(initial_peers: list[str], run_id: str, as_json: bool, list_peers: bool | None = None,
+               watch_every: float | None = None) -> int:
+    """``atoll status``: one read of the run, printed; with ``watch_every`` (``--watch``), read again every so many
+    seconds until Ctrl-C, which ends it cleanly (exit 0)."""
     from .join import start_dht
 
+    if watch_every is not None and not watch_every > 0:
+        raise ConfigError(f"watch: the interval must be positive, got {watch_every}")
     logging.getLogger("hivemind").setLevel(logging.ERROR)
     cfg = NodeConfig(run_id=run_id, initial_peers=tuple(initial_peers), host_maddrs=("/ip4/127.0.0.1/tcp/0",))
     cfg.validate()
     dht = start_dht(cfg, list(make_validators(run_id)), client_mode=True)
     try:
         doc = collect_status(dht, run_id, list_peers)
+        if doc["config"] is None and not doc["peers"] and not doc["summary"]["summarizers"]:
+            raise ConfigError(f"run_id: no run {run_id!r} found through {initial_peers[0]}")
+        if watch_every is not None:
+            try:
+                watch(dht, run_id, list_peers, as_json, watch_every, doc)
+            except KeyboardInterrupt:
+                return 0
     finally:
         dht.shutdown()
-    if doc["config"] is None and not doc["peers"] and not doc["summary"]["summarizers"]:
-        raise ConfigError(f"run_id: no run {run_id!r} found through {initial_peers[0]}")
     if as_json:
         print(json.dumps(doc, indent=1, sort_keys=True))
     else:

@@ -5,7 +5,9 @@ are injected deterministically: the killed daemon kills itself in its N-th round
 """
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -183,6 +185,64 @@ def test_metrics_endpoint_of_a_live_daemon_moves_as_it_trains(swarm):
     assert later[("atoll_round_duration_seconds_count", (("fragment", "0"),))] >= 1
     version = ("atoll_replica_version", (("fragment", "0"),))
     assert later[version] > first[version]
+
+
+def test_status_watch_refreshes_in_place_and_ends_cleanly_on_ctrl_c(swarm):
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+    import time
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 60, 240, 0, 0))  # wide enough for the table
+
+    def own_terminal():  # a session of its own whose controlling terminal is the pty, as a shell's job has
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    proc = subprocess.Popen([sys.executable, "-m", "atoll.node.cli", "status", "--initial-peers", *swarm.bootstrap,
+                             "--watch", "1"], stdin=slave, stdout=slave, stderr=slave, preexec_fn=own_terminal,
+                            env={**os.environ, "COLUMNS": "240", "LINES": "60"})  # rich reads these first
+    os.close(slave)
+    out = b""
+
+    def read(seconds):
+        nonlocal out
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            if select.select([master], [], [], 0.2)[0]:
+                try:
+                    out += os.read(master, 65536)
+                except OSError:  # the terminal closed: the process exited
+                    return
+
+    try:
+        deadline = time.monotonic() + 180
+        while out.count(b"since the last read") < 2 and time.monotonic() < deadline and proc.poll() is None:
+            read(1)
+        assert out.count(b"since the last read") >= 2, out.decode(errors="replace")[-3000:]  # refreshed twice
+        assert peer_id(swarm.daemons["a"])[-8:].encode() in out
+        os.write(master, b"\x03")  # Ctrl-C: the terminal sends SIGINT to its foreground process group
+        rc = proc.wait(60)
+        read(1)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        os.close(master)
+    text = out.decode(errors="replace")
+    assert rc == 0 and "Traceback" not in text, text[-3000:]
+    # The DHT client's process and its p2pd ended with it.
+    wait_for(lambda: not _group_alive(proc.pid), 30, "status's processes to end")
+
+
+def _group_alive(pgid):
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_a_daemon_logs_json_lines_with_its_peer_id_and_step(swarm):

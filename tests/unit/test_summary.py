@@ -185,3 +185,25 @@ def test_the_table_of_a_large_run_is_its_totals_and_a_hint(monkeypatch, capsys):
     status_module.render_table(collect_status(None, "run"))
     out = capsys.readouterr().out
     assert "1000 peers, 1200 ranks" in out and "median of 2 summaries" in out and "--peers" in out
+
+
+def test_watch_rates_are_the_totals_change_over_the_time_between_reads():
+    def doc(t, tokens, version, sent):
+        return {"time": t, "totals": {"tokens": tokens, "max_version": version, "bytes_sent": sent}}
+
+    assert status_module.rates(None, doc(10.0, 0, 0, 0)) is None  # the first read has no rate
+    assert status_module.rates(doc(10.0, 0, 0, 0), doc(10.0, 5, 1, 1)) is None  # no time passed
+    r = status_module.rates(doc(10.0, 1000, 4, 2_000_000), doc(14.0, 9000, 6, 6_000_000))
+    assert r == {"tokens_per_s": 2000.0, "versions_per_min": 30.0, "sent_bytes_per_s": 1_000_000.0}
+
+
+def test_the_watched_table_shows_the_rates_under_the_totals(monkeypatch, capsys):
+    from rich.console import Console
+
+    _run(monkeypatch, 3, [])
+    doc = collect_status(None, "run")
+    Console(width=250).print(status_module.status_view(doc, {"tokens_per_s": 1234.0, "versions_per_min": 2.5,
+                                                             "sent_bytes_per_s": 3e6}))
+    out = capsys.readouterr().out
+    assert "since the last read: 1,234 tokens/s, 2.5 versions/min, 3.00 MB/s sent" in out
+    assert all(r.peer_id[-8:] in out for r in _records(3, seed=1))
