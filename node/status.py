@@ -148,7 +148,6 @@ def watch(dht: Any, run_id: str, list_peers: bool | None, as_json: bool, interva
     it in place (a JSON document a line with ``--json``) until Ctrl-C."""
     from rich.live import Live
 
-    previous: dict[str, Any] | None = None
     if as_json:
         while True:
             print(json.dumps(doc, sort_keys=True), flush=True)
