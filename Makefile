@@ -37,9 +37,13 @@ $(XLA_STAMP):
 
 xla-venv: $(XLA_STAMP)
 
-# System packages a test needs: nft (nftables) for the WAN emulator's NAT regions (tests/unit/test_wan.py).
+# System packages a test needs: nft (nftables) for the WAN emulator's NAT regions (tests/unit/test_wan.py);
+# Debian's chromium and its chromedriver for the dashboard's browser test (tests/integration/test_dashboard.py).
+SYSTEM_PACKAGES := $(if $(shell command -v nft),,nftables) \
+	$(if $(shell command -v chromium),,chromium) $(if $(shell command -v chromedriver),,chromium-driver)
 system-packages:
-	command -v nft >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables)
+	$(if $(strip $(SYSTEM_PACKAGES)),apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+		$(strip $(SYSTEM_PACKAGES)),@true)
 
 test: $(STAMP) system-packages
 	$(PY) -m pytest -q tests

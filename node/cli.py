@@ -1,5 +1,5 @@
-"""``atoll start``, ``atoll status``, ``atoll token``, ``atoll token revoke`` (also ``atoll revoke``) and
-``atoll data prepare``.
+"""``atoll start``, ``atoll status``, ``atoll dashboard``, ``atoll token``, ``atoll token revoke`` (also
+``atoll revoke``) and ``atoll data prepare``.
 
 Bad configuration: one line on stderr, exit code 2, no traceback.
 """
@@ -107,6 +107,21 @@ def _status_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--watch", nargs="?", type=float, const=5.0, default=None, metavar="SECONDS",
                    help="read the run again every SECONDS (default 5) and show it in place, with the run's rates, "
                         "until Ctrl-C; with --json, one JSON document a line")
+
+
+def _dashboard_parser(sub: argparse._SubParsersAction) -> None:
+    from .dashboard import HISTORY_POINTS, POLL_EVERY
+
+    p = sub.add_parser("dashboard", help="serve a web page of a run's progress, read from the DHT")
+    p.add_argument("--initial-peers", nargs="+", metavar="MADDR", required=True)
+    p.add_argument("--run-id", default=_RUN_ID)
+    p.add_argument("--host", default="127.0.0.1", help="address to serve the page on (default 127.0.0.1: this "
+                                                       "machine only)")
+    p.add_argument("--port", type=int, default=8470, help="port to serve the page on (default 8470; 0: a free one)")
+    p.add_argument("--interval", type=float, default=POLL_EVERY, metavar="SECONDS",
+                   help=f"read the run every SECONDS (default {POLL_EVERY:g})")
+    p.add_argument("--history", type=int, default=HISTORY_POINTS, metavar="POINTS",
+                   help=f"points kept per curve; past it, every second one is dropped (default {HISTORY_POINTS})")
 
 
 def _token_parser(sub: argparse._SubParsersAction) -> None:
@@ -272,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _start_parser(sub)
     _status_parser(sub)
+    _dashboard_parser(sub)
     _token_parser(sub)
     _revoke_parser(sub)
     _data_parser(sub)
@@ -301,6 +317,11 @@ def main(argv: list[str] | None = None) -> int:
             return revoke(args.run_key, args.run_id, list(args.initial_peers), args.token, args.peer_id)
         if args.command == "data":
             return prepare_data(args)
+        if args.command == "dashboard":
+            from .dashboard import run_dashboard
+
+            return run_dashboard(list(args.initial_peers), args.run_id, args.host, args.port, args.interval,
+                                 args.history)
         from .status import run_status
 
         return run_status(list(args.initial_peers), args.run_id, args.json, args.peers, args.watch)

@@ -101,7 +101,9 @@ class Counters:
             "status": self.status.value, "device": self.device, "ranks": self.ranks, "algorithm": self.algorithm,
             "step": self.step,
             "tokens": self.tokens, "tokens_per_s": float(self.tokens_per_s), "loss": _finite_or_none(self.loss),
-            "held_out_loss": _finite_or_none(self.held_out_loss), "tokens_lost": int(self.tokens_lost),
+            "held_out_loss": _finite_or_none(self.held_out_loss),
+            "held_out_step": self.held_out_step if _finite_or_none(self.held_out_loss) is not None else None,
+            "tokens_lost": int(self.tokens_lost),
             "goodput": float(min(1.0, self.train_seconds / wall)), "blocked_s": float(self.blocked_seconds),
             "rounds": self.rounds_done, "rounds_skipped": self.rounds_skipped, "forks_healed": self.forks_healed,
         }

@@ -143,6 +143,8 @@ class ProgressRecord(pydantic.BaseModel):
     tokens_per_s: StrictFloat
     loss: Optional[StrictFloat]
     held_out_loss: Optional[StrictFloat]
+    # The inner step at which held_out_loss was measured: a reader draws an evaluation once, where it happened.
+    held_out_step: Optional[conint(ge=0, strict=True)] = None
     rounds: conint(ge=0, strict=True)
     rounds_skipped: conint(ge=0, strict=True)
     forks_healed: conint(ge=0, strict=True)

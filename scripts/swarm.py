@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from atoll.node.curves import smoothed
+
 
 @dataclass
 class DaemonProcess:
@@ -266,16 +268,6 @@ def _live_table(doc: dict[str, Any], names: dict[str, str], elapsed: float, dura
                       "-" if p["held_out_loss"] is None else f"{p['held_out_loss']:.3f}", str(p["rounds"]),
                       str(p["version"]), f"{p['bytes_sent'] / 1e6:.2f}")
     return table
-
-
-def smoothed(values: list[float], weight: float = 0.9) -> list[float]:
-    """An exponential moving average of ``values``, debiased at the start (as TensorBoard's smoothing is): the
-    first points are not pulled toward zero."""
-    out, avg = [], 0.0
-    for i, v in enumerate(values, start=1):
-        avg = weight * avg + (1 - weight) * v
-        out.append(avg / (1 - weight ** i))
-    return out
 
 
 def plot_loss(swarm: LocalSwarm, path: Path) -> None:

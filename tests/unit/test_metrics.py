@@ -35,10 +35,13 @@ def test_held_out_evaluations_stay_within_their_share_of_wall_time(monkeypatch):
 
 def test_progress_fields_fit_the_published_record_schema():
     counters = Counters(device="cpu", algorithm="decoupled", status=Status.TRAINING, step=3, tokens=96,
-                        loss=float("nan"), held_out_loss=2.5, rounds_done=2, rounds_skipped=1)
+                        loss=float("nan"), held_out_loss=2.5, held_out_step=2, rounds_done=2, rounds_skipped=1)
     rec = {**counters.progress(), "peer_id": "p", "version": 0, "fragment_versions": [0], "fragment_weights": [0.0],
            "fragment_hashes": ["h"], "schedule_step": 3, "bytes_sent": 0, "bytes_received": 0, "rejected": 0,
            "rejected_by_kind": {}, "clipped": 0, "time": 1.0, "reachable": True}
     parsed = ProgressRecord.parse_obj(rec)
     assert parsed.status == "training" and parsed.loss is None and parsed.held_out_loss == 2.5
+    assert parsed.held_out_step == 2  # a reader draws the evaluation where it happened
+    counters.held_out_loss = float("inf")  # no figure: no step either
+    assert ProgressRecord.parse_obj({**rec, **counters.progress()}).held_out_step is None
     assert (parsed.rounds, parsed.rounds_skipped, parsed.step, parsed.tokens) == (2, 1, 3, 96)

@@ -35,6 +35,8 @@ def good_progress(**changes):
 
 def test_good_progress_record_parses():
     assert parse_progress(good_progress()).version == 2
+    assert parse_progress(good_progress()).held_out_step is None  # a record without it (an older daemon's) parses
+    assert parse_progress(good_progress(held_out_loss=2.4, held_out_step=8)).held_out_step == 8
 
 
 @pytest.mark.parametrize(
@@ -47,6 +49,7 @@ def test_good_progress_record_parses():
         {"rejected_by_kind": {f"k{i}": 1 for i in range(33)}}, {"rejected_by_kind": {"shape": 1.0}},
         {"rejected_by_kind": [1]}, {"clipped": -1}, {"peer_id": "Q" * 129}, {"fragment_hashes": ["a" * 65]},
         {"device": "d" * 129}, {"reachable": 1}, {"reachable": "no"}, {"ranks": 0}, {"ranks": 2.0},
+        {"held_out_step": -1}, {"held_out_step": 2.0},
     ],
 )
 def test_malformed_progress_records_are_rejected(changes):

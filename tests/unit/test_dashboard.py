@@ -1,0 +1,149 @@
+"""``atoll dashboard``'s history (``node/dashboard.py``) and curves (``node/curves.py``) against naive references; its
+answers to each path; no sockets (the page in a browser is ``tests/integration/test_dashboard.py``)."""
+
+import json
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from atoll.node.config import ConfigError
+from atoll.node.curves import smoothed, thin
+from atoll.node.dashboard import History, respond, run_dashboard
+
+
+def record(peer="p1", step=10, loss=2.0, held_out=None, held_out_step=None, version=1, **more):
+    rec = {"peer_id": peer, "status": "training", "step": step, "loss": loss, "held_out_loss": held_out,
+           "held_out_step": held_out_step, "version": version, "tokens": 100 * step, "bytes_sent": 10 * step,
+           "bytes_received": 20 * step, "rounds": version, "rounds_skipped": 0, "rejected": 0, "forks_healed": 0}
+    rec.update(more)
+    return rec
+
+
+def doc(t, *records, totals=None):
+    records = list(records)
+    if totals is None:
+        totals = {"peers": len(records), "tokens": sum(r["tokens"] for r in records),
+                  "bytes_sent": sum(r["bytes_sent"] for r in records),
+                  "bytes_received": sum(r["bytes_received"] for r in records),
+                  "max_version": max((r["version"] for r in records), default=0)}
+    return {"run_id": "r", "time": float(t), "config": {}, "peers": records if records else None, "totals": totals,
+            "summary": {"source": "records", "summarizers": [], "age_s": None}}
+
+
+@given(st.lists(st.floats(-1e6, 1e6), max_size=60), st.floats(0, 0.99))
+def test_smoothing_matches_a_naive_debiased_average(values, weight):
+    naive = []
+    for i in range(1, len(values) + 1):
+        weights = [(1 - weight) * weight ** (i - k) for k in range(1, i + 1)]
+        naive.append(sum(w * v for w, v in zip(weights, values)) / sum(weights))
+    assert smoothed(values, weight) == pytest.approx(naive, rel=1e-9, abs=1e-6)
+
+
+@given(st.integers(0, 500), st.integers(4, 64))
+def test_thinning_keeps_at_most_cap_points_in_order_with_the_ends(n, cap):
+    points = list(range(n))
+    kept = thin(points, cap)
+    assert len(kept) <= cap and kept == sorted(set(kept)) and set(kept) <= set(points)
+    if n <= cap:
+        assert kept == points
+    elif n:
+        assert kept[0] == 0 and kept[-1] == n - 1 and len(kept) > cap // 2  # never thinner than it must be
+        gaps = {b - a for a, b in zip(kept, kept[1:-1])}  # an even resolution (the last gap may be shorter)
+        assert len(gaps) <= 1
+
+
+def test_bad_smoothing_and_caps_are_refused():
+    with pytest.raises(ValueError):
+        smoothed([1.0], 1.0)
+    with pytest.raises(ValueError):
+        thin([1, 2], 3)
+
+
+def test_a_loss_point_per_new_step_and_an_evaluation_once_where_it_happened():
+    h = History()
+    h.add(doc(100, record(step=10, loss=3.0, held_out=3.5, held_out_step=5)))  # evaluated before we saw it: not drawn
+    h.add(doc(102, record(step=10, loss=3.0, held_out=3.5, held_out_step=5)))  # republished at the same step
+    h.add(doc(104, record(step=30, loss=2.0, held_out=2.5, held_out_step=20)))  # evaluated between the two reads
+    h.add(doc(106, record(step=40, loss=1.0, held_out=2.5, held_out_step=20)))  # the same evaluation, repeated
+    h.add(doc(108, record(step=50, loss=0.5, held_out=2.0, held_out_step=50)))  # evaluated at this very step
+    v = h.view(now=110)
+    (loss,) = v["loss"]
+    assert (loss["t"], loss["step"], loss["raw"]) == ([100, 104, 106, 108], [10, 30, 40, 50], [3.0, 2.0, 1.0, 0.5])
+    assert loss["smooth"] == pytest.approx(smoothed([3.0, 2.0, 1.0, 0.5], 0.9))
+    (held_out,) = v["held_out"]
+    # step 20 lies halfway between the reads at steps 10 (t=102, the newest at that step) and 30 (t=104)
+    assert held_out["step"] == [20, 50] and held_out["value"] == [2.5, 2.0]
+    assert held_out["t"] == pytest.approx([103.0, 108.0])  # 102 + (104 - 102) * (20 - 10) / (30 - 10)
+
+
+def test_run_counters_count_every_island_seen_and_last_round_ages():
+    h = History()
+    h.add(doc(100, record("a", step=10, version=1), record("b", step=20, version=1)))
+    h.add(doc(110, record("a", step=30, version=2)))  # b left: what it did still counts
+    v = h.view(now=115)
+    assert v["run"]["t"] == [100, 110]
+    assert v["run"]["tokens"] == [3000, 5000] and v["run"]["bytes_sent"] == [300, 500]
+    assert v["run"]["rounds"] == [2, 3] and v["run"]["version"] == [1, 2]
+    assert [i["peer_id"] for i in v["islands"]] == ["a"] and v["seen"] == ["a", "b"]
+    assert v["islands"][0]["last_round_s"] == 5.0  # its version grew at the read of t=110
+    assert [line["peer_id"] for line in v["loss"]] == ["a", "b"]
+
+
+def test_a_large_run_read_from_summaries_has_totals_only():
+    h = History()
+    h.add(doc(100, totals={"peers": 500, "tokens": 7, "bytes_sent": 8, "bytes_received": 9, "max_version": 3}))
+    v = h.view(now=100)
+    assert v["islands"] == [] and v["run"]["tokens"] == [7] and v["run"]["version"] == [3]
+    assert v["run"]["rounds"] == [None]  # summaries do not count rounds: no point, not a zero
+
+
+def test_figures_a_peer_made_up_are_not_drawn():
+    h = History()
+    h.add(doc(100, record(loss=math.nan, held_out=math.inf, held_out_step=10)))
+    h.add(doc(101, record(step=11, loss=True)))
+    v = h.view(now=101)
+    assert v["loss"][0]["raw"] == [] and v["held_out"][0]["value"] == []
+    json.dumps(v, allow_nan=False)  # the page's JSON stays valid
+
+
+def test_history_stays_bounded():
+    h = History(points=8)
+    for i in range(100):
+        h.add(doc(i, record(step=i + 1, held_out=1.0, held_out_step=i + 1)))
+    v = h.view()
+    assert len(v["loss"][0]["t"]) <= 8 and len(v["held_out"][0]["t"]) <= 8 and len(v["run"]["t"]) <= 8
+    assert v["loss"][0]["step"][-1] == 100 and v["run"]["t"][-1] == 99
+
+
+def test_each_path_answers():
+    h = History()
+    h.add(doc(100, record()))
+    status, ctype, body = respond("/", h, 2.0)
+    assert status == 200 and ctype.startswith("text/html") and b"/api/state" in body and b"http" not in body.replace(
+        b'"http://www.w3.org/2000/svg"', b"")  # the page names no other address (the SVG namespace is a name)
+    status, ctype, body = respond("/api/state", h, 2.0)
+    state = json.loads(body)
+    assert status == 200 and ctype == "application/json" and state["interval"] == 2.0 and state["polls"] == 1
+    assert respond("/healthz", h, 2.0)[0] == 200
+    assert respond("/etc/passwd", h, 2.0)[0] == 404
+
+
+def test_a_failed_read_is_shown_and_history_kept():
+    h = History()
+    h.add(doc(100, record()))
+    h.failed("reading the run failed: timeout")
+    v = h.view(now=101)
+    assert v["error"] == "reading the run failed: timeout" and v["polls"] == 1 and v["islands"]
+    h.add(doc(102, record(step=11)))
+    assert h.view()["error"] is None
+
+
+@pytest.mark.parametrize("changes, field", [({"interval": 0.0}, "interval"), ({"port": 70000}, "port"),
+                                            ({"points": 2}, "history")])
+def test_bad_options_are_one_line_errors(changes, field):
+    args = {"initial_peers": ["/ip4/127.0.0.1/tcp/1/p2p/QmX"], "run_id": "r", "host": "127.0.0.1", "port": 0,
+            "interval": 1.0, "points": 100, **changes}
+    with pytest.raises(ConfigError, match=f"^{field}:"):
+        run_dashboard(**args)
