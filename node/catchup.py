@@ -44,6 +44,7 @@ from atoll.protocols.state_sync import DonorRefused, Replay, ReplicaState, downl
 
 from .context import SyncContext
 from .peers import PeerTable
+from .progress import track
 
 logger = logging.getLogger("atoll")
 UNBACKED_OFFENCES = 2  # failed downloads in a row from one donor (one may be bad luck: it died, or moved on)
@@ -239,8 +240,10 @@ class CatchUp:
             if isinstance(error, DonorRefused):
                 failed.append(donor)
 
-        state = await download_state(self._open_stream, donors, p, replica.numel(p), timeout, ctx.stats,
-                                     have=replica.identity(p)[2], on_failure=refused)
+        with track(f"fragment {p}: downloading the replica", 8 * replica.numel(p)) as bar:
+            state = await download_state(self._open_stream, donors, p, replica.numel(p), timeout, ctx.stats,
+                                         have=replica.identity(p)[2], on_failure=refused, progress=bar.update)
+            bar.close(ok=state is not None)
         if isinstance(state, Replay):
             replayed = await asyncio.get_running_loop().run_in_executor(None, replica.replay, state, ctx.outer)
             if replayed is not None:
@@ -249,8 +252,10 @@ class CatchUp:
             if replica.identity(p)[2] == state.rounds[0].base:  # it did not check out: the donor's fault
                 ctx.reject("replay", state.donor)
                 self._unbacked(state.donor, None)
-            state = await download_state(self._open_stream, donors, p, replica.numel(p), timeout, ctx.stats,
-                                         on_failure=refused)
+            with track(f"fragment {p}: downloading the replica", 8 * replica.numel(p)) as bar:
+                state = await download_state(self._open_stream, donors, p, replica.numel(p), timeout, ctx.stats,
+                                             on_failure=refused, progress=bar.update)
+                bar.close(ok=state is not None)
         delivered = None if state is None else (state.version, state.weight, state.digest)
         known = self.peers.everyone()
         for donor in dict.fromkeys(failed) if blame else ():

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from .progress import track
+
 logger = logging.getLogger("atoll")
 KEEP = 2
 
@@ -41,12 +43,36 @@ def _fsync_write(path: Path, write, interrupt: Callable[[Path], None] | None = N
         os.close(dir_fd)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
+def _sha256(path: Path, progress: Callable[[int], None] = lambda done: None) -> str:
+    h, done = hashlib.sha256(), 0
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
+            done += len(block)
+            progress(done)
     return h.hexdigest()
+
+
+def _growing(path: Path, progress: Callable[[int], None], every: float = 0.5) -> Callable[[], None]:
+    """Report ``path``'s size to ``progress`` every ``every`` seconds from a thread of its own, while a library
+    call writes it in one piece (safetensors' ``save_file`` reports nothing); the returned call stops it."""
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(every):
+            try:
+                progress(path.stat().st_size)
+            except OSError:  # not created yet
+                pass
+
+    thread = threading.Thread(target=watch, name="atoll-checkpoint-size", daemon=True)
+    thread.start()
+
+    def end() -> None:
+        stop.set()
+        thread.join()
+
+    return end
 
 
 def _sequence_numbers(directory: Path) -> list[int]:
@@ -73,8 +99,21 @@ def save_checkpoint(directory: str | os.PathLike, tensors: dict[str, torch.Tenso
     seq = (_sequence_numbers(d) or [0])[-1] + 1
     st_path, js_path = d / f"ckpt-{seq:08d}.safetensors", d / f"ckpt-{seq:08d}.json"
     cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    _fsync_write(st_path, lambda tmp: save_file(cpu, str(tmp)), interrupt)
-    body = json.dumps({**meta, "tensors_sha256": _sha256(st_path), "tensors_file": st_path.name}, indent=1)
+    size = max(1, sum(t.numel() * t.element_size() for t in cpu.values()))
+    # Written, then read back for its hash: twice the tensors' bytes of work.
+    with track(f"checkpoint {seq}: writing {st_path.name}", 2 * size) as bar:
+        def write(tmp: Path) -> None:
+            stop = _growing(tmp, bar.update)
+            try:
+                save_file(cpu, str(tmp))
+            finally:
+                stop()
+
+        _fsync_write(st_path, write, interrupt)
+        written = st_path.stat().st_size  # the tensors and safetensors' header
+        bar.resize(2 * written)
+        digest = _sha256(st_path, lambda done: bar.update(written + done))
+    body = json.dumps({**meta, "tensors_sha256": digest, "tensors_file": st_path.name}, indent=1)
     _fsync_write(js_path, lambda tmp: tmp.write_text(body))
     for old in _sequence_numbers(d)[:-KEEP]:
         for suffix in (".json", ".safetensors"):
@@ -92,8 +131,9 @@ def load_checkpoint(directory: str | os.PathLike) -> tuple[dict[str, torch.Tenso
         try:
             meta = json.loads(js_path.read_text())
             st_path = d / meta["tensors_file"]
-            if _sha256(st_path) != meta["tensors_sha256"]:
-                raise ValueError("tensor file hash mismatch")
+            with track(f"checkpoint {seq}: checking {st_path.name}", max(1, st_path.stat().st_size)) as bar:
+                if _sha256(st_path, bar.update) != meta["tensors_sha256"]:
+                    raise ValueError("tensor file hash mismatch")
             return load_file(str(st_path)), meta
         except (OSError, ValueError, KeyError) as e:
             logger.warning("checkpoint %s is unusable (%s); trying an older one", js_path.name, e)

@@ -8,6 +8,7 @@ import json
 import logging
 import sys
 import time
+from typing import Any
 
 
 class LogFormat(enum.Enum):
@@ -44,15 +45,40 @@ class JSONFormatter(logging.Formatter):
         return json.dumps(line, ensure_ascii=False)
 
 
+class _ConsoleHandler(logging.Handler):
+    """Log lines through the terminal's rich console, so that they print above the progress bars it draws
+    (``node/progress.py``) instead of through them."""
+
+    def __init__(self, console: Any) -> None:
+        super().__init__()
+        self.console = console
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.console.print(self.format(record), markup=False, highlight=False, emoji=False, soft_wrap=True)
+        except Exception:  # noqa: BLE001 (logging's contract: a handler never raises)
+            self.handleError(record)
+
+
 context = _Context()
 logger = logging.getLogger("atoll")
+terminal: Any = None  # the rich console of a daemon that logs text to a terminal; None otherwise
 
 
 def setup_logging(level: str = "INFO", fmt: LogFormat | str = LogFormat.TEXT) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    """The ``atoll`` logger's one handler: JSON lines, or text lines; text to a terminal goes through a rich console
+    (``terminal``), which the progress bars share."""
+    global terminal
+    terminal = None
+    handler: logging.Handler = logging.StreamHandler(sys.stderr)
     if LogFormat(fmt) is LogFormat.JSON:
         handler.setFormatter(JSONFormatter())
     else:
+        if sys.stderr.isatty():
+            from rich.console import Console
+
+            terminal = Console(stderr=True)
+            handler = _ConsoleHandler(terminal)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [%(peer)s step %(step)s] %(message)s",
                                                "%H:%M:%S"))
     handler.addFilter(context)
@@ -60,9 +86,9 @@ def setup_logging(level: str = "INFO", fmt: LogFormat | str = LogFormat.TEXT) ->
     logger.setLevel(level.upper())
     logger.propagate = False
     # hivemind logs through its own handler; keep its routine chatter out of the daemon's output. In JSON its lines
-    # go through ours, so that a log shipper never meets a line that is not one JSON object.
+    # go through ours, so that a log shipper never meets a line that is not one JSON object; on a terminal too.
     hivemind = logging.getLogger("hivemind")
     hivemind.setLevel(logging.WARNING)
-    if LogFormat(fmt) is LogFormat.JSON:
+    if LogFormat(fmt) is LogFormat.JSON or terminal is not None:  # on a terminal: above the bars, not through them
         hivemind.handlers[:] = [handler]
         hivemind.propagate = False

@@ -259,7 +259,8 @@ async def _read_replay(stream: AsyncIterator[Any], header: dict[str, Any], round
 
 
 async def _continue_from(open_stream: Opener, donor: str, fragment: int, t: _Transfer, part_timeout: float,
-                         stats: TrafficStats, have: str | None = None) -> ReplicaState | Replay:
+                         stats: TrafficStats, have: str | None = None,
+                         progress: Callable[[int], None] = lambda received: None) -> ReplicaState | Replay:
     request: dict[str, Any] = {"fragment": fragment}
     if t.data:
         request.update(offset=len(t.data), digest=t.header["digest"])
@@ -305,6 +306,7 @@ async def _continue_from(open_stream: Opener, donor: str, fragment: int, t: _Tra
             raise WireError(f"a part of {len(chunk)} bytes does not fit the payload")
         stats.bytes_received += len(chunk)
         t.data.extend(chunk)
+        progress(len(t.data))
     flat = parts_to_tensor([bytes(t.data)], 2 * t.numel)
     params, momentum = flat[: t.numel].clone(), flat[t.numel :].clone()
     digest = tensor_hash(params, momentum)
@@ -322,16 +324,18 @@ async def download_state(
     open_stream: Opener, donors: Sequence[str], fragment: int, numel: int, part_timeout: float,
     stats: TrafficStats, have: str | None = None,
     on_failure: Callable[[str, BaseException], None] = lambda donor, error: None,
+    progress: Callable[[int], None] = lambda received: None,
 ) -> ReplicaState | Replay | None:
     """Try ``donors`` in order (best first) until one fragment replica verifies; None if all failed. A donor that
     fails mid-transfer hands over to the next one, which resumes where it stopped if it holds the same replica.
     With ``have`` (the digest of the replica we hold), a donor may answer with a ``Replay`` instead (checked for
     form here; the caller replays it and checks the digests). ``on_failure(donor, error)`` hears of every donor
-    that did not deliver, a refusal included."""
+    that did not deliver, a refusal included. ``progress(received)`` hears how many of the replica's ``8 * numel``
+    bytes have arrived, after each part (a resumed download goes on from where it stopped)."""
     t = _Transfer(numel)
     for donor in donors:
         try:
-            state = await _continue_from(open_stream, donor, fragment, t, part_timeout, stats, have)
+            state = await _continue_from(open_stream, donor, fragment, t, part_timeout, stats, have, progress)
             if isinstance(state, Replay):
                 logger.info("fragment %d: %s sent the %d rounds to v%d (%d bytes) to replay", fragment, donor[-8:],
                             len(state.rounds), state.version, sum(r.nbytes for r in state.rounds))

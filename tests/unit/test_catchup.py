@@ -184,7 +184,8 @@ def test_only_a_refusal_of_a_claim_nobody_delivered_counts_against_its_donor(mon
         return t
 
     def serve(delivered, error=DonorRefused("no")):
-        async def download_state(open_stream, donors, p, numel, timeout, stats, have=None, on_failure=None):
+        async def download_state(open_stream, donors, p, numel, timeout, stats, have=None, on_failure=None,
+                                 progress=None):
             on_failure(donors[0], error)  # the first donor fails
             version, weight, digest = delivered
             return ReplicaState(version, weight, digest, torch.zeros(4), torch.zeros(4), 0, donors[1], p)

@@ -71,9 +71,9 @@ def opener(donors):
     return open_stream
 
 
-def fetch(donors, order):
+def fetch(donors, order, progress=lambda received: None):
     stats = TrafficStats()
-    state = asyncio.run(download_state(opener(donors), order, 0, NUMEL, 5.0, stats))
+    state = asyncio.run(download_state(opener(donors), order, 0, NUMEL, 5.0, stats, progress=progress))
     return state, stats
 
 
@@ -88,7 +88,11 @@ def test_one_donor_downloads_and_verifies():
 def test_donor_dying_mid_stream_is_resumed_by_a_donor_with_the_same_replica():
     same = replica(1)
     donors = {"a": Donor(same, die_after=3), "b": Donor(same)}
-    state, stats = fetch(donors, ["a", "b"])
+    heard = []
+    state, stats = fetch(donors, ["a", "b"], heard.append)
+    # The bytes received so far after each part, across the hand-over: no part counted twice, none left out.
+    assert heard == [PART * i for i in range(1, len(heard))] + [8 * NUMEL]
+    assert len(heard) == -(-8 * NUMEL // PART)
     assert state is not None and state.digest == same.digest
     assert torch.equal(state.params, same.params) and torch.equal(state.momentum, same.momentum)
     assert state.donors == ("a", "b") and state.resumed_bytes == 3 * PART
