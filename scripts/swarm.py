@@ -234,6 +234,56 @@ def peer_id(d: DaemonProcess) -> str:
     return d.maddrs[0].rsplit("/", 1)[1]
 
 
+class Dashboard:
+    """``atoll dashboard`` on a free port of 127.0.0.1, reading the run through ``initial_peers``; its output goes to
+    ``log``. ``url`` is the page's address; ``stop()`` ends it with Ctrl-C's signal and returns its exit code."""
+
+    def __init__(self, initial_peers: list[str], log: Path, interval: float = 2.0, timeout: float = 120.0) -> None:
+        self.log = log
+        with open(log, "w") as out:  # the child holds its own descriptor
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "atoll.node.cli", "dashboard", "--initial-peers", *initial_peers,
+                 "--port", "0", "--interval", str(interval)],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        import re
+
+        address = re.compile(r"at (http://127\.0\.0\.1:\d+/)")
+        found = wait_for(lambda: address.search(self.text()) or self.proc.poll() is not None, timeout,
+                         "the dashboard's address")
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"the dashboard exited {self.proc.returncode}: {self.text()[-2000:]}")
+        self.url: str = found.group(1)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def screenshot(self, path: Path, width: int = 1400, height: int = 1360) -> bool:
+        """The page as headless Chromium draws it, after its first reads, to ``path`` (PNG); False without
+        Chromium."""
+        import shutil
+
+        chromium = shutil.which("chromium")
+        if chromium is None:
+            return False
+        path.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([chromium, "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                        "--disable-background-networking", "--no-first-run", f"--window-size={width},{height}",
+                        "--virtual-time-budget=5000", f"--screenshot={path.resolve()}", self.url],
+                       capture_output=True, timeout=120, check=True)
+        return True
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        """SIGINT (the dashboard's Ctrl-C: exit 0), then SIGKILL its group (its DHT process, p2pd) if it lingers."""
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        return code
+
+
 class StatusReader:
     """Reads the run's progress records through a client-mode DHT, as ``atoll status`` does."""
 
@@ -329,6 +379,10 @@ def main() -> int:
     parser.add_argument("--algorithm", default="decoupled", help="decoupled, streaming, diloco or ddp")
     parser.add_argument("--workdir", default="runs/demo")
     parser.add_argument("--plot", default=None, help="PNG path (default: WORKDIR/loss.png)")
+    parser.add_argument("--no-dashboard", dest="dashboard", action="store_false",
+                        help="do not serve `atoll dashboard` beside the swarm")
+    parser.add_argument("--screenshot", default=None, metavar="PNG",
+                        help="the dashboard's page, drawn by headless Chromium at the end, to this file")
     args = parser.parse_args()
 
     from rich.console import Console
@@ -347,7 +401,7 @@ def main() -> int:
     if args.algorithm == "ddp":
         common += ["--quorum", str(args.daemons)]
     swarm = LocalSwarm(workdir, common)
-    reader = None
+    reader = dashboard = None
     try:
         console.print(f"starting {args.daemons} daemons ({args.algorithm}, model {args.model}, H={args.sync_every}) "
                       f"in {workdir}/ ...")
@@ -356,6 +410,9 @@ def main() -> int:
         for i in range(1, args.daemons):
             swarm.start(f"daemon-{i}")
         reader = StatusReader(swarm.bootstrap)
+        if args.dashboard:
+            dashboard = Dashboard(swarm.bootstrap, workdir / "dashboard.log")
+            console.print(f"dashboard: {dashboard.url}")
         names: dict[str, str] = {}
         start = time.monotonic()
         with Live(console=console, refresh_per_second=1) as live:
@@ -367,7 +424,14 @@ def main() -> int:
                             names[p["peer_id"]] = d.name
                 live.update(_live_table(doc, names, elapsed, args.duration))
                 time.sleep(2)
+        if dashboard is not None and args.screenshot:
+            if dashboard.screenshot(Path(args.screenshot)):
+                console.print(f"dashboard screenshot: {args.screenshot}")
+            else:
+                console.print("no chromium here: no screenshot (apt-get install chromium)")
     finally:
+        if dashboard is not None:
+            dashboard.stop()
         if reader is not None:
             reader.close()
         codes = swarm.stop_all()

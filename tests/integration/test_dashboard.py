@@ -6,17 +6,13 @@ The page's screenshot is kept under ``build/test-artifacts/`` (``ATOLL_TEST_ARTI
 
 import json
 import os
-import re
 import shutil
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-from swarm import LocalSwarm, wait_for
+from swarm import Dashboard, LocalSwarm, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -60,27 +56,14 @@ def assert_loopback_only(urls):
     assert not outside, f"requests outside loopback: {outside}"
 
 
-def start_dashboard(initial_peers, workdir):
-    log = open(workdir / "dashboard.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "atoll.node.cli", "dashboard", "--initial-peers", *initial_peers,
-                             "--port", "0", "--interval", "1"], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    text = lambda: (workdir / "dashboard.log").read_text()  # noqa: E731
-    url = wait_for(lambda: re.search(r"at (http://127\.0\.0\.1:\d+/)", text()) or proc.poll() is not None, 120,
-                   "the dashboard's address")
-    assert proc.poll() is None, text()
-    return proc, url.group(1), text
-
-
-def stop_dashboard(proc, text):
+def assert_ended_cleanly(dashboard):
     """Ctrl-C: exit 0, no traceback, its DHT process and p2pd gone with it."""
-    proc.send_signal(signal.SIGINT)
-    rc = proc.wait(60)
-    assert rc == 0 and "Traceback" not in text(), text()[-3000:]
+    pgid = dashboard.proc.pid
+    assert dashboard.stop() == 0 and "Traceback" not in dashboard.text(), dashboard.text()[-3000:]
 
     def group_alive():
         try:
-            os.killpg(proc.pid, 0)
+            os.killpg(pgid, 0)
         except ProcessLookupError:
             return False
         return True
@@ -117,11 +100,11 @@ return {
 
 @pytest.mark.timeout(600)
 def test_dashboard_shows_a_live_private_run_in_chromium(swarm, tmp_path):
-    proc, url, text = start_dashboard(swarm.bootstrap, tmp_path)
+    dashboard = Dashboard(swarm.bootstrap, tmp_path / "dashboard.log", interval=1.0)
     driver = None
     try:
         driver = browser()
-        driver.get(url)
+        driver.get(dashboard.url)
 
         def ready():
             page = driver.execute_script(SNAPSHOT)
@@ -148,8 +131,7 @@ def test_dashboard_shows_a_live_private_run_in_chromium(swarm, tmp_path):
     finally:
         if driver is not None:
             driver.quit()
-        if proc.poll() is None:
-            stop_dashboard(proc, text)
+        assert_ended_cleanly(dashboard)
 
 
 def test_the_page_shows_what_the_network_sent_as_text(tmp_path):
