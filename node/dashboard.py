@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -218,9 +219,14 @@ def poll(read: Callable[[], dict[str, Any]], history: History, interval: float, 
             history.failed(f"reading the run failed: {e}")
         else:
             if doc["config"] is None and not doc["peers"] and not doc["summary"]["summarizers"]:
-                history.failed(f"no run {doc['run_id']!r} found yet")
-            history.add(doc)
+                history.failed(f"no run {doc['run_id']!r} found yet")  # a typo in --run-id, or not started yet
+            else:
+                history.add(doc)
         stop.wait(interval)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def run_dashboard(initial_peers: list[str], run_id: str, host: str, port: int, interval: float = POLL_EVERY,
@@ -244,6 +250,7 @@ def run_dashboard(initial_peers: list[str], run_id: str, host: str, port: int, i
     cfg.validate()
     history = History(points)
     server = serve(host, port, history, interval)  # before the DHT: a taken port fails at once
+    signal.signal(signal.SIGTERM, _interrupt)  # a service manager's stop ends it as Ctrl-C does: DHT children too
     try:
         dht = start_dht(cfg, list(make_validators(run_id)), client_mode=True)
         try:

@@ -272,9 +272,10 @@ class Dashboard:
                        capture_output=True, timeout=120, check=True)
         return True
 
-    def stop(self, timeout: float = 60.0) -> int | None:
-        """SIGINT (the dashboard's Ctrl-C: exit 0), then SIGKILL its group (its DHT process, p2pd) if it lingers."""
-        self.proc.send_signal(signal.SIGINT)
+    def stop(self, timeout: float = 60.0, sig: int = signal.SIGINT) -> int | None:
+        """``sig`` (SIGINT: Ctrl-C; SIGTERM: a service manager's stop; either ends it with exit 0), then SIGKILL
+        its group (its DHT process, p2pd) if it lingers."""
+        self.proc.send_signal(sig)
         try:
             code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:

@@ -7,6 +7,7 @@ The page's screenshot is kept under ``build/test-artifacts/`` (``ATOLL_TEST_ARTI
 import json
 import os
 import shutil
+import signal
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -57,9 +58,10 @@ def assert_loopback_only(urls):
 
 
 def assert_ended_cleanly(dashboard):
-    """Ctrl-C: exit 0, no traceback, its DHT process and p2pd gone with it."""
+    """A service manager's stop (SIGTERM; Ctrl-C takes the same path): exit 0, no traceback, its DHT process and
+    p2pd gone with it."""
     pgid = dashboard.proc.pid
-    assert dashboard.stop() == 0 and "Traceback" not in dashboard.text(), dashboard.text()[-3000:]
+    assert dashboard.stop(sig=signal.SIGTERM) == 0 and "Traceback" not in dashboard.text(), dashboard.text()[-3000:]
 
     def group_alive():
         try:

@@ -147,3 +147,33 @@ def test_bad_options_are_one_line_errors(changes, field):
             "interval": 1.0, "points": 100, **changes}
     with pytest.raises(ConfigError, match=f"^{field}:"):
         run_dashboard(**args)
+
+
+def test_polling_keeps_going_through_failures_and_says_why():
+    import threading
+
+    from atoll.node.dashboard import poll
+
+    stop = threading.Event()
+    nothing = {**doc(100), "config": None, "peers": [], "summary": {"source": "records", "summarizers": [],
+                                                                    "age_s": None}}
+    answers = [nothing, RuntimeError("DHT timeout"), doc(101, record()), nothing]
+    errors = []
+    h = History()
+
+    def read():
+        answer = answers.pop(0)
+        if not answers:
+            stop.set()
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def watched_read():
+        errors.append(h.error)
+        return read()
+
+    poll(watched_read, h, 0.0, stop)
+    # Before each read: the error the previous one left.
+    assert errors == [None, "no run 'r' found yet", "reading the run failed: DHT timeout", None]
+    assert h.error == "no run 'r' found yet" and h.polls == 1  # only the good read went into the history
