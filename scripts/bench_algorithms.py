@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bars import each  # noqa: E402
 from bench_parity import BATCH, make_learner  # noqa: E402
 from swarm import LocalSwarm  # noqa: E402
 
@@ -143,7 +144,7 @@ def main() -> int:
     command = "python scripts/bench_algorithms.py " + " ".join(sys.argv[1:])
     previous = json.loads((out / "bench_algorithms.json").read_text())["runs"] if args.append else []
     results = []
-    for algorithm in args.algorithms:
+    for algorithm in each(args.algorithms, "algorithms"):
         label = (args.label or algorithm) + (f" seed {args.seed}" if args.seed else "")
         print(f"{label}: {DAEMONS} daemons x {args.steps} steps ...", flush=True)
         r = run_swarm(Path("runs/bench_algorithms") / algorithm, algorithm, args,

@@ -42,6 +42,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
+from bars import each  # noqa: E402
 from stats import fmt, interval  # noqa: E402
 
 import atoll  # noqa: E402
@@ -154,7 +155,7 @@ def main() -> int:
     torch.set_num_threads(1)
     tokens, _ = load_corpus("builtin")
     results = []
-    for seed in range(args.repeats):
+    for seed in each(range(args.repeats), "repeats"):
         r = repetition(args, seed, tokens)
         results.append(r)
         print(f"seed {seed}: bare {r['tokens_per_s']['bare']:.0f} tok/s, island {r['tokens_per_s']['island']:.0f} "

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bars import each  # noqa: E402
 from bench_algorithms import run_swarm  # noqa: E402
 from bench_parity import BATCH  # noqa: E402
 
@@ -60,8 +61,8 @@ def main() -> int:
     ddp_bytes_per_token = 2 * (DAEMONS - 1) / DAEMONS * 4 * n / (BATCH * get_model_config(args.model).seq_len)
     runs, per_seed = [], []
     chosen = sorted((r for r in RUNS if r[0] in args.codecs), key=lambda r: args.codecs.index(r[0]))
-    for seed in args.seeds:
-        for label, codec, ef in chosen:
+    for seed in each(args.seeds, "seeds"):
+        for label, codec, ef in each(chosen, "codecs"):
             print(f"{label}, seed {seed}: {DAEMONS} daemons x {args.steps} steps ...", flush=True)
             r = run_once(label, codec, ef, seed, args)
             per_seed.append(r)

@@ -41,6 +41,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
+from bars import each  # noqa: E402
 from stats import fmt, interval  # noqa: E402
 LOG_EVERY = 10
 KINDS = ("bare", "learner", "lagged", "daemon")
@@ -292,7 +293,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {d: [] for d in devices}
     load_before = os.getloadavg()
     started = time.time()
-    for device in devices:
+    for device in each(devices, "devices"):
         before = run_pair(pythons[device], device, args)
         for rep in range(args.repeats):
             daemon = run_daemon(pythons[device], device, args)

@@ -34,6 +34,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bars import each  # noqa: E402
 from atoll.node.status import collect_status  # noqa: E402
 from atoll.protocols import dht_io, validated  # noqa: E402
 from atoll.protocols.auth import RunKey, peer_id_of  # noqa: E402
@@ -202,7 +203,7 @@ def main() -> int:
     print(f"signing {max(args.records)} members' records...", flush=True)
     everyone = members(run_key, max(args.records))
     runs = []
-    for repeat in range(args.repeats):
+    for repeat in each(range(args.repeats), "repeats"):
         for n in args.records:
             for variant, remember in VARIANTS.items():
                 validated.REMEMBER_S = remember  # the nodes' processes fork from this one and keep it

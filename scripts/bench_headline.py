@@ -21,6 +21,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bars import each  # noqa: E402
 from bench_algorithms import DAEMONS, run_swarm  # noqa: E402
 from bench_parity import BATCH  # noqa: E402
 from stats import fmt, interval  # noqa: E402
@@ -42,7 +43,7 @@ def main() -> int:
     args = parser.parse_args()
     started = time.time()
     runs = []
-    for i, seed in enumerate(args.seeds):
+    for i, seed in enumerate(each(args.seeds, "seeds")):
         order = CONFIGS[i % len(CONFIGS):] + CONFIGS[:i % len(CONFIGS)]
         for label, algorithm, extra in order:
             print(f"seed {seed}: {label}, {DAEMONS} daemons x {args.steps} steps ...", flush=True)

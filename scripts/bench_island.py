@@ -32,6 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
+from bars import each  # noqa: E402
 from stats import fmt, interval  # noqa: E402
 
 CONFIGS = {"1x1": (1, 1), "1x2": (1, 2), "2x1": (2, 1), "4x1": (4, 1)}
@@ -74,7 +75,7 @@ def main() -> int:
     args = ap.parse_args()
     names = args.configs.split(",")
     runs: list[dict] = []
-    for repeat in range(args.repeats):
+    for repeat in each(range(args.repeats), "repeats"):
         order = names[repeat % len(names):] + names[:repeat % len(names)]
         row = {}
         for name in order:

@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
+from bars import each  # noqa: E402
 from stats import fmt, interval  # noqa: E402
 
 from atoll.protocols import codecs  # noqa: E402
@@ -108,7 +109,7 @@ def main() -> int:
     x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
     measured: dict[str, list[float]] = {k: [] for k in ("codec_1t", "codec_torch2", "codec_2t", "outer_1t",
                                                          "outer_2t")}
-    for _ in range(args.repeats):  # interleaved: background load hits each alike
+    for _ in each(range(args.repeats), "repeats"):  # interleaved: background load hits each alike
         measured["codec_1t"] += codec_gbps(x, 1, 1)
         measured["codec_torch2"] += codec_gbps(x, 2, 1)
         measured["codec_2t"] += codec_gbps(x, 1, 1, codec_threads=2)

@@ -26,6 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bars import each
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = {"1 rank": ["--batch-size", "2"], "2 ranks, data parallel": ["--nproc-per-node", "2", "--batch-size", "1"],
            "2 ranks, fsdp": ["--nproc-per-node", "2", "--batch-size", "1", "--fsdp"]}
@@ -97,7 +99,7 @@ def main() -> int:
     params = sum(p.numel() for p in wide().parameters())
     result = {"command": shlex.join(["python", "scripts/bench_island_memory.py", *sys.argv[1:]]), "label": args.label, "parameters": params,
               "model_state_mib_unsharded": params * 16 / 2**20, "peak_rss_mib": {}}
-    for name, extra in CONFIGS.items():
+    for name, extra in each(CONFIGS.items(), "configurations"):
         result["peak_rss_mib"][name] = peaks = run(extra, args.steps, env)
         print(f"{name}: peak resident memory per rank (MiB) {peaks}", flush=True)
     result["bytes_per_parameter"] = {name: {rank: round(mib * 2**20 / params, 1) for rank, mib in peaks.items()}

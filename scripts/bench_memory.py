@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bars import each  # noqa: E402
 from bench_scale import daemon_processes  # noqa: E402
 from swarm import LocalSwarm, wait_for  # noqa: E402
 
@@ -75,7 +76,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "bench_memory.json")
     args = ap.parse_args()
     results = []
-    for model in args.models:
+    for model in each(args.models, "models"):
         r = measure(model, args.rounds, args.work)
         results.append(r)
         p = r["processes"]

@@ -41,6 +41,7 @@ from atoll.models.outer import NesterovOuter, pseudo_gradient, weighted_mean
 from atoll.node.config import RunConfig
 from atoll.node.device import resolve_device
 from atoll.node.learner import Learner
+from bars import each
 
 LEARNERS = 4
 EVAL_BATCHES = 32
@@ -175,7 +176,7 @@ def main() -> int:
     out = Path(args.out)
     path = out / "bench_outer.json"
     rows = json.loads(path.read_text())["rows"] if path.exists() else []
-    for text in args.configs:
+    for text in each(args.configs, "configurations"):
         cfg = parse_config(text)
         run = RunConfig(model=args.model, inner_lr=args.inner_lr, sync_every=cfg.get("sync_every", 50))
         t0 = time.monotonic()

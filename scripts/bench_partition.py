@@ -34,6 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import wan  # noqa: E402
+from bars import each  # noqa: E402
 from bench_parity import BATCH  # noqa: E402
 from stats import fmt, interval  # noqa: E402
 from swarm import LocalSwarm  # noqa: E402
@@ -188,7 +189,7 @@ def main() -> int:
            "cut_s": args.cut_s, "command": "python scripts/bench_partition.py " + " ".join(sys.argv[1:]), "runs": []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for seed in args.seeds:
+    for seed in each(args.seeds, "seeds"):
         r = one(seed, args)
         doc["runs"].append(r)
         print(f"seed {seed}: gap in cut {r['global_gap_in_cut_s']:.1f} s (before {r['global_gap_before_cut_s']:.1f}), "

@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bars import each  # noqa: E402
 from stats import fmt, interval  # noqa: E402
 from swarm import LocalSwarm  # noqa: E402
 
@@ -129,7 +130,7 @@ def measure(args: argparse.Namespace, out: Path) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="bench_robust_merge_") as tmp:
         identities = Path(tmp) / "identities"
         identities.mkdir()
-        for i, seed in enumerate(args.seeds):
+        for i, seed in enumerate(each(args.seeds, "seeds")):
             order = configs[i % len(configs):] + configs[:i % len(configs)]
             for rule, attack in order:
                 print(f"seed {seed}: merge {rule}, attack {attack}, 4 daemons x {args.steps} steps ...", flush=True)

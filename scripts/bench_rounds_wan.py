@@ -36,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_wan  # noqa: E402
 import wan  # noqa: E402
+from bars import each  # noqa: E402
 from stats import fmt, interval  # noqa: E402
 
 
@@ -154,7 +155,8 @@ def main() -> int:
         for item in args.env:  # the daemons inherit it, and p2pd from them
             name, _, value = item.partition("=")
             os.environ[name] = value
-        for seed in args.seeds:  # seeds outside, RTTs inside: both RTTs of a seed run close together in time
+        # seeds outside, RTTs inside: both RTTs of a seed run close together in time
+        for seed in each(args.seeds, "seeds"):
             for rtt in args.rtts:
                 t0 = time.monotonic()
                 r = one(rtt, seed, args)

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bars import each  # noqa: E402
 from swarm import LocalSwarm, StatusReader, descendants, wait_for  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -288,7 +289,7 @@ def main() -> int:
         return 2
     results: list[dict[str, Any]] = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    for n in args.sizes:
+    for n in each(args.sizes, "sizes"):
         work = args.work / f"n{n}"
         subprocess.run(["rm", "-rf", str(work)], check=True)
         results.append(measure(n, args.seconds, work, args.model))

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bars import each  # noqa: E402
 from bench_scale import power_law  # noqa: E402
 from sim.scale import SimConfig, simulate  # noqa: E402
 
@@ -145,10 +146,10 @@ def main() -> int:
         n, variant = name.split(" ", 1)
         if variant == "merged":
             runs[(int(n), BEFORE)] = results
-    for n in args.sizes or [None]:
+    for n in each(args.sizes or [None], "sizes"):
         seeds = [] if n is None else (args.seeds[:args.largest_seeds] if args.largest_seeds and n == max(args.sizes)
                                    else args.seeds)
-        for seed in seeds:
+        for seed in each(seeds, f"seeds at N={n}"):
             for variant, merge in ((v, VARIANTS[v]) for v in args.variants):
                 started = time.monotonic()
                 cfg = SimConfig(islands=n, seconds=args.seconds, warmup=args.warmup, max_group=args.max_group,

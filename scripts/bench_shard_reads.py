@@ -38,6 +38,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+from bars import each  # noqa: E402
 from bench_dht_reads import HOLD_CHUNK, _hold, cpu_seconds, progress_value  # noqa: E402
 from swarm import descendants  # noqa: E402
 
@@ -155,7 +156,7 @@ def main() -> int:
         owners.append((CompositeValidator([signer, *make_validators(RUN)[1:]]), signer.local_public_key,
                        f"QmBenchPeer{i:05d}"))
     runs = []
-    for repeat in range(args.repeats):
+    for repeat in each(range(args.repeats), "repeats"):
         for n in args.records:
             order = args.variants[repeat % len(args.variants):] + args.variants[:repeat % len(args.variants)]
             for variant in order:

@@ -38,6 +38,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+from bars import each  # noqa: E402
 from bench_dht_reads import HOLD_CHUNK, RUN, _hold, members, progress_value, signed_records  # noqa: E402
 
 from atoll.node.status import collect_status  # noqa: E402
@@ -193,7 +194,7 @@ def main() -> int:
     print(f"signing {max(args.records)} members' records...", flush=True)
     everyone = members(run_key, max(args.records))
     runs = []
-    for repeat in range(args.repeats):
+    for repeat in each(range(args.repeats), "repeats"):
         for n in args.records:
             order = VARIANTS if repeat % 2 == 0 else VARIANTS[::-1]
             for variant, figures in measure(everyone[:n], args.nodes, run_key, order).items():

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bars import each  # noqa: E402
 from bench_algorithms import evaluate_swarm, summaries  # noqa: E402
 from bench_parity import BATCH  # noqa: E402
 from swarm import LocalSwarm  # noqa: E402
@@ -97,7 +98,7 @@ def main() -> int:
     args = parser.parse_args()
     started = time.time()
     runs: dict[str, list[dict]] = {label: [] for label in args.settings}
-    for rep in range(args.repeats):
+    for rep in each(range(args.repeats), "repeats"):
         for label in args.settings:
             algorithm, extra = SETTINGS[label]
             order = VARIANTS[rep % 3:] + VARIANTS[:rep % 3]

@@ -40,6 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import wan  # noqa: E402
+from bars import each  # noqa: E402
 from bench_algorithms import evaluate_swarm, summaries  # noqa: E402
 from bench_parity import BATCH, make_learner  # noqa: E402
 from swarm import LocalSwarm  # noqa: E402
@@ -444,8 +445,8 @@ def main() -> int:
     if args.reference:
         (r,) = one_point(0.0, 0.0, ["ddp"], args)
         doc["reference"] = r
-    for rtt in args.rtts:
-        for rate in args.rates:
+    for rtt in each(args.rtts, "RTTs"):
+        for rate in each(args.rates, f"rates at RTT {rtt:g} ms"):
             new = one_point(rate, rtt, args.algorithms, args)
             keys = {(r["algorithm"], r["rate_mbit"], r["rtt_ms"]) for r in new}
             doc["runs"] = [r for r in doc["runs"] if (r["algorithm"], r["rate_mbit"], r["rtt_ms"]) not in keys] + new

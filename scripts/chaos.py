@@ -50,6 +50,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bars import bar, each  # noqa: E402
 from bench_algorithms import evaluate_swarm  # noqa: E402
 from swarm import LocalSwarm  # noqa: E402
 
@@ -209,23 +210,29 @@ class Chaos:
                             code=d.proc.returncode)
                 self.start(name, delay=self.rng.uniform(*self.args.rejoin))
 
-    def run(self, faults: list[tuple[float, str]], duration: float, t0: float) -> None:
+    def run(self, faults: list[tuple[float, str]], duration: float, t0: float, label: str = "window") -> None:
         """Injects each fault at its time, or as soon after as enough daemons are live (deferred, not dropped);
         faults still pending when the window ends are recorded as ``not_injected``."""
         self.t0 = t0
         pending = list(faults)
-        while time.monotonic() - t0 < duration:
-            t = time.monotonic() - t0
-            for due in [f for f in pending if f[0] <= t]:
-                if self.inject(t, due[1]):
-                    pending.remove(due)
-                    if t - due[0] > 0.5:
-                        self.log[-1]["deferred_s"] = round(t - due[0], 1)
-                    break  # one per tick: deferred faults do not all land on the same moment (and target)
-            self.reap(t)
-            time.sleep(0.2)
+        with bar(label, duration, unit="s") as progress:
+            while time.monotonic() - t0 < duration:
+                self._tick(time.monotonic() - t0, pending)
+                progress.update(time.monotonic() - t0)
+                time.sleep(0.2)
         for when, kind in pending:
             self.record(time.monotonic() - t0, "not_injected_" + kind, "-", due=round(when, 1))
+
+    def _tick(self, t: float, pending: list[tuple[float, str]]) -> None:
+        """One look at the schedule at ``t``: at most one due fault injected (removed from ``pending``); exits
+        reaped."""
+        for due in [f for f in pending if f[0] <= t]:
+            if self.inject(t, due[1]):
+                pending.remove(due)
+                if t - due[0] > 0.5:
+                    self.log[-1]["deferred_s"] = round(t - due[0], 1)
+                break  # one per tick: deferred faults do not all land on the same moment (and target)
+        self.reap(t)
 
 
 def cpu_times() -> tuple[int, int]:
@@ -403,7 +410,7 @@ def run_once(root: Path, args: argparse.Namespace, chaos: bool, barrier: threadi
         c.spawned.clear()  # the swarm's first starts are not restarts
         cpu0 = cpu_times()
         print(f"  {'chaos' if chaos else 'fault-free'}: {len(faults)} events scheduled; window starts", flush=True)
-        c.run(faults, args.duration, t0_mono)
+        c.run(faults, args.duration, t0_mono, "chaos window" if chaos else "fault-free window")
         t1 = time.time()
         cpu_busy = busy_share(cpu0, cpu_times())
         # Survivors: live now, plus those frozen or restarting, which are let finish first.
@@ -603,7 +610,7 @@ def main() -> int:
         plot(out)
         return 0
     docs = []
-    for seed in args.seeds:
+    for seed in each(args.seeds, "seeds"):
         args.seed = seed
         docs.append(run_seed(args, f"{name}_s{seed}", out))
     summary = {"command": "python scripts/chaos.py " + " ".join(sys.argv[1:]), **summarize(docs)}
