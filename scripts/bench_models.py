@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from dataclasses import asdict, replace
@@ -42,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bars import each  # noqa: E402
 from bench_outer import diloco  # noqa: E402  the same DiLoCo loop as the outer-step benchmark
 from stats import fmt, interval  # noqa: E402
 
@@ -158,7 +158,7 @@ def plot(result: dict, out: Path) -> None:
     for r in seeds:
         for name in ("gpt", "llama"):
             xs, ys = zip(*r[name]["curve"])
-            ax1.plot(xs, ys, color=colors[name], alpha=0.8, lw=1.2,
+            ax1.plot(xs, ys, color=colors[name], alpha=0.8, lw=1.2, marker="o", markersize=2.5,  # an evaluation
                      label=f"{name}" if r is seeds[0] else None)
     ax1.set_xlabel("inner steps per learner")
     ax1.set_ylabel(f"held-out loss of Θ (first {CURVE_BATCHES} batches)")
@@ -172,16 +172,16 @@ def plot(result: dict, out: Path) -> None:
             label=f"gpt ({result['models']['gpt']['params']:,} params)")
     ax2.bar(idx + width / 2, [r["llama"]["held_out_loss"] for r in seeds], width, color=colors["llama"],
             label=f"llama ({result['models']['llama']['params']:,} params)")
-    for i, r in enumerate(seeds):
-        ax2.text(i, max(r["gpt"]["held_out_loss"], r["llama"]["held_out_loss"]) + 0.02, f"{r['ratio']:.3f}×",
-                 ha="center", fontsize=9)
     vals = [r[n]["held_out_loss"] for r in seeds for n in ("gpt", "llama")]
-    ax2.set_ylim(min(vals) - 0.3, max(vals) + 0.15)
+    for i, r in enumerate(seeds):
+        ax2.text(i, max(r["gpt"]["held_out_loss"], r["llama"]["held_out_loss"]) + 0.03 * max(vals),
+                 f"{r['ratio']:.3f}×", ha="center", fontsize=9)
+    ax2.set_ylim(0, max(vals) * 1.25)  # bars start at zero: a cut axis would make the gap look larger than it is
     ax2.set_xticks(idx, [f"seed {r['seed']}" for r in seeds])
     ax2.set_ylabel(f"held-out loss of Θ ({EVAL_BATCHES} batches)")
     s = result["summary"]["ratio"]
     ax2.set_title(f"final; llama/gpt {s['mean']:.3f} ± {s['ci95'] or 0:.3f} (95%)", fontsize=10)
-    ax2.legend(fontsize=8, loc="lower right")
+    ax2.legend(fontsize=8, loc="upper center", ncol=2)
     st = result["settings"]
     fig.suptitle(f"GPT vs Llama-style, equal parameters, BPE {st['vocab']}: {LEARNERS} learners DiLoCo "
                  f"H={st['sync_every']}, {st['steps']} steps, batch {st['batch']}", fontsize=10)
@@ -207,7 +207,11 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--data-root", default="runs/bench_models")
     parser.add_argument("--out", default="docs/results")
+    parser.add_argument("--replot", action="store_true", help="only redraw bench_models.png from the JSON in --out")
     args = parser.parse_args()
+    if args.replot:
+        plot(json.loads((Path(args.out) / "bench_models.json").read_text()), Path(args.out))
+        return 0
     torch.set_num_threads(args.threads)
     t_start = time.monotonic()
 
@@ -242,7 +246,7 @@ def main() -> int:
           f"({manifest.documents['held_out']} documents)", flush=True)
 
     per_seed = []
-    for seed in args.seeds:
+    for seed in each(args.seeds, "seeds"):
         row = {"seed": seed, "shards": [(LEARNERS * seed + i) % NUM_SHARDS for i in range(LEARNERS)]}
         for name, cfg in (("gpt", gpt), ("llama", llama)):
             row[name] = train(cfg, corpus, eval_sets, seed, args.steps, args.batch, args.sync_every, args.outer_lr,

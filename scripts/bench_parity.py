@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -21,41 +22,46 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bars import each  # noqa: E402
 from swarm import LocalSwarm  # noqa: E402
 
 from atoll.models.configs import get_model_config  # noqa: E402
 from atoll.models.data import Corpus, load_corpus  # noqa: E402
+from atoll.models.fragments import make_fragments  # noqa: E402
 from atoll.node.checkpoint import load_checkpoint  # noqa: E402
 from atoll.node.config import RunConfig  # noqa: E402
 from atoll.node.device import resolve_device  # noqa: E402
 from atoll.node.learner import Learner  # noqa: E402
 
-EVAL_BATCHES = 32
+EVAL_BATCHES = 32  # the final comparison
+CURVE_BATCHES = 8  # the curves: the batches a daemon evaluates on (its default --eval-batches, at batch BATCH)
 BATCH = 8
 
 
-def make_learner(run: RunConfig, shard: int) -> tuple[Learner, list[torch.Tensor]]:
+def make_learner(run: RunConfig, shard: int) -> tuple[Learner, Corpus]:
     tokens, _ = load_corpus(run.data)
     corpus = Corpus(tokens, get_model_config(run.model).seq_len, run.num_shards)
-    return Learner(run, resolve_device("cpu"), corpus, shard, BATCH), corpus.held_out(EVAL_BATCHES, BATCH)
+    return Learner(run, resolve_device("cpu"), corpus, shard, BATCH), corpus
 
 
 def solo(run: RunConfig, steps: int) -> dict:
     torch.set_num_threads(1)
-    learner, held_out = make_learner(run, shard=0)
+    learner, corpus = make_learner(run, shard=0)
+    curve_set = corpus.held_out(CURVE_BATCHES, BATCH)  # the daemons' own evaluation batches
     curve, start = [], time.monotonic()
-    for step in range(1, steps + 1):
+    for step in each(range(1, steps + 1), "one process: steps"):
         learner.train_step()
         if step % (steps // 10) == 0:
-            curve.append({"tokens": learner.tokens, "held_out_loss": learner.evaluate(held_out[:8])})
-    return {"held_out_loss": learner.evaluate(held_out), "tokens": learner.tokens, "curve": curve,
-            "seconds": time.monotonic() - start}
+            curve.append({"tokens": learner.tokens, "held_out_loss": learner.evaluate(curve_set)})
+    return {"held_out_loss": learner.evaluate(corpus.held_out(EVAL_BATCHES, BATCH)), "tokens": learner.tokens,
+            "curve": curve, "seconds": time.monotonic() - start}
 
 
 def swarm_run(run: RunConfig, steps: int, workdir: Path) -> dict:
-    common = ["--model", run.model, "--sync-every", str(run.sync_every), "--batch-size", str(BATCH),
-              "--max-steps", str(steps), "--gather-timeout", "20", "--round-timeout", "20", "--threads", "1",
-              "--eval-budget", "1"]  # the curve: every round's held-out loss
+    common = ["--model", run.model, "--algorithm", "diloco", "--sync-every", str(run.sync_every),
+              "--batch-size", str(BATCH), "--max-steps", str(steps), "--gather-timeout", "20", "--round-timeout",
+              "20", "--threads", "1", "--eval-budget", "1"]  # the curve: a held-out evaluation every round
+    shutil.rmtree(workdir, ignore_errors=True)  # a previous run's checkpoints would be resumed, not trained from Θ₀
     start = time.monotonic()
     with LocalSwarm(workdir, common) as swarm:
         swarm.start("d0", join=False)
@@ -73,16 +79,21 @@ def swarm_run(run: RunConfig, steps: int, workdir: Path) -> dict:
             "exit_code": codes[name], "rounds": len(rounds),
             "bytes_sent_per_round_median": sorted(sent)[len(sent) // 2] if sent else None,
             "final_version": rounds[-1]["version"] if rounds else 0,
-            "curve": [{"tokens": r["tokens"], "held_out_loss": r["held_out_loss"]} for r in rounds],
+            # Only the rounds whose held-out figure was measured then: a round's record repeats the last one
+            # when the evaluation's time budget skipped it.
+            "curve": [{"tokens": r["tokens"], "held_out_loss": r["held_out_loss"]} for r in rounds
+                      if r.get("held_out_loss") is not None and r.get("held_out_step") == r["step"]],
         }
     # Evaluate the global replica Θ of the daemon that reached the highest version.
     best = max(swarm.daemons.values(), key=lambda d: per_daemon[d.name]["final_version"])
     tensors, meta = load_checkpoint(best.workdir)
-    learner, held_out = make_learner(run, shard=0)
-    learner.load_flat(tensors["replica.params"])
-    return {"held_out_loss": learner.evaluate(held_out), "version": meta["version"], "daemons": per_daemon,
-            "seconds": seconds, "tokens": sum(json.loads(sorted(d.workdir.glob("ckpt-*.json"))[-1].read_text())["tokens"]
-                                               for d in swarm.daemons.values())}
+    learner, corpus = make_learner(run, shard=0)
+    for f in make_fragments(learner.params, 1, run.sync_every, learner.model.embed.weight):  # DiLoCo: one fragment
+        f.scatter(tensors[f"replica.{f.index}.params"], learner.params)
+    tokens = sum(json.loads(sorted(d.workdir.glob("ckpt-*.json"))[-1].read_text())["tokens"]
+                 for d in swarm.daemons.values())
+    return {"held_out_loss": learner.evaluate(corpus.held_out(EVAL_BATCHES, BATCH)), "version": sum(meta["versions"]),
+            "daemons": per_daemon, "seconds": seconds, "tokens": tokens}
 
 
 def main() -> int:
@@ -119,10 +130,10 @@ def main() -> int:
     ax.plot([c["tokens"] for c in alone["curve"]], [c["held_out_loss"] for c in alone["curve"]], "k-o",
             label="one process (3x steps)")
     for name, d in diloco["daemons"].items():
-        ax.plot([3 * c["tokens"] for c in d["curve"]], [c["held_out_loss"] for c in d["curve"]], "-", alpha=0.7,
-                label=f"DiLoCo {name} (x-axis: 3x its tokens)")
+        ax.plot([3 * c["tokens"] for c in d["curve"]], [c["held_out_loss"] for c in d["curve"]], "o-", alpha=0.7,
+                markersize=3, label=f"DiLoCo {name} (x-axis: 3x its tokens)")
     ax.set_xlabel("tokens (swarm total)")
-    ax.set_ylabel("held-out loss")
+    ax.set_ylabel(f"held-out loss ({CURVE_BATCHES} batches; a point per evaluation)")
     ax.set_title(f"parity: ratio {result['loss_ratio_diloco_over_solo']:.3f}")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
