@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -115,26 +115,33 @@ def _le(bound: float) -> str:
     return repr(float(bound))
 
 
-def serve_metrics(cfg: NodeConfig, peer_id: str, counters: Counters, syncer: Syncer, replica: Replica) -> Any:
-    """Serve this daemon's metrics at ``http://cfg.metrics_host:cfg.metrics_port/metrics`` on a thread of its own,
-    and log the address (port 0 takes a free one). Returns the server (``stop_metrics`` stops it); a port that
-    cannot be bound is a ``ConfigError``."""
-    from .config import ConfigError
+class MetricsEndpoint:
+    """This daemon's Prometheus endpoint at ``http://cfg.metrics_host:cfg.metrics_port/metrics`` (port 0 takes a
+    free one), served on a thread of its own. It binds when made, before the daemon joins the DHT, so that a port
+    that cannot be bound is a ``ConfigError`` at once; it serves the daemon's metrics once ``serve`` has them (an
+    empty page before). ``stop`` ends it."""
 
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(DaemonCollector(
-        {"peer_id": peer_id, "run_id": cfg.run_id, "device": counters.device, "algorithm": cfg.run.algorithm},
-        counters, lambda: syncer.stats, lambda: [v for v, _, _ in replica.identities()],
-        lambda: len(syncer.table.training())))
-    try:
-        server, _ = start_http_server(cfg.metrics_port, addr=cfg.metrics_host, registry=registry)
-    except OSError as e:
-        raise ConfigError(f"metrics_port: cannot listen on {cfg.metrics_host}:{cfg.metrics_port}: "
-                          f"{e.strerror or e}") from None
-    logger.info("Prometheus metrics at http://%s:%d/metrics", cfg.metrics_host, server.server_port)
-    return server
+    def __init__(self, cfg: NodeConfig) -> None:
+        from .config import ConfigError
 
+        self.host = cfg.metrics_host
+        self.registry = CollectorRegistry(auto_describe=False)
+        try:
+            self.server, _ = start_http_server(cfg.metrics_port, addr=cfg.metrics_host, registry=self.registry)
+        except OSError as e:
+            raise ConfigError(f"metrics_port: cannot listen on {cfg.metrics_host}:{cfg.metrics_port}: "
+                              f"{e.strerror or e}") from None
+        self.port = self.server.server_port
 
-def stop_metrics(server: Any) -> None:
-    server.shutdown()
-    server.server_close()
+    def serve(self, cfg: NodeConfig, peer_id: str, counters: Counters, syncer: Syncer, replica: Replica) -> None:
+        """Serve the daemon's metrics (read at each scrape from what it keeps; ``cfg`` the agreed config), and log
+        the address."""
+        self.registry.register(DaemonCollector(
+            {"peer_id": peer_id, "run_id": cfg.run_id, "device": counters.device, "algorithm": cfg.run.algorithm},
+            counters, lambda: syncer.stats, lambda: [v for v, _, _ in replica.identities()],
+            lambda: len(syncer.table.training())))
+        logger.info("Prometheus metrics at http://%s:%d/metrics", self.host, self.port)
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

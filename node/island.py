@@ -48,7 +48,7 @@ from .checkpoint import CheckpointWriter, load_checkpoint
 from .config import OWN_MODEL, ConfigError, NodeConfig, RunConfig, load_config
 from .ddp import DDP
 from .device import Device
-from .exporter import serve_metrics, stop_metrics
+from .exporter import MetricsEndpoint
 from .faults import Faults
 from .join import agree_on_run_config, check_identity, identity_file, load_revocation, membership, start_dht
 from .local_state import LocalFragmentState
@@ -252,6 +252,10 @@ class Island:
 
     def _start(self) -> None:
         cfg = self.cfg
+        endpoint = None
+        if cfg.metrics_port >= 0:  # bound first: a port that is taken fails before the DHT is joined
+            endpoint = MetricsEndpoint(cfg)
+            self._exit.callback(endpoint.stop)
         token = membership(cfg)
         self.revocation = load_revocation(cfg, token)
         validators = make_validators(cfg.run_id, token, self.revocation)
@@ -299,8 +303,8 @@ class Island:
                                       revocation=self.revocation, error_feedback=error_feedback)
         syncer.start()
         self._exit.callback(syncer.shutdown)
-        if cfg.metrics_port >= 0:
-            self._exit.callback(stop_metrics, serve_metrics(cfg, peer_id, self.counters, syncer, self.replica))
+        if endpoint is not None:
+            endpoint.serve(cfg, peer_id, self.counters, syncer, self.replica)
         if resumed:
             self._catch_up()
         else:
