@@ -5,6 +5,7 @@ small models' transfers stay as quiet as before."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -100,7 +101,9 @@ def _terminal_bars() -> Bars | None:
 
 
 class Tracker:
-    """One piece of work's progress (``track``): ``update(done)`` from any thread, ``close()`` at its end."""
+    """One piece of work's progress (``track``): ``update(done)`` from any thread, ``close()`` at its end. None of
+    its calls raises: they run inside the work (a state download, a checkpoint write), which a failing display
+    must not fail; a display that fails is logged once and dropped for log lines."""
 
     def __init__(self, what: str, total: int, clock: Callable[[], float] = time.monotonic,
                  bars: Bars | None = None) -> None:
@@ -113,6 +116,28 @@ class Tracker:
         self._lock = threading.Lock()
 
     def update(self, done: int) -> None:
+        self._safely(self._update, done)
+
+    def resize(self, total: int) -> None:
+        """The work's true size, once known (a file's size, header included, once written)."""
+        self._safely(self._resize, total)
+
+    def close(self, ok: bool = True) -> None:
+        """The work ended (``ok``: it finished; else it failed or was given up). A last line if any was shown."""
+        self._safely(self._close, ok)
+
+    def _safely(self, call: Callable[[Any], None], arg: Any) -> None:
+        try:
+            call(arg)
+        except Exception as e:  # noqa: BLE001 (see the class's docstring)
+            if self.bars is not None:
+                logger.warning("%s: the progress bar failed (%r); progress goes to the log instead", self.what, e)
+                if self._task is not None:
+                    with contextlib.suppress(Exception):  # the shared display stops with its last bar
+                        self.bars.remove(self._task)
+                self.bars, self._task = None, None
+
+    def _update(self, done: int) -> None:
         with self._lock:
             if self._closed:  # a late call from the work's thread after its end
                 return
@@ -128,16 +153,14 @@ class Tracker:
                 self._logged_at = now
                 logger.info("%s: %s", self.what, self.meter.line())
 
-    def resize(self, total: int) -> None:
-        """The work's true size, once known (a file's size, header included, once written)."""
+    def _resize(self, total: int) -> None:
         with self._lock:
             self.meter.total = max(1, total)
             self.meter.update(self.meter.done, self.meter.at)
             if self._task is not None:
                 self.bars.update(self._task, self.meter.done, total=self.meter.total)
 
-    def close(self, ok: bool = True) -> None:
-        """The work ended (``ok``: it finished; else it failed or was given up). A last line if any was shown."""
+    def _close(self, ok: bool) -> None:
         with self._lock:
             if self._closed:
                 return

@@ -230,6 +230,15 @@ def wait_for(predicate: Any, timeout: float, what: str) -> Any:
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def group_alive(pgid: int) -> bool:
+    """Whether any process of the process group ``pgid`` is left (a daemon's DHT child and p2pd are in it)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def peer_id(d: DaemonProcess) -> str:
     return d.maddrs[0].rsplit("/", 1)[1]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-from swarm import Dashboard, LocalSwarm, wait_for
+from swarm import Dashboard, LocalSwarm, group_alive, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -62,15 +62,7 @@ def assert_ended_cleanly(dashboard):
     p2pd gone with it."""
     pgid = dashboard.proc.pid
     assert dashboard.stop(sig=signal.SIGTERM) == 0 and "Traceback" not in dashboard.text(), dashboard.text()[-3000:]
-
-    def group_alive():
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-
-    wait_for(lambda: not group_alive(), 30, "the dashboard's processes to end")
+    wait_for(lambda: not group_alive(pgid), 30, "the dashboard's processes to end")
 
 
 @pytest.fixture

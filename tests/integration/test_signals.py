@@ -6,19 +6,11 @@ import signal
 import time
 
 import pytest
-from swarm import LocalSwarm, wait_for
+from swarm import LocalSwarm, group_alive, wait_for
 
 from atoll.node.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.integration
-
-
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

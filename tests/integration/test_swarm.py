@@ -13,7 +13,7 @@ import sys
 import urllib.request
 
 import pytest
-from swarm import LocalSwarm, peer_id, wait_for  # noqa: F401 (other test modules import them from here)
+from swarm import LocalSwarm, group_alive, peer_id, wait_for  # noqa: F401 (other test modules import them from here)
 
 pytestmark = pytest.mark.integration
 
@@ -234,15 +234,7 @@ def test_status_watch_refreshes_in_place_and_ends_cleanly_on_ctrl_c(swarm):
     text = out.decode(errors="replace")
     assert rc == 0 and "Traceback" not in text, text[-3000:]
     # The DHT client's process and its p2pd ended with it.
-    wait_for(lambda: not _group_alive(proc.pid), 30, "status's processes to end")
-
-
-def _group_alive(pgid):
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    wait_for(lambda: not group_alive(proc.pid), 30, "status's processes to end")
 
 
 def test_a_daemon_logs_json_lines_with_its_peer_id_and_step(swarm):

@@ -111,3 +111,27 @@ def test_track_draws_bars_only_when_logging_to_a_terminal(monkeypatch):
     console = Console(file=io.StringIO(), force_terminal=True)
     monkeypatch.setattr(progress.log, "terminal", console)
     assert progress.track("x", 10).bars.console is console
+
+
+def test_a_failing_bar_never_fails_the_work(caplog):
+    """The tracker runs inside a state download and a checkpoint write: a display error is logged once, the bar is
+    given back to the shared display, and progress goes on as log lines."""
+    from rich.console import Console
+
+    caplog.set_level(logging.INFO, "atoll")
+    bars = Bars(Console(file=io.StringIO(), force_terminal=True))
+
+    def broken(task, done, total=None):
+        raise RuntimeError("terminal gone")
+
+    bars.update = broken
+    clock = Clock()
+    t = Tracker("fragment 0: downloading the replica", 1000, clock=clock, bars=bars)
+    for _ in range(3):
+        clock.t += LOG_EVERY
+        t.update(t.meter.done + 100)  # raises nothing
+    t.close()
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "terminal gone" in warnings[0].getMessage()
+    assert bars._tasks == 0 and bars._progress is None  # its display stopped
+    assert [r.getMessage() for r in caplog.records][-1].startswith("fragment 0: downloading the replica: done")

@@ -1,5 +1,6 @@
 """``atoll dashboard``'s history (``node/dashboard.py``) and curves (``node/curves.py``) against naive references; its
-answers to each path; no sockets (the page in a browser is ``tests/integration/test_dashboard.py``)."""
+answers to each path; no sockets (the page in a browser is ``tests/integration/test_dashboard.py``, and pytest
+needs the two modules' names to differ)."""
 
 import json
 import math
