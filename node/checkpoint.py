@@ -26,6 +26,7 @@ from .progress import track
 
 logger = logging.getLogger("atoll")
 KEEP = 2
+GROW_EVERY = 0.5  # seconds between two looks at a checkpoint file's size while it is written
 
 
 def _fsync_write(path: Path, write, interrupt: Callable[[Path], None] | None = None) -> None:
@@ -53,10 +54,10 @@ def _sha256(path: Path, progress: Callable[[int], None] = lambda done: None) -> 
     return h.hexdigest()
 
 
-def _growing(path: Path, progress: Callable[[int], None], every: float = 0.5) -> Callable[[], None]:
-    """Report ``path``'s size to ``progress`` every ``every`` seconds from a thread of its own, while a library
+def _growing(path: Path, progress: Callable[[int], None]) -> Callable[[], None]:
+    """Report ``path``'s size to ``progress`` every ``GROW_EVERY`` seconds from a thread of its own, while a library
     call writes it in one piece (safetensors' ``save_file`` reports nothing); the returned call stops it."""
-    stop = threading.Event()
+    stop, every = threading.Event(), GROW_EVERY
 
     def watch() -> None:
         while not stop.wait(every):

@@ -121,7 +121,8 @@ def _dashboard_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--interval", type=float, default=POLL_EVERY, metavar="SECONDS",
                    help=f"read the run every SECONDS (default {POLL_EVERY:g})")
     p.add_argument("--history", type=int, default=HISTORY_POINTS, metavar="POINTS",
-                   help=f"points kept per curve; past it, every second one is dropped (default {HISTORY_POINTS})")
+                   help=f"points kept per curve (and its newest); past it, every second one is dropped and only "
+                        f"every second new one kept (default {HISTORY_POINTS})")
 
 
 def _token_parser(sub: argparse._SubParsersAction) -> None:

@@ -3,6 +3,10 @@
 It loads nothing else and fetches only ``/api/state`` from where it came from. Every figure that came from the
 network (peer ids, device names) is put in the page as text (``textContent``), never as markup."""
 
+import base64
+import hashlib
+import re
+
 PAGE = """<!doctype html>
 <html lang="en">
 <head>
@@ -67,6 +71,8 @@ function node(tag, attrs, parent, text) {
   if (parent) parent.appendChild(e);
   return e;
 }
+// Colours through the CSSOM, not a style attribute: the page's CSP allows no inline style attributes.
+function swatch(parent, color) { node("span", {class: "swatch"}, parent).style.background = color; }
 function clear(e) { while (e.firstChild) e.removeChild(e.firstChild); }
 function fixed(x, d) { return x === null || x === undefined ? "-" : Number(x).toFixed(d); }
 function human(x) {
@@ -148,7 +154,7 @@ function legend(div, items) {
   clear(div);
   for (const [label, color] of items) {
     const s = node("span", {}, div);
-    node("span", {class: "swatch", style: "background:" + color}, s);
+    swatch(s, color);
     s.appendChild(document.createTextNode(label));
   }
 }
@@ -171,7 +177,7 @@ function render(s) {
   for (const p of s.islands) {
     const tr = node("tr", {"data-peer": p.peer_id}, body);
     const name = node("td", {class: "l", title: p.peer_id}, tr);
-    node("span", {class: "swatch", style: "background:" + color[p.peer_id]}, name);
+    swatch(name, color[p.peer_id]);
     name.appendChild(document.createTextNode("\u2026" + p.peer_id.slice(-8)));
     node("td", {class: "l"}, tr, p.status + (p.reachable ? "" : " (NAT)"));
     node("td", {class: "l"}, tr, p.device);
@@ -213,14 +219,21 @@ function render(s) {
 }
 
 async function refresh() {
-  let wait = 5000;
+  let wait = 5000, s = null;
   try {
     const response = await fetch("/api/state", {cache: "no-store"});
-    const s = await response.json();
+    if (!response.ok) throw new Error("HTTP " + response.status);
+    s = await response.json();
     wait = Math.max(1000, s.interval * 1000);
-    render(s);
   } catch (e) {
-    document.getElementById("error").textContent = "the dashboard did not answer: " + e;
+    document.getElementById("error").textContent = "the dashboard did not answer: " + e.message;
+  }
+  if (s !== null) {
+    try {
+      render(s);
+    } catch (e) {
+      document.getElementById("error").textContent = "this page could not draw the run's state: " + e.message;
+    }
   }
   setTimeout(refresh, wait);
 }
@@ -230,3 +243,16 @@ refresh();
 </body>
 </html>
 """
+
+
+def _hash(tag: str) -> str:
+    """The CSP source of the page's one ``tag`` element: the sha256 of its text, so that the browser runs this
+    script and applies this style and nothing else inline."""
+    text = re.search(f"<{tag}>(.*?)</{tag}>", PAGE, re.S).group(1)  # type: ignore[union-attr]
+    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
+
+
+# The page may load nothing but itself and fetch nothing but its server's /api/state.
+CSP = (f"default-src 'none'; script-src {_hash('script')}; style-src {_hash('style')}; connect-src 'self'; "
+       "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+

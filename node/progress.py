@@ -68,12 +68,16 @@ class Bars:
 
         with self._lock:
             if self._progress is None:
-                self._progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                                          TransferSpeedColumn(), TimeRemainingColumn(), console=self.console,
-                                          transient=True)
-                self._progress.start()
-            self._tasks += 1
-            return self._progress.add_task(what, total=total)
+                # No redirection of stdout and stderr: log lines already print through the console, and a
+                # daemon's stdout (its addresses, when piped) must stay its own.
+                progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                                    TransferSpeedColumn(), TimeRemainingColumn(), console=self.console,
+                                    transient=True, redirect_stdout=False, redirect_stderr=False)
+                progress.start()
+                self._progress = progress
+            task = self._progress.add_task(what, total=total)
+            self._tasks += 1  # counted once it is there: a failed add leaves no bar to wait for
+            return task
 
     def update(self, task: Any, done: int, total: int | None = None) -> None:
         with self._lock:
@@ -89,15 +93,18 @@ class Bars:
 
 
 _bars: Bars | None = None
+_bars_lock = threading.Lock()
 
 
 def _terminal_bars() -> Bars | None:
+    """The terminal's one ``Bars`` (made once, whichever thread asks first: two would be two live displays)."""
     global _bars
-    if log.terminal is None:
-        return None
-    if _bars is None or _bars.console is not log.terminal:
-        _bars = Bars(log.terminal)
-    return _bars
+    with _bars_lock:
+        if log.terminal is None:
+            return None
+        if _bars is None or _bars.console is not log.terminal:
+            _bars = Bars(log.terminal)
+        return _bars
 
 
 class Tracker:
@@ -130,7 +137,9 @@ class Tracker:
         try:
             call(arg)
         except Exception as e:  # noqa: BLE001 (see the class's docstring)
-            if self.bars is not None:
+            with self._lock:
+                if self.bars is None:
+                    return
                 logger.warning("%s: the progress bar failed (%r); progress goes to the log instead", self.what, e)
                 if self._task is not None:
                     with contextlib.suppress(Exception):  # the shared display stops with its last bar

@@ -175,6 +175,12 @@ class ProgressRecord(pydantic.BaseModel):
             raise ValueError("must be finite and non-negative")
         return v
 
+    @pydantic.validator("loss", "held_out_loss")
+    def _finite_loss(cls, v: float | None) -> float | None:  # noqa: N805
+        if v is not None and not math.isfinite(v):  # an honest daemon publishes None for a loss that is not finite
+            raise ValueError("a loss must be finite or null")
+        return v
+
     @pydantic.validator("rejected_by_kind")
     def _few_kinds(cls, v: dict) -> dict:  # noqa: N805
         if len(v) > MAX_REJECTION_KINDS:

@@ -36,7 +36,7 @@ def browser():
                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
                 "--disable-default-apps", "--window-size=1400,1500"):
         options.add_argument(arg)
-    options.set_capability("goog:loggingPrefs", {"performance": "ALL"})
+    options.set_capability("goog:loggingPrefs", {"performance": "ALL", "browser": "ALL"})
     return webdriver.Chrome(service=Service(executable_path=driver), options=options)
 
 
@@ -48,6 +48,13 @@ def requested_urls(driver):
         if event["method"] == "Network.requestWillBeSent":
             urls.append(event["params"]["request"]["url"])
     return urls
+
+
+def assert_no_csp_violation(driver):
+    """The page's script and style are allowed by their hashes, and it sets no inline style: the browser refused
+    nothing (a refused script would leave the page blank; a refused style, unstyled)."""
+    refused = [e["message"] for e in driver.get_log("browser") if "Content Security Policy" in e["message"]]
+    assert not refused, refused
 
 
 def assert_loopback_only(urls):
@@ -122,6 +129,7 @@ def test_dashboard_shows_a_live_private_run_in_chromium(swarm, tmp_path):
         assert page["smooth"] == 3 and page["tokens"] and page["tokens"][0] >= 2
         assert page["error"] == ""
         assert_loopback_only(requested_urls(driver))
+        assert_no_csp_violation(driver)
     finally:
         if driver is not None:
             driver.quit()
@@ -155,6 +163,7 @@ def test_the_page_shows_what_the_network_sent_as_text(tmp_path):
         assert driver.execute_script("return document.querySelectorAll('#islands img, #islands b, h1 i').length") == 0
         assert driver.execute_script("return document.body.dataset.pwned") is None
         assert_loopback_only(requested_urls(driver))
+        assert_no_csp_violation(driver)
     finally:
         if driver is not None:
             driver.quit()

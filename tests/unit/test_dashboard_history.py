@@ -10,8 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from atoll.node.config import ConfigError
-from atoll.node.curves import smoothed, thin
-from atoll.node.dashboard import History, respond, run_dashboard
+from atoll.node.curves import Series, smoothed
+from atoll.node.dashboard import host_allowed, respond, run_dashboard
+from atoll.node.history import FORGET_AFTER, History
 
 
 def record(peer="p1", step=10, loss=2.0, held_out=None, held_out_step=None, version=1, **more):
@@ -42,24 +43,27 @@ def test_smoothing_matches_a_naive_debiased_average(values, weight):
     assert smoothed(values, weight) == pytest.approx(naive, rel=1e-9, abs=1e-6)
 
 
-@given(st.integers(0, 500), st.integers(4, 64))
-def test_thinning_keeps_at_most_cap_points_in_order_with_the_ends(n, cap):
-    points = list(range(n))
-    kept = thin(points, cap)
-    assert len(kept) <= cap and kept == sorted(set(kept)) and set(kept) <= set(points)
+@given(st.integers(0, 3000), st.integers(4, 64))
+def test_a_series_fed_one_point_at_a_time_keeps_one_even_stride(n, cap):
+    series = Series(cap)
+    for i in range(n):
+        series.add(i)
+    kept = series.points()
+    assert len(kept) <= cap + 1 and kept == sorted(set(kept))
     if n <= cap:
-        assert kept == points
-    elif n:
-        assert kept[0] == 0 and kept[-1] == n - 1 and len(kept) > cap // 2  # never thinner than it must be
-        gaps = {b - a for a, b in zip(kept, kept[1:-1])}  # an even resolution (the last gap may be shorter)
-        assert len(gaps) <= 1
+        assert kept == list(range(n))
+    else:
+        assert kept[0] == 0 and kept[-1] == n - 1  # the first point, and the newest
+        on_stride = kept if (n - 1) % series.stride == 0 else kept[:-1]
+        assert {b - a for a, b in zip(on_stride, on_stride[1:])} == {series.stride}  # one resolution throughout
+        assert len(on_stride) > cap // 2  # never thinner than it must be
 
 
 def test_bad_smoothing_and_caps_are_refused():
     with pytest.raises(ValueError):
         smoothed([1.0], 1.0)
     with pytest.raises(ValueError):
-        thin([1, 2], 3)
+        Series(3)
 
 
 def test_a_loss_point_per_new_step_and_an_evaluation_once_where_it_happened():
@@ -100,13 +104,16 @@ def test_a_large_run_read_from_summaries_has_totals_only():
     assert v["run"]["rounds"] == [None]  # summaries do not count rounds: no point, not a zero
 
 
-def test_figures_a_peer_made_up_are_not_drawn():
+def test_figures_a_peer_made_up_are_not_drawn_and_the_page_stays_valid_json():
     h = History()
-    h.add(doc(100, record(loss=math.nan, held_out=math.inf, held_out_step=10)))
+    h.add(doc(100, record(loss=math.nan, held_out=math.inf, held_out_step=10, tokens_per_s=math.nan)))
+    v = h.view(now=100)
+    json.dumps(v, allow_nan=False)  # the island's own row carries the NaN: shown as no figure
+    assert v["islands"][0]["loss"] is None and v["islands"][0]["tokens_per_s"] is None
+    assert respond("/api/state", h, 1.0)[0] == 200
     h.add(doc(101, record(step=11, loss=True)))
     v = h.view(now=101)
     assert v["loss"][0]["raw"] == [] and v["held_out"][0]["value"] == []
-    json.dumps(v, allow_nan=False)  # the page's JSON stays valid
 
 
 def test_history_stays_bounded():
@@ -114,8 +121,37 @@ def test_history_stays_bounded():
     for i in range(100):
         h.add(doc(i, record(step=i + 1, held_out=1.0, held_out_step=i + 1)))
     v = h.view()
-    assert len(v["loss"][0]["t"]) <= 8 and len(v["held_out"][0]["t"]) <= 8 and len(v["run"]["t"]) <= 8
-    assert v["loss"][0]["step"][-1] == 100 and v["run"]["t"][-1] == 99
+    assert len(v["loss"][0]["t"]) <= 9 and len(v["held_out"][0]["t"]) <= 9 and len(v["run"]["t"]) <= 9
+    assert v["loss"][0]["step"][-1] == 100 and v["run"]["t"][-1] == 99  # every curve ends at its newest point
+
+
+def test_an_island_gone_for_long_is_forgotten_but_still_counted():
+    h = History()
+    h.add(doc(100, record("a", step=10), record("b", step=20)))
+    h.add(doc(100 + FORGET_AFTER / 2, record("a", step=30)))
+    assert sorted(h.view()["seen"]) == ["a", "b"]  # b is only away for now
+    h.add(doc(101 + FORGET_AFTER, record("a", step=40)))
+    v = h.view()
+    assert v["seen"] == ["a"] and [line["peer_id"] for line in v["loss"]] == ["a"]
+    assert v["run"]["tokens"][-1] == 100 * 40 + 100 * 20  # b's tokens still count
+
+
+def test_an_evaluation_before_a_restart_is_not_placed_in_the_new_life():
+    h = History()
+    h.add(doc(100, record(step=10, loss=1.0)))
+    h.add(doc(102, record(step=60, loss=1.0)))  # the old life passed step 35 between these two reads
+    h.add(doc(104, record(step=40, loss=2.0, held_out=2.5, held_out_step=35)))  # restarted from step 30's checkpoint
+    assert h.view()["held_out"][0]["value"] == []  # step 35 of the new life came before its first read
+    h.add(doc(106, record(step=50, loss=2.0, held_out=2.4, held_out_step=50)))
+    assert h.view()["held_out"][0]["t"] == [106]
+
+
+def test_only_loopback_names_reach_a_loopback_dashboard():
+    assert host_allowed("127.0.0.1:8470", "127.0.0.1") and host_allowed("localhost:8470", "127.0.0.1")
+    assert host_allowed("[::1]:8470", "127.0.0.1")
+    assert not host_allowed("attacker.example:8470", "127.0.0.1")  # DNS rebinding
+    assert not host_allowed(None, "127.0.0.1") and not host_allowed("", "127.0.0.1")
+    assert host_allowed("dashboard.example.org", "0.0.0.0")  # serving others was the operator's choice
 
 
 def test_each_path_answers():

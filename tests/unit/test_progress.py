@@ -4,6 +4,7 @@ write and check reporting through it (no sockets)."""
 
 import io
 import logging
+import time
 
 import pytest
 import torch
@@ -55,13 +56,14 @@ def test_log_lines_come_at_their_cadence_and_only_for_long_work(caplog):
         "fragment 0: downloading the replica: stopped after 25.0 s at 5.0 MB of 10.0 MB (0.2 MB/s)")
     assert len(caplog.records) == len(lines) + 1
 
-    t = Tracker("checkpoint 3: writing", 4_000_000, clock=clock)
+    t = Tracker("checkpoint 3: writing ckpt-00000003.safetensors", 4_000_000, clock=clock)
     clock.t += LOG_EVERY
     t.update(1_000_000)
     clock.t += LOG_EVERY
     t.update(4_000_000)
     t.close()
-    assert caplog.records[-1].getMessage() == "checkpoint 3: writing: done, 4.0 MB in 20.0 s (0.2 MB/s)"
+    assert caplog.records[-1].getMessage() == (
+        "checkpoint 3: writing ckpt-00000003.safetensors: done, 4.0 MB in 20.0 s (0.2 MB/s)")
 
 
 def test_bars_on_a_terminal_share_one_display():
@@ -89,12 +91,25 @@ def test_a_checkpoint_reports_its_write_and_its_check(tmp_path, monkeypatch):
             seen.append((self.what, done, self.meter.total))
             super().update(done)
 
+    def slow_save_file(tensors, path):  # safetensors' writer, made slow enough for the size watcher to see it grow
+        from safetensors.torch import save
+
+        data = save(tensors)
+        with open(path, "wb") as f:
+            for i in range(0, len(data), len(data) // 8):
+                f.write(data[i:i + len(data) // 8])
+                f.flush()
+                time.sleep(0.05)
+
     monkeypatch.setattr("atoll.node.checkpoint.track", lambda what, total: Recording(what, total))
+    monkeypatch.setattr("atoll.node.checkpoint.save_file", slow_save_file)
+    monkeypatch.setattr("atoll.node.checkpoint.GROW_EVERY", 0.01)
     tensors = {"w": torch.randn(300_000), "b": torch.randn(1000)}
     save_checkpoint(tmp_path, tensors, {"step": 1})
     file_size = (tmp_path / "ckpt-00000001.safetensors").stat().st_size
     assert 4 * 301_000 < file_size < 4 * 301_000 + 1024  # the tensors and a header
     writes = [(done, total) for what, done, total in seen if "writing" in what]
+    assert any(0 < done < file_size for done, _ in writes)  # the file seen growing while it was written
     assert writes[-1] == (2 * file_size, 2 * file_size)  # written, then read back for its hash: all of it
     assert [d for d, _ in writes] == sorted(d for d, _ in writes)
     seen.clear()

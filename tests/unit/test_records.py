@@ -49,7 +49,7 @@ def test_good_progress_record_parses():
         {"rejected_by_kind": {f"k{i}": 1 for i in range(33)}}, {"rejected_by_kind": {"shape": 1.0}},
         {"rejected_by_kind": [1]}, {"clipped": -1}, {"peer_id": "Q" * 129}, {"fragment_hashes": ["a" * 65]},
         {"device": "d" * 129}, {"reachable": 1}, {"reachable": "no"}, {"ranks": 0}, {"ranks": 2.0},
-        {"held_out_step": -1}, {"held_out_step": 2.0},
+        {"held_out_step": -1}, {"held_out_step": 2.0}, {"loss": math.nan}, {"held_out_loss": math.inf},
     ],
 )
 def test_malformed_progress_records_are_rejected(changes):
