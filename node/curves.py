@@ -51,6 +51,3 @@ class Series(Generic[T]):
     def last(self) -> T | None:
         """The newest point offered; None before any."""
         return self._newest
-
-    def __len__(self) -> int:
-        return len(self.points())
