@@ -212,6 +212,10 @@ class Learner(Trainee):
             p.grad = g
         self.device.sync()
 
+    def release(self, keep: bool = True) -> dict[str, torch.Tensor] | None:
+        self._prefetched = self._lagged_loss = None  # device tensors too
+        return super().release(keep)
+
     @torch.no_grad()
     def evaluate(self, batches: list[torch.Tensor]) -> float:
         """Mean loss of the current θ on fixed held-out batches (accumulated on the device, read once)."""

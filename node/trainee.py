@@ -130,6 +130,37 @@ class Trainee:
         self.device.sync()
 
 
+    # ---- pausing (node/pause.py) ----------------------------------------------------------------------------
+    def held_bytes(self) -> int:
+        """Bytes of θ, its gradients and the optimizer's state this trainee holds now, on its device."""
+        tensors = [*self.params, *(p.grad for p in self.params if p.grad is not None),
+                   *(v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v))]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def release(self, keep: bool = True) -> dict[str, torch.Tensor] | None:
+        """Free the device's memory of θ, its gradients and the optimizer's state (a pause): the state as host
+        tensors (``state_tensors``) when ``keep``, for ``reclaim``. θ's tensors stay the same objects, which the
+        model and the optimizer hold, emptied until ``reclaim``."""
+        state = self.state_tensors() if keep else None
+        self._shapes = [p.shape for p in self.params]
+        with torch.no_grad():
+            for p in self.params:
+                p.grad = None
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.optimizer.state.clear()
+        self.device.sync()
+        if self.device.kind == "cuda":
+            torch.cuda.empty_cache()  # back to the driver, where another process can have it
+        return state
+
+    def reclaim(self, state: dict[str, torch.Tensor]) -> None:
+        """Put back what ``release`` freed, from ``state`` (``state_tensors``' names: its copy or a checkpoint's)."""
+        with torch.no_grad():
+            for p, shape in zip(self.params, self._shapes):
+                p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
+        self.load_state_tensors(state)
+
+
 class LoopTrainee(Trainee):
     """The user's module and optimizer, stepped by the user's loop: ``advance`` counts a step of ``tokens``.
     ``evaluate(model) -> float``, if given, is the held-out loss (called without gradients, in eval mode)."""

@@ -1,0 +1,345 @@
+"""When a daemon lends its machine: the reasons to pause, and when to leave for good (``--pause-when``,
+``--schedule``, ``atoll pause``, ``--max-hours``, ``--until``).
+
+A daemon is paused while any reason holds: the operator's ``atoll pause`` (until ``atoll resume``), or one of its
+policies:
+
+- ``busy[:CORES]``: another process wants the machine. On CUDA with NVML (the ``nvidia-ml-py`` package), a compute
+  process that is not this daemon's on its GPU; elsewhere (a TPU host, the CPU, CUDA without NVML) the host's CPU
+  time used by processes outside this daemon's own process tree, at least ``CORES`` cores (default 1) over the last
+  sample. What it cannot see: on a TPU host, a job whose work stays on the TPU and leaves the host's cores idle;
+  with NVML, a process in another container whose pid it cannot map (it still counts: any pid not ours is another's).
+- ``file:PATH``: the file exists (a team's scheduler touches it when it wants the machine back).
+- ``--schedule HH:MM-HH:MM``: the daemon trains inside that window of the host's local time (it may cross
+  midnight) and is paused outside it.
+
+A policy pauses at its first sample that holds and releases once it has not held for ``resume_after`` seconds, so a
+job that idles for a moment does not hand the machine back and forth. Policies are sampled at most every
+``SAMPLE_EVERY`` seconds from the training loop (at a step boundary, or in the paused daemon's wait); the clock and
+every reading are injectable so tests drive them deterministically.
+
+This module decides; the island carries a pause out (``Island.pause``/``resume``) and the daemon's loop asks
+(``daemon.py``). Nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SAMPLE_EVERY = 2.0  # seconds between samples of a policy: reading /proc or NVML costs a few ms
+DEFAULT_BUSY_CORES = 1.0
+OPERATOR = "operator"
+
+
+class Mode(enum.StrEnum):
+    """Where a paused daemon keeps θ and the inner optimizer's state while the accelerator is free."""
+
+    HOST = "host"  # a copy in host memory: back on the device in the time of one transfer
+    CHECKPOINT = "checkpoint"  # its checkpoint on disk: the host's memory is free too; read back on resume
+
+
+class PolicyError(ValueError):
+    pass
+
+
+# ---- policies --------------------------------------------------------------------------------------------------
+class Policy:
+    """One reason to pause that the daemon samples itself. ``holds()`` reads the world now."""
+
+    name = "policy"
+
+    def holds(self) -> bool:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class FilePresent(Policy):
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+        self.name = f"file:{path}"
+
+    def holds(self) -> bool:
+        return self.path.exists()
+
+
+def parse_window(text: str) -> tuple[dt.time, dt.time]:
+    """``HH:MM-HH:MM`` as (start, end); ``PolicyError`` for anything else or an empty window."""
+    m = re.fullmatch(r"\s*(\d{1,2}):(\d{2})\s*-\s*(\d{1,2}):(\d{2})\s*", text)
+    if not m:
+        raise PolicyError(f"expected HH:MM-HH:MM (e.g. 22:00-06:00), got {text!r}")
+    h1, m1, h2, m2 = map(int, m.groups())
+    if h1 > 23 or h2 > 23 or m1 > 59 or m2 > 59:
+        raise PolicyError(f"{text!r} is not a time of day")
+    start, end = dt.time(h1, m1), dt.time(h2, m2)
+    if start == end:
+        raise PolicyError(f"{text!r} is an empty window")
+    return start, end
+
+
+def in_window(now: dt.time, start: dt.time, end: dt.time) -> bool:
+    """Whether ``now`` lies in [start, end), a window that crosses midnight when end < start."""
+    if start < end:
+        return start <= now < end
+    return now >= start or now < end
+
+
+class Schedule(Policy):
+    """Holds (pauses) outside the training window ``HH:MM-HH:MM`` of local time."""
+
+    def __init__(self, window: str, now: Callable[[], dt.datetime] = dt.datetime.now) -> None:
+        self.start, self.end = parse_window(window)
+        self.now = now
+        self.name = f"schedule {window.strip()}"
+
+    def holds(self) -> bool:
+        return not in_window(self.now().time(), self.start, self.end)
+
+
+def _read_proc_stat() -> int:
+    """Busy CPU time of the whole host, in clock ticks (user, nice, system, irq, softirq, steal)."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return user + nice + system + irq + softirq + steal
+
+
+def _read_processes() -> dict[int, tuple[int, int]]:
+    """Every process's (parent pid, CPU ticks used, its own and its reaped children's)."""
+    out = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                text = f.read()
+        except OSError:  # it ended while we looked
+            continue
+        rest = text[text.rindex(")") + 2:].split()  # after the command name, which may hold spaces
+        ppid, ticks = int(rest[1]), sum(int(x) for x in rest[11:15])  # utime stime cutime cstime
+        out[int(entry.name)] = (ppid, ticks)
+    return out
+
+
+def tree_of(root: int, processes: dict[int, tuple[int, int]]) -> set[int]:
+    """``root`` and every descendant of it in ``processes`` (pid -> (ppid, ...))."""
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in processes.items():
+        children.setdefault(ppid, []).append(pid)
+    tree, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        if pid in tree:
+            continue
+        tree.add(pid)
+        todo.extend(children.get(pid, ()))
+    return tree
+
+
+class HostLoad(Policy):
+    """Holds while processes outside this daemon's tree use at least ``cores`` of the host's CPU time: the host's
+    busy ticks since the last sample less those of our own process tree (the daemon, its DHT process, p2pd)."""
+
+    def __init__(self, cores: float = DEFAULT_BUSY_CORES, pid: int | None = None,
+                 read_host: Callable[[], int] = _read_proc_stat,
+                 read_processes: Callable[[], dict[int, tuple[int, int]]] = _read_processes,
+                 clock: Callable[[], float] = time.monotonic, ticks_per_s: float | None = None) -> None:
+        self.cores, self.pid = cores, pid if pid is not None else os.getpid()
+        self.read_host, self.read_processes, self.clock = read_host, read_processes, clock
+        self.ticks_per_s = ticks_per_s or float(os.sysconf("SC_CLK_TCK"))
+        self.name = f"busy:{cores:g} (host cores used by other processes)"
+        self.last_cores: float | None = None  # other processes' load at the last sample
+        self._last: tuple[float, int, dict[int, int]] | None = None
+
+    def _sample(self) -> tuple[float, int, dict[int, int]]:
+        processes = self.read_processes()
+        ours = {pid: processes[pid][1] for pid in tree_of(self.pid, processes) if pid in processes}
+        return self.clock(), self.read_host(), ours
+
+    def holds(self) -> bool:
+        now = self._sample()
+        last, self._last = self._last, now
+        if last is None or now[0] <= last[0]:
+            return False  # the first sample only starts the clock
+        # Our tree's ticks since the last sample, counted per process that lived through both (a process that
+        # started since counts from zero; one that ended counted its last ticks in the host's figure, not ours).
+        ours = sum(ticks - last[2].get(pid, 0) for pid, ticks in now[2].items())
+        others = (now[1] - last[1] - ours) / self.ticks_per_s / (now[0] - last[0])
+        self.last_cores = max(0.0, others)
+        return self.last_cores >= self.cores
+
+
+class GpuBusy(Policy):
+    """Holds while a compute process that is not in this daemon's tree runs on GPU ``index`` (NVML)."""
+
+    def __init__(self, nvml: Any, index: int, pid: int | None = None,
+                 read_processes: Callable[[], dict[int, tuple[int, int]]] = _read_processes) -> None:
+        self.nvml, self.pid, self.read_processes = nvml, pid if pid is not None else os.getpid(), read_processes
+        self.handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        self.name = f"busy (another process on cuda:{index})"
+
+    def holds(self) -> bool:
+        ours = tree_of(self.pid, self.read_processes())
+        running = self.nvml.nvmlDeviceGetComputeRunningProcesses(self.handle)
+        return any(proc.pid not in ours for proc in running)
+
+    def close(self) -> None:
+        try:
+            self.nvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001 — a failing NVML must not fail the daemon's exit
+            pass
+
+
+def busy_policy(spec: str, device_kind: str, device_index: int | None, log: Callable[[str], None]) -> Policy:
+    """``busy`` or ``busy:CORES`` for this device: NVML's view of the GPU when it can be had, else the host's load
+    (``log`` says which)."""
+    _, _, arg = spec.partition(":")
+    cores = float(arg) if arg else DEFAULT_BUSY_CORES
+    if device_kind == "cuda" and not arg:
+        try:
+            import pynvml  # nvidia-ml-py: not a dependency of atoll
+
+            pynvml.nvmlInit()
+            return GpuBusy(pynvml, device_index or 0)
+        except Exception as e:  # noqa: BLE001 — missing package, no driver: fall back to the host
+            log(f"pause-when busy: NVML is not available ({type(e).__name__}); watching the host's load instead")
+    return HostLoad(cores)
+
+
+def check_spec(spec: str) -> None:
+    """``PolicyError`` unless ``spec`` is a ``--pause-when`` policy (``busy``, ``busy:CORES``, ``file:PATH``)."""
+    kind, sep, arg = spec.partition(":")
+    if kind == "busy":
+        if sep:
+            try:
+                cores = float(arg)
+            except ValueError:
+                raise PolicyError(f"busy:{arg}: CORES must be a number") from None
+            if not 0 < cores < 1e6:
+                raise PolicyError(f"busy:{arg}: CORES must be positive")
+        return
+    if kind == "file" and arg:
+        return
+    raise PolicyError(f"unknown policy {spec!r}; use busy, busy:CORES or file:PATH")
+
+
+# ---- the state: who wants the daemon paused -------------------------------------------------------------------
+@dataclass
+class _Held:
+    policy: Policy
+    holding: bool = False
+    clear_since: float | None = None  # when the policy stopped holding (it releases resume_after later)
+
+
+@dataclass
+class PauseState:
+    """Why the daemon is paused, and when it must leave (``deadline``, monotonic; None for never).
+
+    ``request(True)``/``request(False)`` are the operator's (thread-safe: the control socket's thread calls them);
+    ``reasons()`` samples the policies (from the training loop) and returns every reason that holds now.
+    """
+
+    policies: list[Policy] = field(default_factory=list)
+    resume_after: float = 60.0
+    deadline: float | None = None
+    clock: Callable[[], float] = time.monotonic
+    paused: bool = False  # the island is paused now (set by the loop, read by the control socket)
+    step: int = 0
+    changed: threading.Event = field(default_factory=threading.Event)  # the operator asked for something
+
+    def __post_init__(self) -> None:
+        self._operator = False
+        self._held = [_Held(p) for p in self.policies]
+        self._sampled = -float("inf")
+        self._lock = threading.Lock()
+
+    def request(self, pause: bool) -> None:
+        with self._lock:
+            self._operator = pause
+        self.changed.set()
+
+    @property
+    def operator(self) -> bool:
+        with self._lock:
+            return self._operator
+
+    def reasons(self) -> list[str]:
+        """Every reason that holds now; the policies are sampled again once ``SAMPLE_EVERY`` has passed."""
+        now = self.clock()
+        if now - self._sampled >= SAMPLE_EVERY:
+            self._sampled = now
+            for held in self._held:
+                if held.policy.holds():
+                    held.holding, held.clear_since = True, None
+                elif held.holding:
+                    held.clear_since = now if held.clear_since is None else held.clear_since
+                    if now - held.clear_since >= self.resume_after:
+                        held.holding, held.clear_since = False, None
+        return self.holding()
+
+    def holding(self) -> list[str]:
+        """The reasons that held at the last sample (the operator's as of now), without sampling again."""
+        return ([OPERATOR] if self.operator else []) + [h.policy.name for h in self._held if h.holding]
+
+    def expired(self) -> bool:
+        return self.deadline is not None and self.clock() >= self.deadline
+
+    def close(self) -> None:
+        for held in self._held:
+            held.policy.close()
+
+
+def deadline_of(max_hours: float, until: str, now: dt.datetime | None = None,
+                monotonic: Callable[[], float] = time.monotonic) -> float | None:
+    """The monotonic time at which a daemon given ``--max-hours``/``--until`` leaves (the earlier of the two);
+    None for neither. ``until``: an ISO date and time, or HH:MM (its next occurrence, local time)."""
+    now = now or dt.datetime.now()
+    ends: list[float] = []
+    if max_hours:
+        ends.append(max_hours * 3600)
+    if until:
+        at = parse_until(until, now)
+        ends.append((at - now).total_seconds())
+    return monotonic() + max(0.0, min(ends)) if ends else None
+
+
+def parse_until(text: str, now: dt.datetime) -> dt.datetime:
+    """``--until``: an ISO date and time (local unless it names a zone), or HH:MM today or, once passed, tomorrow."""
+    m = re.fullmatch(r"(\d{1,2}):(\d{2})", text.strip())
+    if m:
+        h, mi = int(m.group(1)), int(m.group(2))
+        if h > 23 or mi > 59:
+            raise PolicyError(f"{text!r} is not a time of day")
+        at = now.replace(hour=h, minute=mi, second=0, microsecond=0)
+        return at if at > now else at + dt.timedelta(days=1)
+    try:
+        at = dt.datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise PolicyError(f"expected an ISO date and time (2026-12-05T06:00) or HH:MM, got {text!r}") from None
+    if at.tzinfo is not None:
+        at = at.astimezone().replace(tzinfo=None)
+    if at <= now:
+        raise PolicyError(f"{text} has passed")
+    return at
+
+
+def policies_of(specs: Iterable[str], schedule: str, device_kind: str, device_index: int | None,
+                log: Callable[[str], None]) -> list[Policy]:
+    """The policies ``--pause-when`` and ``--schedule`` name (checked already by the config)."""
+    out: list[Policy] = []
+    for spec in specs:
+        kind, _, arg = spec.partition(":")
+        out.append(busy_policy(spec, device_kind, device_index, log) if kind == "busy" else FilePresent(arg))
+    if schedule:
+        out.append(Schedule(schedule))
+    return out
