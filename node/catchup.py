@@ -39,7 +39,7 @@ from collections import Counter
 
 import torch
 
-from atoll.protocols.records import ProgressRecord, Status, heavier
+from atoll.protocols.records import DONORS, ProgressRecord, Status, heavier
 from atoll.protocols.state_sync import DonorRefused, Replay, ReplicaState, download_state, p2p_opener
 
 from .context import SyncContext
@@ -159,7 +159,8 @@ class CatchUp:
     def maybe_catch_up(self) -> None:
         """Start a download of every fragment a live peer holds a heavier replica of (none while joining)."""
         ctx = self.ctx
-        if ctx.leaving or ctx.counters.status == Status.JOINING:
+        # A paused daemon downloads nothing: it catches up once, by replay, when it resumes (Island.resume).
+        if ctx.leaving or ctx.counters.status in (Status.JOINING, Status.PAUSED):
             return
         for p in range(ctx.replica.num_fragments):
             if p in self._downloading or p in ctx.in_round or p in self._candidates:
@@ -283,7 +284,7 @@ class CatchUp:
         """Joining: download every fragment's heaviest replica among live peers. Returns the fragments adopted, in
         order, stopping at the first that could not be downloaded."""
         await self.peers.publish()  # donors of a private run serve members only: be one of their peers first
-        peers = [peer for peer in (await self.peers.refresh()).values() if peer.status == Status.TRAINING]
+        peers = [peer for peer in (await self.peers.refresh()).values() if peer.status in DONORS]
         if not peers:
             return []
         out = []
@@ -299,7 +300,7 @@ class CatchUp:
         adopted fragments are queued for the learner."""
         replica = self.ctx.replica
         await self.peers.publish()  # as a joiner does: donors of a private run serve the peers they know
-        peers = [peer for peer in (await self.peers.refresh()).values() if peer.status == Status.TRAINING]
+        peers = [peer for peer in (await self.peers.refresh()).values() if peer.status in DONORS]
         vouchers = self.ctx.cfg.state_vouchers
         behind = [p for p in range(replica.num_fragments)
                   if any(heavier(peer.fragment(p), replica.identity(p)) for peer in vouched(p, peers, vouchers))]

@@ -231,6 +231,25 @@ class NodeConfig:
     max_restarts: int = opt(3, help="times the launcher restarts the island's ranks after one fails (each restart "
                                     "resumes from the checkpoint)", metavar="N")
     max_steps: int = opt(0, help="stop after this many inner steps; 0 trains until stopped", metavar="N")
+    # Lending the machine (node/pause.py, docs/operations.md "Spare capacity").
+    pause_when: tuple[str, ...] = opt((), help="pause (free the accelerator, stay in the run) while this holds: busy "
+                                               "(another process uses the GPU, by NVML; else the host's CPU: "
+                                               "busy:CORES), or file:PATH (the file exists); repeatable",
+                                      metavar="POLICY", repeat=True)
+    schedule: str = opt("", help="train only inside this window of local time, HH:MM-HH:MM (may cross midnight); "
+                                 "paused outside it", metavar="WINDOW")
+    resume_after: float = opt(60.0, help="seconds a --pause-when policy must have stopped holding before the daemon "
+                                         "resumes", metavar="S")
+    pause_to: str = opt("host", help="where a paused daemon keeps the model and optimizer state while the "
+                                     "accelerator is free: host memory, or its checkpoint (frees host memory too; "
+                                     "needs --checkpoint-dir)", known=("host", "checkpoint"))
+    control_socket: str | None = opt(None, help="Unix socket for atoll pause / atoll resume (the local operator "
+                                                "only); unset: <checkpoint-dir>/control.sock, or none without a "
+                                                "checkpoint dir", metavar="PATH")
+    max_hours: float = opt(0.0, help="leave the run (checkpoint, announce) after this many hours, paused time "
+                                     "included; 0: no limit", metavar="H")
+    until: str = opt("", help="leave the run at this local time: HH:MM (its next occurrence) or an ISO date and "
+                              "time", metavar="TIME")
     heartbeat: float = opt(2.0, help="seconds between progress records", metavar="S")
     eval_batches: int = opt(8, help="held-out batches per evaluation", metavar="N")
     eval_budget: float = opt(0.01, help="share of wall time the held-out evaluation may take, in (0, 1]: it runs "
@@ -328,12 +347,45 @@ class NodeConfig:
         if self.open and (self.join_token is not None or self.run_key is not None):
             raise ConfigError("open: an open run takes no join token or run key")
         self.parsed_faults()
+        self._check_lending()
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port: {self.metrics_port} must be a port (0: a free one) or -1 (none)")
         if self.log_format not in ("text", "json"):
             raise ConfigError(f"log_format: unknown {self.log_format!r}; use text or json")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"log_level: unknown {self.log_level!r}")
+
+    def _check_lending(self) -> None:
+        from .pause import PolicyError, check_spec, deadline_of, parse_window
+
+        checks = [("pause_when", lambda spec=spec: check_spec(spec)) for spec in self.pause_when]
+        checks += [("schedule", lambda: self.schedule and parse_window(self.schedule)),
+                   ("until", lambda: deadline_of(0, self.until))]
+        for name, check in checks:
+            try:
+                check()
+            except PolicyError as e:
+                raise ConfigError(f"{name}: {e}") from None
+        _non_negative(self, "resume_after", "max_hours")
+        if self.pause_to not in ("host", "checkpoint"):
+            raise ConfigError(f"pause_to: unknown {self.pause_to!r}; use host or checkpoint")
+        if self.pause_to == "checkpoint" and self.checkpoint_dir is None:
+            raise ConfigError("pause_to: checkpoint keeps a paused daemon's state in its checkpoint; give "
+                              "--checkpoint-dir")
+        if (self.pause_when or self.schedule) and self.nproc_per_node > 1:
+            raise ConfigError("pause_when: an island of several ranks cannot pause yet; run one daemon per "
+                              "accelerator to lend them one by one")
+        if self.control_socket is not None:
+            from .control import check_path
+
+            check_path(self.control_socket)
+
+    @property
+    def control_path(self) -> str | None:
+        """The control socket's path (``--control-socket``, else the checkpoint dir's ``control.sock``)."""
+        if self.control_socket:
+            return self.control_socket
+        return os.path.join(self.checkpoint_dir, "control.sock") if self.checkpoint_dir else None
 
     def parsed_faults(self) -> dict[str, Any]:
         try:

@@ -8,6 +8,10 @@ The loop never awaits the network. It touches rounds through the island's two st
 ``before_step()`` (load replicas the syncer adopted) and ``after_step()`` (count the step, start due rounds, merge
 landed ones); ddp all-reduces gradients in its step instead (``ddp.py``).
 
+Between two steps the loop may also pause (``pause.py``): the operator (``atoll pause``, through the control socket,
+``control.py``) or a ``--pause-when``/``--schedule`` policy asks, and the island lends the device back without
+leaving the run (``Island.pause``/``resume``); ``--max-hours``/``--until`` end the loop as a signal does.
+
 Under torch's launcher (``torchrun``, or ``atoll start --nproc-per-node N``: ``launch.py``) every rank of the island
 runs this daemon: rank 0 is the island's member of the swarm, as above; the others build the same learner from the
 config rank 0 agreed and train in lockstep with it, taking what its boundaries wrote into θ (``ranks.py``).
@@ -30,11 +34,13 @@ from atoll.models.data import BYTES, Corpus, load_corpus, load_held_out, shard_f
 from atoll.models.registry import ModelError, build_model, model_digest
 
 from .config import OWN_MODEL, ConfigError, NodeConfig, RunConfig
+from .control import ControlServer
 from .device import Device, resolve_device
 from .faults import Faults
 from .island import Island
 from .learner import Learner, ShardedLearner
 from .metrics import peak_rss_mib
+from .pause import Mode, PauseState, PolicyError, deadline_of, policies_of
 from .ranks import IslandSync, Ranks, init_island, leave_island
 
 logger = logging.getLogger("atoll")
@@ -46,6 +52,7 @@ class Daemon:
         self.stop = threading.Event()
         self.sync: IslandSync | None = None
         self.sharded = None  # ranks.ShardedSync of an --fsdp island
+        self.control: ControlServer | None = None
 
     def run(self) -> int:
         ranks = Ranks.from_env()
@@ -63,9 +70,15 @@ class Daemon:
                                                    self.device, self.stop)
             island.counters.ranks = ranks.world * self.device.devices  # an SPMD island's devices count as ranks
             self._install_signal_handlers()  # before start: a SIGTERM during start-up still means a clean exit 0
+            self.lending = self._lending()
             with contextlib.ExitStack() as leaving:
                 leaving.callback(self._release_followers)  # after the island left: its close needs them too
+                leaving.callback(self.lending.close)
+                if self.cfg.control_path and ranks.world == 1:  # bound first: a taken socket fails before joining
+                    self.control = ControlServer(self.cfg.control_path, self.lending, self._describe_pause)
+                    leaving.callback(self.control.stop)
                 leaving.enter_context(island)
+                self._check_pausable()
                 try:
                     if self.sync is not None:
                         self.sync.share_state(island.trainee)
@@ -84,6 +97,54 @@ class Daemon:
             return 0
         finally:
             leave_island()
+
+    # ---- lending the machine (pause.py) -------------------------------------------------------------------------
+    def _lending(self) -> PauseState:
+        """Who may pause this daemon (its policies; the operator through the control socket) and when it leaves."""
+        cfg = self.cfg
+        index = self.device.torch_device.index if self.device.kind == "cuda" else None
+        policies = policies_of(cfg.pause_when, cfg.schedule, self.device.kind, index, logger.info)
+        try:
+            deadline = deadline_of(cfg.max_hours, cfg.until)
+        except PolicyError as e:  # --until passed between the config's check and now
+            raise ConfigError(f"until: {e}") from None
+        return PauseState(policies, resume_after=cfg.resume_after, deadline=deadline)
+
+    def _check_pausable(self) -> None:
+        if self.island.ddp is None:
+            return
+        if self.cfg.pause_when or self.cfg.schedule:
+            raise ConfigError("pause_when: a ddp run's membership is fixed, so a member cannot pause; use decoupled, "
+                              "streaming or diloco to lend spare capacity")
+        if self.control is not None:
+            self.control.refusal = "a member of a ddp run cannot pause (its membership is fixed)"
+
+    def _describe_pause(self) -> dict[str, Any]:
+        paused = self.island.paused if hasattr(self, "island") else None
+        return {"freed_mib": paused.freed / 2**20} if paused is not None else {}
+
+    def _pausable(self) -> bool:
+        return self.island.ddp is None and self.sync is None and self.sharded is None
+
+    def _pause(self, reasons: list[str]) -> None:
+        """Paused until no reason holds, or until the daemon must leave (then θ comes back for the last
+        checkpoint, without a catch-up)."""
+        island, lending = self.island, self.lending
+        island.pause(reasons, Mode(self.cfg.pause_to))
+        lending.paused = True
+        try:
+            while not self.stop.is_set() and not lending.expired():
+                now = lending.reasons()
+                if not now:
+                    break
+                if now != reasons:
+                    logger.info("still paused: %s", ", ".join(now))
+                    reasons = now
+                lending.changed.wait(1.0)
+                lending.changed.clear()
+        finally:
+            island.resume(catch_up=not (self.stop.is_set() or lending.expired()))
+            lending.paused = False
 
     def _build_learner(self, cfg: NodeConfig, peer_id: str) -> Learner:
         """The learner on its data shard with its held-out batches: the run's model as its seed initialises it on
@@ -222,9 +283,19 @@ class Daemon:
         # loss is ready, so the host traces step k+1 while the device runs step k (the reported loss lags a step).
         lagged_loss = self.device.kind != "cpu"
         every = cfg.run.sync_every
+        lending, pausable = self.lending, self._pausable()
         while True:
             island.before_step()
+            lending.step = learner.step
+            if lending.expired() and not self.stop.is_set():
+                logger.info("contributed for the time given (--max-hours/--until): leaving the run")
+                self.stop.set()
             done = self.stop.is_set() or (cfg.max_steps > 0 and learner.step >= cfg.max_steps)
+            if not done and pausable:
+                reasons = lending.reasons()
+                if reasons:
+                    self._pause(reasons)
+                    continue
             if sync is not None:
                 sync.boundary(done)
             if self.sharded is not None:

@@ -25,11 +25,13 @@ each boundary, the parameters rank 0's boundary wrote, and ``stopping`` turns tr
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +56,8 @@ from .join import agree_on_run_config, check_identity, identity_file, load_revoc
 from .local_state import LocalFragmentState
 from .log import context as log_context
 from .log import setup_logging
-from .metrics import Counters, HeldOut, MetricsLog, peak_rss_mib
+from .metrics import Counters, HeldOut, MetricsLog, current_rss_mib, peak_rss_mib
+from .pause import Mode
 from .replica import Replica
 from .ranks import IslandSync, Ranks, init_island
 from .rounds import Rounds
@@ -175,6 +178,7 @@ class Island:
         self._sync: IslandSync | None = None
         self._stop_requested = threading.Event()
         self._agreed_stop = False
+        self._paused: _Paused | None = None
 
     # ---- what a loop reads ----------------------------------------------------------------------------------
     @property
@@ -410,6 +414,73 @@ class Island:
                 self.counters.island_sync_seconds = sync.seconds
         self._step_end = time.monotonic()
 
+    # ---- pausing (node/pause.py; atoll start's loop only) -------------------------------------------------------
+    def pause(self, reasons: list[str], mode: Mode) -> None:
+        """Lend the machine back without leaving the run, between two steps: finish the rounds in flight, tell the
+        others we are ``paused`` (from then on no round expects us; we still serve our replica to whoever asks),
+        and free θ, its gradients and the optimizer's state from the device, kept in host memory or in a
+        checkpoint (``mode``). ``resume`` undoes it."""
+        trainee, counters = self.trainee, self.counters
+        began = time.monotonic()
+        self.rounds.drain(timeout=2 * self.cfg.run.round_timeout + 2 * self.cfg.heartbeat)
+        counters.status = Status.PAUSED
+        self.syncer.announce()
+        held, rss = trainee.held_bytes(), current_rss_mib()
+        if mode is Mode.CHECKPOINT:
+            failures = self.checkpointer.failures
+            self._checkpoint(wait=True)
+            self.checkpointer.wait()
+            if self.checkpointer.failures > failures:
+                logger.warning("the checkpoint could not be written: keeping the model's state in host memory instead")
+                mode = Mode.HOST
+        kept = trainee.release(keep=mode is Mode.HOST)
+        gc.collect()
+        self._paused = _Paused(time.monotonic(), mode, kept, held - trainee.held_bytes(), step=trainee.step)
+        counters.pauses += 1
+        logger.info("paused at step %d (%s): %.1f MiB of model and optimizer state freed, kept in %s; resident "
+                    "memory %d -> %d MiB; still serving our replica", trainee.step, ", ".join(reasons),
+                    self._paused.freed / 2**20, "host memory" if mode is Mode.HOST else "the checkpoint", rss,
+                    current_rss_mib())
+        self.metrics.write(event="paused", step=trainee.step, reasons=reasons, mode=mode.value,
+                           freed_bytes=self._paused.freed, held_bytes=trainee.held_bytes(), rss_mib_before=rss,
+                           rss_mib=current_rss_mib(), seconds=time.monotonic() - began)
+
+    @property
+    def paused(self) -> _Paused | None:
+        return self._paused
+
+    def resume(self, catch_up: bool = True) -> None:
+        """Back from ``pause``: θ and the optimizer's state onto the device, ``training`` again, then (``catch_up``)
+        the replicas the swarm merged meanwhile, by replaying its rounds where the donors still hold them; the next
+        ``before_step`` loads them into θ, and the work we had not merged is kept or counted lost as at any
+        adoption (``Rounds``)."""
+        paused, trainee, counters = self._paused, self.trainee, self.counters
+        assert paused is not None
+        began = time.monotonic()
+        if paused.kept is not None:
+            trainee.reclaim(paused.kept)
+        else:
+            trainee.reclaim(self._paused_checkpoint(paused.step))
+        self._paused = None
+        counters.status = Status.TRAINING
+        counters.paused_seconds += began - paused.since
+        self.syncer.announce()
+        self.syncer.take_open_rounds()  # opened while we were away: our own schedule follows the catch-up
+        if catch_up:
+            self._catch_up()
+        self._window_start, self._window_tokens = time.monotonic(), 0
+        logger.info("resumed at step %d after %.0f s paused; ready to train in %.1f s", trainee.step,
+                    began - paused.since, time.monotonic() - began)
+        self.metrics.write(event="resumed", step=trainee.step, paused_seconds=began - paused.since,
+                           seconds=time.monotonic() - began, version=self.replica.total_version)
+
+    def _paused_checkpoint(self, step: int) -> dict[str, torch.Tensor]:
+        loaded = load_checkpoint(self.cfg.checkpoint_dir)
+        if loaded is None or loaded[1]["step"] != step:
+            raise RuntimeError(f"the checkpoint written when pausing at step {step} is gone or changed; restart "
+                               "the daemon (it resumes from its newest checkpoint)")
+        return loaded[0]
+
     # ---- joining ----------------------------------------------------------------------------------------------
     def _build_replica(self) -> None:
         """The model's fragments, and Θ₀: the trainee's model as built (the same seed on every member)."""
@@ -509,7 +580,8 @@ class Island:
             logger.info("caught up on %d fragment(s) to version %d before training", len(states),
                         self.replica.total_version)
             self.metrics.write(event="caught_up", version=self.replica.total_version,
-                               fragments=[s.fragment for s in states], donors=[list(s.donors) for s in states])
+                               fragments=[s.fragment for s in states], donors=[list(s.donors) for s in states],
+                               replayed=[len(s.rounds) for s in states])
 
     def _wait_for_peers(self, count: int) -> None:
         """Hold the first step until ``count`` members (this one included) are training."""
@@ -528,7 +600,7 @@ class Island:
         """Copy the state to host memory (consistent at this step) and hand it to the background writer. While the
         previous write is still going (a slow disk), the checkpoint is taken at the first step boundary after it
         ends: the loop does not wait for a disk (``wait``: it does, when leaving)."""
-        if self.checkpointer is None:
+        if self.checkpointer is None or self._paused is not None:  # paused: θ is not on the device, nothing to save
             return
         # One checkpoint's copy in host memory at a time: two coexisting copies were rank 0's peak.
         self._checkpoint_due = self.checkpointer.busy() and not wait
@@ -539,6 +611,15 @@ class Island:
                                         self.syncer.error_feedback_state(), self.counters.tokens_lost)
         self.checkpoints_written += 1
         self.checkpointer.submit(tensors, meta, interrupt=self.faults.checkpoint_interrupt(self.checkpoints_written))
+
+
+@dataclass
+class _Paused:
+    since: float  # monotonic
+    mode: Mode
+    kept: dict[str, torch.Tensor] | None  # θ and the optimizer's state in host memory, or None: in the checkpoint
+    freed: int  # bytes the trainee released
+    step: int
 
 
 def codec_threads(setting: int, device_kind: str) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import threading
 import time
@@ -74,6 +75,8 @@ class Counters:
     ddp_failed_steps: int = 0
     rank_drift: int = 0  # checks at which a rank of the island held a θ other than rank 0's (node/ranks.py)
     island_sync_seconds: float = 0.0  # rank 0's time in the island's collectives that sent θ or compared it
+    paused_seconds: float = 0.0  # time paused (node/pause.py): lent back to its owner, not counted against goodput
+    pauses: int = 0
     started: float = field(default_factory=time.monotonic)
     # The training loop's: each round's end by fragment (``round_ended``), and when the last checkpoint was written.
     rounds_by_result: dict[tuple[int, str], int] = field(default_factory=dict)
@@ -96,7 +99,7 @@ class Counters:
 
     def progress(self) -> dict[str, Any]:
         """This daemon's own fields of its progress record."""
-        wall = max(time.monotonic() - self.started, 1e-9)
+        wall = max(time.monotonic() - self.started - self.paused_seconds, 1e-9)
         return {
             "status": self.status.value, "device": self.device, "ranks": self.ranks, "algorithm": self.algorithm,
             "step": self.step,
@@ -116,6 +119,7 @@ class Counters:
                 "rejected": traffic.rejected, "rejected_by_kind": dict(traffic.rejected_by_kind),
                 "clipped": traffic.clipped, "streams_in": traffic.streams_in, "rank_drift": self.rank_drift,
                 "rejoins": self.rejoins, "island_sync_seconds": self.island_sync_seconds,
+                "pauses": self.pauses, "paused_seconds": self.paused_seconds,
                 "dht_calls": dht_io.calls_summary()}
 
 
@@ -161,6 +165,15 @@ class HeldOut:
 
 def _finite_or_none(x: float | None) -> float | None:
     return float(x) if x is not None and math.isfinite(x) else None
+
+
+def current_rss_mib() -> int:
+    """This process's resident memory now, in MiB."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 2**20
+    except OSError:
+        return peak_rss_mib()
 
 
 def peak_rss_mib() -> int:

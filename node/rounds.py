@@ -185,6 +185,29 @@ class Rounds:
             future = self.syncer.submit_round(p, delta, snap.weight, snap.base_id)
             self.pending[p] = _Pending(future, snap.merge_at, snap.base_id[0], delta.float() if self.keep_stale else None)
 
+    def drain(self, timeout: float) -> int:
+        """Before a pause: start the rounds whose snapshots are on their way and merge every round in flight,
+        waiting up to ``timeout`` for them to land (not counted as blocked: the loop is about to stop anyway). A
+        round still out at the deadline stays pending and merges after the resume, if its replica is still ours.
+        Returns how many rounds ended."""
+        deadline = time.monotonic() + timeout
+        while self.snapshots and not all(s.theta.done() for s in self.snapshots.values()):
+            if time.monotonic() >= deadline or self.stop.wait(0.02):
+                break
+        for snap in self.snapshots.values():
+            snap.merge_at = min(snap.merge_at, self.replica.schedule_step)  # due now: the loop stops here
+        self._submit_snapshots()
+        while self.pending and not all(p.future.done() for p in self.pending.values()):
+            if time.monotonic() >= deadline or self.stop.wait(0.02):
+                break
+        ended = 0
+        for p, pending in list(self.pending.items()):
+            if pending.future.done():
+                del self.pending[p]
+                self._finish(p, pending)
+                ended += 1
+        return ended
+
     # ---- merging ----------------------------------------------------------------------------------------------
     def _merge_due(self) -> bool:
         last_merged = False

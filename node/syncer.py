@@ -206,6 +206,15 @@ class Syncer:
         """ddp: average this step's gradients with every live peer at ``version``; resolves to the mean or None."""
         return self._submit(self.rounds.gradient_allreduce(version, grads, weight))
 
+    def announce(self, timeout: float = LEAVE_TIMEOUT) -> None:
+        """Publish our progress record now, with the status the counters hold (a pause or a resume must not wait a
+        heartbeat: until the others read it they expect us in their rounds). Blocks up to ``timeout``; a failure is
+        logged, and the next heartbeat says it again."""
+        try:
+            self._submit(self.table.publish(timeout=timeout)).result(timeout + 1)
+        except Exception as e:  # noqa: BLE001 — the heartbeat publishes it anyway
+            logger.warning("could not publish our status %s at once: %r", self.ctx.counters.status.value, e)
+
     def take_adopted(self) -> list[ReplicaState]:
         """Fragments adopted since the last call (the learner must reload them into θ)."""
         return self.catch_up.take_adopted()

@@ -40,10 +40,12 @@ class Status(enum.StrEnum):
     JOINING = "joining"
     TRAINING = "training"
     LEAVING = "leaving"
+    PAUSED = "paused"  # lent back to its owner (node/pause.py): serves state, is expected in no round
     STOPPED = "stopped"  # only in a daemon's final summary, never published
 
 
-STATUSES = (Status.JOINING.value, Status.TRAINING.value, Status.LEAVING.value)
+STATUSES = (Status.JOINING.value, Status.TRAINING.value, Status.LEAVING.value, Status.PAUSED.value)
+DONORS = (Status.TRAINING, Status.PAUSED)  # who serves its replica to a joiner (a paused daemon still holds one)
 
 MAX_FRAGMENTS = 256
 MAX_ROUND_WEIGHT = 1e15  # a member's declared weight, in a registration or an averaging part
