@@ -1,5 +1,5 @@
-"""``atoll start``, ``atoll status``, ``atoll dashboard``, ``atoll token``, ``atoll token revoke`` (also
-``atoll revoke``) and ``atoll data prepare``.
+"""``atoll start``, ``atoll status``, ``atoll dashboard``, ``atoll pause``, ``atoll resume``, ``atoll token``,
+``atoll token revoke`` (also ``atoll revoke``) and ``atoll data prepare``.
 
 Bad configuration: one line on stderr, exit code 2, no traceback.
 """
@@ -283,6 +283,16 @@ def prepare_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _control_parser(sub: argparse._SubParsersAction) -> None:
+    for op, what in (("pause", "pause a daemon on this machine: it frees the accelerator and stays in the run"),
+                     ("resume", "resume a paused daemon on this machine: it catches up and trains again")):
+        p = sub.add_parser(op, help=what)
+        p.add_argument("--checkpoint-dir", metavar="DIR", help="the daemon's --checkpoint-dir (its control.sock)")
+        p.add_argument("--control-socket", metavar="PATH", help="the daemon's --control-socket, if it set one")
+        p.add_argument("--wait", type=float, default=600.0, metavar="SECONDS",
+                       help=f"seconds to wait until the daemon did {op} (default 600; 0: only ask)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="atoll", description="Decentralized pre-training with DiLoCo over a DHT.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -292,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     _token_parser(sub)
     _revoke_parser(sub)
     _data_parser(sub)
+    _control_parser(sub)
     return parser
 
 
@@ -318,6 +329,10 @@ def main(argv: list[str] | None = None) -> int:
             return revoke(args.run_key, args.run_id, list(args.initial_peers), args.token, args.peer_id)
         if args.command == "data":
             return prepare_data(args)
+        if args.command in ("pause", "resume"):
+            from .control import run_control, socket_path
+
+            return run_control(args.command, socket_path(args.control_socket, args.checkpoint_dir), args.wait)
         if args.command == "dashboard":
             from .dashboard import run_dashboard
 
