@@ -1,0 +1,129 @@
+"""Lending the machine on a real swarm: a daemon paused by its operator (``atoll pause``) for several rounds frees
+its model's memory and shows ``paused``; the others go on without waiting for it; resumed (``atoll resume``), it
+catches up by replaying the rounds it missed and contributes again, with replicas identical to the others'. Then a
+policy (``--pause-when file:PATH``) pauses and releases a daemon on its own, and ``--max-hours`` makes one leave
+cleanly."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from swarm import LocalSwarm
+from test_swarm import assert_replicas_agree, peer_id, wait_for
+
+pytestmark = pytest.mark.integration
+
+COMMON = ["--model", "nano", "--batch-size", "4", "--algorithm", "decoupled", "--sync-every", "40",
+          "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1", "--compression", "int4",
+          "--fault", "step_delay=0.03"]
+
+
+def events(d, kind):
+    return [m for m in d.metrics() if m.get("event") == kind]
+
+
+def last_step(d):
+    steps = [m["step"] for m in d.metrics() if "step" in m and "event" not in m]
+    return steps[-1] if steps else 0
+
+
+def atoll(*args, timeout=180):
+    return subprocess.run([sys.executable, "-m", "atoll.node.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def status_of(swarm, name):
+    out = atoll("status", "--initial-peers", *swarm.bootstrap, "--json", timeout=120)
+    assert out.returncode == 0, out.stderr
+    listed = {p["peer_id"]: p for p in json.loads(out.stdout)["peers"]}
+    return listed.get(peer_id(swarm.daemons[name]), {}).get("status")
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    s = LocalSwarm(tmp_path_factory.mktemp("pause"), COMMON)
+    try:
+        s.start("a", join=False)
+        s.start("b")
+        s.start("c", ["--pause-to", "checkpoint"])
+        yield s
+    finally:
+        s.stop_all(timeout=30)
+        for name, d in s.daemons.items():
+            print(f"----- {name} -----\n{d.log()[-4000:]}")
+
+
+def test_paused_daemon_frees_its_memory_while_the_others_go_on(swarm):
+    a, b, c = (swarm.daemons[n] for n in "abc")
+    me = peer_id(c)
+    wait_for(lambda: any(me in r["contributors"] and len(r["contributors"]) >= 2 for r in c.rounds()), 240,
+             "c to contribute to a shared round")
+    out = atoll("pause", "--checkpoint-dir", str(c.workdir))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.startswith("paused at step ") and "(operator)" in out.stdout, out.stdout
+    [paused] = events(c, "paused")
+    # Every byte of θ and AdamW's state left the trainee (to its checkpoint), and the checkpoint holds that step.
+    assert paused["held_bytes"] == 0 and paused["freed_bytes"] > 0, paused
+    assert paused["mode"] == "checkpoint" and paused["reasons"] == ["operator"]
+    assert max(m["step"] for m in events(c, "checkpoint")) == paused["step"]
+
+    # Several rounds go by without c: nobody waits for it, and it trains no step.
+    start = {n: len(swarm.daemons[n].rounds()) for n in "ab"}
+    steps = {n: last_step(swarm.daemons[n]) for n in "ab"}
+    assert status_of(swarm, "c") == "paused"
+    wait_for(lambda: all(len(swarm.daemons[n].rounds()) >= start[n] + 4 for n in "ab"), 240,
+             "a and b to merge 4 rounds each while c is paused")
+    for n in "ab":
+        d = swarm.daemons[n]
+        later = [r for r in d.rounds()[start[n]:] if r["time"] > paused["time"] + 3]  # once our status was read
+        assert later and all(me not in r["members"] for r in later), (n, later)
+        assert last_step(d) >= steps[n] + 40
+    assert last_step(c) <= paused["step"]
+    assert not events(c, "resumed")
+
+
+def test_resumed_daemon_catches_up_by_replay_and_contributes_again(swarm):
+    c = swarm.daemons["c"]
+    me = peer_id(c)
+    before_rounds = len(c.rounds())
+    out = atoll("resume", "--checkpoint-dir", str(c.workdir))
+    assert out.returncode == 0 and out.stdout.startswith("training at step "), out.stdout + out.stderr
+    [resumed] = events(c, "resumed")
+    # The rounds c missed are in its peers' logs: it replays them instead of downloading Θ_p.
+    adopted = wait_for(lambda: [m for m in events(c, "adopted") if m["time"] >= resumed["time"] - 5], 60,
+                       "c to adopt the fragments it missed")
+    assert any(m["replayed"] >= 1 for m in adopted), adopted
+    wait_for(lambda: any(me in r["contributors"] and len(r["contributors"]) >= 2 for r in c.rounds()[before_rounds:]),
+             240, "c to contribute to a shared round again")
+    assert resumed["paused_seconds"] > 0
+    wait_for(lambda: status_of(swarm, "c") == "training", 60, "atoll status to show c training")
+    assert_replicas_agree(swarm, "abc")
+
+
+def test_a_file_policy_pauses_and_releases_and_max_hours_leaves(swarm):
+    flag = swarm.root / "wanted"
+    d = swarm.start("d", ["--pause-when", f"file:{flag}", "--resume-after", "1", "--max-hours", "0.05"])
+    me = peer_id(d)
+    wait_for(lambda: last_step(d) >= 20, 120, "d to train")
+    flag.touch()
+    wait_for(lambda: events(d, "paused"), 60, "d to pause while the file exists")
+    [paused] = events(d, "paused")
+    assert paused["mode"] == "host" and paused["reasons"] == [f"file:{flag}"], paused
+    flag.unlink()
+    wait_for(lambda: events(d, "resumed"), 60, "d to resume once the file is gone")
+    before = len(d.rounds())
+    wait_for(lambda: any(me in r["contributors"] for r in d.rounds()[before:]), 120, "d to contribute again")
+    # --max-hours 0.05: 3 minutes after its start it leaves, as a SIGTERM would make it: checkpoint, exit 0.
+    assert d.proc.wait(240) == 0, d.log()[-3000:]
+    assert "contributed for the time given" in d.log()
+    [summary] = events(d, "summary")
+    assert summary["pauses"] == 1 and summary["paused_seconds"] > 0
+    assert "Traceback" not in d.log()
+
+
+def test_no_daemon_crashed(swarm):
+    codes = swarm.stop_all(timeout=60)
+    assert all(code == 0 for code in codes.values()), codes
+    for name, d in swarm.daemons.items():
+        assert "Traceback" not in d.log(), name
