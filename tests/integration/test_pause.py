@@ -10,7 +10,7 @@ import sys
 
 import pytest
 from swarm import LocalSwarm
-from test_swarm import assert_replicas_agree, peer_id, wait_for
+from test_swarm import assert_replicas_agree, peer_id, resumes_and_merges_again, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -99,6 +99,22 @@ def test_resumed_daemon_catches_up_by_replay_and_contributes_again(swarm):
     assert resumed["paused_seconds"] > 0
     wait_for(lambda: status_of(swarm, "c") == "training", 60, "atoll status to show c training")
     assert_replicas_agree(swarm, "abc")
+
+
+def test_stopped_while_paused_it_leaves_with_its_state_and_resumes_from_it(swarm):
+    """SIGTERM to a paused daemon (its θ in the checkpoint): it takes θ back, writes its last checkpoint at the
+    paused step, exits 0; started again, it resumes from that step and merges with the others."""
+    c = swarm.daemons["c"]
+    out = atoll("pause", "--checkpoint-dir", str(c.workdir))
+    assert out.returncode == 0, out.stdout + out.stderr
+    step = events(c, "paused")[-1]["step"]
+    assert swarm.stop("c") == 0, c.log()[-3000:]
+    last = events(c, "checkpoint")[-1]
+    assert last["step"] == step, last
+    [summary] = events(c, "summary")
+    assert summary["pauses"] == 2
+    assert not (c.workdir / "control.sock").exists()
+    resumes_and_merges_again(swarm, "c", step)
 
 
 def test_a_file_policy_pauses_and_releases_and_max_hours_leaves(swarm):

@@ -125,18 +125,22 @@ def test_host_load_sees_a_real_busy_process():
     assert released or not idle, f"others used {policy.last_cores:.2f} cores once the spinner ended"
 
 
-def test_our_own_children_do_not_count_as_busy():
-    """A spinning child of this process is part of our tree: it does not make the host busy."""
+def test_our_own_children_count_as_ours():
+    """A spinning child of this process (as the DHT process and p2pd are the daemon's) is in our tree: its CPU
+    time is subtracted from the host's, not counted as another's."""
     policy = HostLoad(cores=0.5, pid=os.getpid())
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(0.5)
         policy.holds()
+        first = policy._last[2].get(spinner.pid)
         time.sleep(1.0)
-        assert not policy.holds(), policy.last_cores
+        policy.holds()
+        second = policy._last[2].get(spinner.pid)
     finally:
         spinner.kill()
         spinner.wait()
+    assert first is not None and second is not None and second - first >= 0.5 * policy.ticks_per_s, (first, second)
 
 
 def test_gpu_busy_by_nvml_sees_processes_outside_our_tree():
@@ -283,3 +287,91 @@ def test_release_frees_every_tensor_and_reclaim_restores_them_exactly(keep):
     twin = trained_learner()
     assert learner.train_step() == twin.train_step()
     assert all(torch.equal(a, b) for a, b in zip(learner.params, twin.params))
+
+
+# ---- the token weights and lost work across a pause ------------------------------------------------------------
+class FakeSyncer:
+    """What ``Rounds`` asks of the syncer: adoptions queued by the test, rounds recorded (and failed)."""
+
+    def __init__(self) -> None:
+        from atoll.protocols.stats import TrafficStats
+
+        self.adopted, self.submitted, self.stats = [], [], TrafficStats()
+
+    def take_candidates(self):
+        return []
+
+    def take_adopted(self):
+        out, self.adopted = self.adopted, []
+        return out
+
+    def take_open_rounds(self):
+        return set()
+
+    def submit_round(self, p, delta, weight, base):
+        import concurrent.futures
+
+        from atoll.node.round_protocol import Outcome, RoundOutcome
+
+        self.submitted.append((p, weight, base))
+        done = concurrent.futures.Future()
+        done.set_result(RoundOutcome(Outcome.FAILED, base[0]))
+        return done
+
+
+def test_across_a_pause_unmerged_work_is_lost_where_the_swarm_moved_and_fresh_work_alone_is_weighed():
+    """Trained k steps, paused, resumed: the fragment the swarm moved past during the pause is adopted and its
+    unmerged k steps are counted lost (not contributed against a base they were not trained from); the next
+    contribution of that fragment weighs only the m steps since. A fragment the swarm did not move keeps its
+    k steps: its base is still the run's, so they are fresh."""
+    import threading
+
+    from atoll.models.fragments import make_fragments
+    from atoll.models.outer import tensor_hash
+    from atoll.node.algorithm import algorithm
+    from atoll.node.local_state import LocalFragmentState
+    from atoll.node.metrics import Counters, HeldOut, MetricsLog
+    from atoll.node.replica import Replica
+    from atoll.node.rounds import Rounds
+    from atoll.protocols.state_sync import ReplicaState
+
+    learner = trained_learner()
+    cfg = NodeConfig(run=RunConfig(model="nano", sync_every=40, fragments=2))
+    algo = algorithm("decoupled")
+    fragments = make_fragments(learner.params, 2, 40)
+    replica = Replica([learner.gather(f) for f in fragments])
+    local = [LocalFragmentState(learner.gather(f), (replica.identity(p)[0], replica.identity(p)[2]))
+             for p, f in enumerate(fragments)]
+    counters, syncer = Counters(), FakeSyncer()
+    rounds = Rounds(cfg, algo, learner, fragments, replica, local, syncer, counters, MetricsLog(None),
+                    HeldOut(1.0, counters), threading.Event())
+
+    def train(steps):
+        for _ in range(steps):
+            learner.train_step()
+            for state in local:
+                state.add_step(learner.tokens_per_step)
+
+    k, m, tokens = 7, 25, learner.tokens_per_step
+    train(k)
+    assert rounds.drain(1.0) == 0
+    kept = learner.release()
+    # Meanwhile the swarm merged three rounds of fragment 0; the catch-up at resume adopts them.
+    params = replica.params_and_id(0)[0] + 0.01
+    momentum = torch.zeros_like(params)
+    digest = tensor_hash(params, momentum)
+    state = ReplicaState(3, 3.0, digest, params, momentum, 0, donor="peer", fragment=0, ancestors=(digest,),
+                         donors=("peer",))
+    assert replica.adopt(state)
+    learner.reclaim(kept)
+    syncer.adopted.append(state)
+    rounds.before_step()
+    assert counters.tokens_lost == k * tokens // 2  # fragment 0's half of the k steps
+    assert torch.equal(learner.gather(fragments[0]), params)  # θ_0 is the swarm's
+    train(m)
+    for p in (0, 1):
+        rounds._start(p, own_schedule=True)
+    weights = {p: w for p, w, _ in syncer.submitted}
+    assert weights[0] == algo.weight(m * tokens, m)
+    assert weights[1] == algo.weight((k + m) * tokens, k + m)
+    assert syncer.submitted[0][2] == (3, digest)  # taken against the adopted replica
