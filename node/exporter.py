@@ -67,6 +67,9 @@ class DaemonCollector(Collector):
                        c.tokens_lost)
         yield _counter("atoll_forks_healed", "forks of the replica this daemon healed by adopting a heavier one",
                        c.forks_healed)
+        yield _counter("atoll_paused_seconds", "seconds paused, the machine lent back (atoll pause, --pause-when)",
+                       c.paused_seconds)
+        yield _counter("atoll_pauses", "times this daemon paused", c.pauses)
         yield _counter("atoll_rejoins", "times the DHT was bootstrapped again after a while with no live peer",
                        c.rejoins)
         rounds = CounterMetricFamily("atoll_rounds", "outer rounds by fragment and result: merged, behind (a heavier "

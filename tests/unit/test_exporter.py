@@ -54,7 +54,7 @@ def test_round_ended_counts_by_fragment_and_result_and_times_the_merged_ones():
 def test_a_scrape_shows_what_the_daemon_counts():
     c = Counters(device="cpu", algorithm="decoupled", status=Status.TRAINING, step=120, tokens=61_440,
                  tokens_per_s=2048.5, loss=2.5, held_out_loss=2.75, held_out_step=100, tokens_lost=512,
-                 train_seconds=30.25, blocked_seconds=0.5, forks_healed=2, rejoins=1)
+                 train_seconds=30.25, blocked_seconds=0.5, forks_healed=2, rejoins=1, paused_seconds=12.5, pauses=2)
     c.round_ended(0, "merged", 0.7)
     c.round_ended(0, "merged", 3.0)
     c.round_ended(1, "failed")
@@ -72,6 +72,8 @@ def test_a_scrape_shows_what_the_daemon_counts():
     assert value(s, "atoll_train_seconds_total") == 30.25 and value(s, "atoll_blocked_seconds_total") == 0.5
     assert value(s, "atoll_tokens_lost_total") == 512 and value(s, "atoll_forks_healed_total") == 2
     assert value(s, "atoll_rejoins_total") == 1
+    assert value(s, "atoll_paused_seconds_total") == 12.5 and value(s, "atoll_pauses_total") == 2
+    assert value(s, "atoll_status", status="paused") == 0
     # Every fragment and result from the first scrape, zeros included.
     for p in (0, 1):
         for result in ROUND_RESULTS:
