@@ -39,7 +39,7 @@ from collections import Counter
 
 import torch
 
-from atoll.protocols.records import DONORS, ProgressRecord, Status, heavier
+from atoll.protocols.records import ProgressRecord, Status, heavier
 from atoll.protocols.state_sync import DonorRefused, Replay, ReplicaState, download_state, p2p_opener
 
 from .context import SyncContext
@@ -284,7 +284,7 @@ class CatchUp:
         """Joining: download every fragment's heaviest replica among live peers. Returns the fragments adopted, in
         order, stopping at the first that could not be downloaded."""
         await self.peers.publish()  # donors of a private run serve members only: be one of their peers first
-        peers = [peer for peer in (await self.peers.refresh()).values() if peer.status in DONORS]
+        peers = donors(await self.peers.refresh())
         if not peers:
             return []
         out = []
@@ -300,13 +300,22 @@ class CatchUp:
         adopted fragments are queued for the learner."""
         replica = self.ctx.replica
         await self.peers.publish()  # as a joiner does: donors of a private run serve the peers they know
-        peers = [peer for peer in (await self.peers.refresh()).values() if peer.status in DONORS]
+        peers = donors(await self.peers.refresh())
         vouchers = self.ctx.cfg.state_vouchers
         behind = [p for p in range(replica.num_fragments)
                   if any(heavier(peer.fragment(p), replica.identity(p)) for peer in vouched(p, peers, vouchers))]
         states = [s for s in await self._download_fragments(behind, peers) if s is not None]
         self._queue(states)
         return states
+
+
+def donors(peers: dict[str, ProgressRecord]) -> list[ProgressRecord]:
+    """Whom a joiner (or a daemon back from a checkpoint or a pause) downloads the run's state from: the training
+    peers; when none trains, the paused ones, which still hold it and serve it. Never both: a paused peer's replica
+    is as old as its pause, and counting it among the vouchers would leave a training peer's newer replica
+    unvouched."""
+    training = [peer for peer in peers.values() if peer.status == Status.TRAINING]
+    return training or [peer for peer in peers.values() if peer.status == Status.PAUSED]
 
 
 def vouched(p: int, peers: list[ProgressRecord], vouchers: int) -> list[ProgressRecord]:

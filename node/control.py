@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import struct
 import threading
 import time
@@ -43,11 +44,17 @@ class ControlServer:
         check_path(path)
         self.path, self.state, self.extra = path, state, extra or (lambda: {})
         self.refusal: str | None = None  # why this daemon cannot pause, if it cannot
-        if os.path.exists(path):
+        if os.path.lexists(path):
+            if not stat.S_ISSOCK(os.lstat(path).st_mode):
+                raise ConfigError(f"control_socket: {path} exists and is not a socket; give another "
+                                  "--control-socket")
             if _answers(path):
                 raise ConfigError(f"control_socket: another daemon listens on {path}; give each daemon its own "
                                   "--checkpoint-dir or --control-socket")
-            os.unlink(path)  # left by a daemon that crashed
+            try:
+                os.unlink(path)  # left by a daemon that crashed
+            except OSError as e:
+                raise ConfigError(f"control_socket: cannot replace the stale {path}: {e.strerror}") from None
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)  # the socket is created owner-only: no moment at which another user may connect
         try:
@@ -74,8 +81,8 @@ class ControlServer:
                 try:
                     conn.settimeout(2.0)
                     self._answer(conn)
-                except (OSError, ValueError) as e:
-                    logger.warning("control socket: a bad request (%s)", e)
+                except Exception as e:  # noqa: BLE001 — no request may end the socket's thread
+                    logger.warning("control socket: a bad request (%s)", type(e).__name__)
 
     def _answer(self, conn: socket.socket) -> None:
         uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[2]

@@ -34,7 +34,7 @@ from atoll.models.data import BYTES, Corpus, load_corpus, load_held_out, shard_f
 from atoll.models.registry import ModelError, build_model, model_digest
 
 from .config import OWN_MODEL, ConfigError, NodeConfig, RunConfig
-from .control import ControlServer
+from .control import ControlServer, check_path
 from .device import Device, resolve_device
 from .faults import Faults
 from .island import Island
@@ -44,6 +44,7 @@ from .pause import Mode, PauseState, PolicyError, deadline_of, policies_of
 from .ranks import IslandSync, Ranks, init_island, leave_island
 
 logger = logging.getLogger("atoll")
+RETRY_RESUME = 30.0  # seconds between attempts to take the device back when its memory is taken
 
 
 class Daemon:
@@ -74,9 +75,10 @@ class Daemon:
             with contextlib.ExitStack() as leaving:
                 leaving.callback(self._release_followers)  # after the island left: its close needs them too
                 leaving.callback(self.lending.close)
-                if self.cfg.control_path and ranks.world == 1:  # bound first: a taken socket fails before joining
-                    self.control = ControlServer(self.cfg.control_path, self.lending, self._describe_pause)
-                    leaving.callback(self.control.stop)
+                if ranks.world == 1:  # bound first: a taken socket fails before joining
+                    self.control = self._control_server()
+                    if self.control is not None:
+                        leaving.callback(self.control.stop)
                 leaving.enter_context(island)
                 self._check_pausable()
                 try:
@@ -110,6 +112,20 @@ class Daemon:
             raise ConfigError(f"until: {e}") from None
         return PauseState(policies, resume_after=cfg.resume_after, deadline=deadline)
 
+    def _control_server(self) -> ControlServer | None:
+        """The control socket: the one ``--control-socket`` names (its errors are the user's to fix), else the
+        checkpoint dir's, skipped with a warning where that path cannot be a socket's (too long)."""
+        path = self.cfg.control_path
+        if path is None:
+            return None
+        if self.cfg.control_socket is None:
+            try:
+                check_path(path)
+            except ConfigError as e:
+                logger.warning("no control socket (atoll pause cannot reach this daemon): %s", e)
+                return None
+        return ControlServer(path, self.lending, self._describe_pause)
+
     def _check_pausable(self) -> None:
         if self.island.ddp is None:
             return
@@ -126,24 +142,35 @@ class Daemon:
     def _pausable(self) -> bool:
         return self.island.ddp is None and self.sync is None and self.sharded is None
 
-    def _pause(self, reasons: list[str]) -> None:
+    def _pause(self, reasons: list[str]) -> bool:
         """Paused until no reason holds, or until the daemon must leave (then θ comes back for the last
-        checkpoint, without a catch-up)."""
+        checkpoint, without a catch-up). False when θ could not come back to leave with."""
         island, lending = self.island, self.lending
         island.pause(reasons, Mode(self.cfg.pause_to))
         lending.paused = True
         try:
-            while not self.stop.is_set() and not lending.expired():
-                now = lending.reasons()
+            while True:
+                leaving = self.stop.is_set() or lending.expired()
+                now = [] if leaving else lending.reasons()
                 if not now:
-                    break
+                    try:
+                        island.resume(leaving)
+                        return True
+                    except RuntimeError as e:  # out of memory: another job holds the device
+                        if leaving:
+                            logger.error("could not take the model back to leave with (%s); leaving without a "
+                                         "last checkpoint (the previous one stays)", _first_line(e))
+                            return False
+                        logger.warning("could not take the device back (%s); staying paused, trying again in "
+                                       "%.0f s", _first_line(e), RETRY_RESUME)
+                        self.stop.wait(RETRY_RESUME)
+                        continue
                 if now != reasons:
                     logger.info("still paused: %s", ", ".join(now))
                     reasons = now
                 lending.changed.wait(1.0)
                 lending.changed.clear()
         finally:
-            island.resume(catch_up=not (self.stop.is_set() or lending.expired()))
             lending.paused = False
 
     def _build_learner(self, cfg: NodeConfig, peer_id: str) -> Learner:
@@ -294,7 +321,8 @@ class Daemon:
             if not done and pausable:
                 reasons = lending.reasons()
                 if reasons:
-                    self._pause(reasons)
+                    if not self._pause(reasons):
+                        break
                     continue
             if sync is not None:
                 sync.boundary(done)

@@ -422,9 +422,12 @@ class Island:
         checkpoint (``mode``). ``resume`` undoes it."""
         trainee, counters = self.trainee, self.counters
         began = time.monotonic()
-        self.rounds.drain(timeout=2 * self.cfg.run.round_timeout + 2 * self.cfg.heartbeat)
-        counters.status = Status.PAUSED
-        self.syncer.announce()
+
+        def paused() -> None:
+            counters.status, counters.tokens_per_s = Status.PAUSED, 0.0
+            self.syncer.announce()
+
+        self.rounds.drain(2 * self.cfg.run.round_timeout + 2 * self.cfg.heartbeat, paused)
         held, rss = trainee.held_bytes(), current_rss_mib()
         if mode is Mode.CHECKPOINT:
             failures = self.checkpointer.failures
@@ -449,25 +452,28 @@ class Island:
     def paused(self) -> _Paused | None:
         return self._paused
 
-    def resume(self, catch_up: bool = True) -> None:
-        """Back from ``pause``: θ and the optimizer's state onto the device, ``training`` again, then (``catch_up``)
-        the replicas the swarm merged meanwhile, by replaying its rounds where the donors still hold them; the next
-        ``before_step`` loads them into θ, and the work we had not merged is kept or counted lost as at any
-        adoption (``Rounds``)."""
+    def resume(self, leaving: bool = False) -> None:
+        """Back from ``pause``: θ and the optimizer's state onto the device, ``training`` again, then the replicas the
+        swarm merged meanwhile, by replaying its rounds where the donors still hold them; the next ``before_step``
+        loads them into θ, and the work we had not merged is kept or counted lost as at any adoption (``Rounds``).
+        ``leaving``: θ back only, for the last checkpoint. If the device cannot take θ back (another job holds its
+        memory), the error is raised and the island stays paused."""
         paused, trainee, counters = self._paused, self.trainee, self.counters
         assert paused is not None
         began = time.monotonic()
-        if paused.kept is not None:
-            trainee.reclaim(paused.kept)
-        else:
-            trainee.reclaim(self._paused_checkpoint(paused.step))
+        trainee.reclaim(paused.kept if paused.kept is not None else self._paused_checkpoint(paused.step))
         self._paused = None
-        counters.status = Status.TRAINING
         counters.paused_seconds += began - paused.since
+        if leaving:
+            return
+        counters.status = Status.TRAINING
         self.syncer.announce()
         self.syncer.take_open_rounds()  # opened while we were away: our own schedule follows the catch-up
-        if catch_up:
+        try:
             self._catch_up()
+        except TimeoutError:
+            logger.warning("the catch-up after the pause did not finish in time; training on, the background "
+                           "catch-up takes the replicas we are behind on")
         self._window_start, self._window_tokens = time.monotonic(), 0
         logger.info("resumed at step %d after %.0f s paused; ready to train in %.1f s", trainee.step,
                     began - paused.since, time.monotonic() - began)

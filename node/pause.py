@@ -70,7 +70,7 @@ class FilePresent(Policy):
         self.name = f"file:{path}"
 
     def holds(self) -> bool:
-        return self.path.exists()
+        return os.path.exists(self.path)  # False too for a path we may not look at
 
 
 def parse_window(text: str) -> tuple[dt.time, dt.time]:
@@ -180,24 +180,54 @@ class HostLoad(Policy):
 
 
 class GpuBusy(Policy):
-    """Holds while a compute process that is not in this daemon's tree runs on GPU ``index`` (NVML)."""
+    """Holds while a compute process that is not in this daemon's tree runs on our GPU (NVML; ``handle`` found by
+    the device's UUID, so ``CUDA_VISIBLE_DEVICES`` is respected).
 
-    def __init__(self, nvml: Any, index: int, pid: int | None = None,
-                 read_processes: Callable[[], dict[int, tuple[int, int]]] = _read_processes) -> None:
-        self.nvml, self.pid, self.read_processes = nvml, pid if pid is not None else os.getpid(), read_processes
-        self.handle = nvml.nvmlDeviceGetHandleByIndex(index)
-        self.name = f"busy (another process on cuda:{index})"
+    In a container with its own pid namespace NVML reports the host's pids, and none of them is ours. The daemon
+    holds a CUDA context on its GPU whenever it samples (training, or paused: the context stays), so when the
+    first sample lists processes and none of ours, pids cannot be matched: from then on any process beyond the one
+    context that is ours counts as another's. An NVML error is logged once and reads as not busy."""
+
+    def __init__(self, nvml: Any, handle: Any, pid: int | None = None,
+                 read_processes: Callable[[], dict[int, tuple[int, int]]] = _read_processes,
+                 log: Callable[[str], None] = lambda _: None) -> None:
+        self.nvml, self.handle, self.pid = nvml, handle, pid if pid is not None else os.getpid()
+        self.read_processes, self.log = read_processes, log
+        self.name = "busy (another process on this GPU)"
+        self.unmapped: bool | None = None  # whether NVML's pids are another namespace's (decided at first sight)
+        self._failed = False
 
     def holds(self) -> bool:
+        try:
+            running = [proc.pid for proc in self.nvml.nvmlDeviceGetComputeRunningProcesses(self.handle)]
+        except Exception as e:  # noqa: BLE001 — a failing driver must not stop training
+            if not self._failed:
+                self.log(f"pause-when busy: NVML failed ({type(e).__name__}: {e}); not pausing for it")
+                self._failed = True
+            return False
         ours = tree_of(self.pid, self.read_processes())
-        running = self.nvml.nvmlDeviceGetComputeRunningProcesses(self.handle)
-        return any(proc.pid not in ours for proc in running)
+        if self.unmapped is None and running:
+            self.unmapped = not any(pid in ours for pid in running)
+            if self.unmapped:
+                self.log("pause-when busy: NVML lists no process of ours (another pid namespace): counting "
+                         "processes on the GPU beyond our own one instead")
+        if self.unmapped:
+            return len(running) > 1
+        return any(pid not in ours for pid in running)
 
     def close(self) -> None:
         try:
             self.nvml.nvmlShutdown()
         except Exception:  # noqa: BLE001 — a failing NVML must not fail the daemon's exit
             pass
+
+
+def _nvml_handle(nvml: Any, device_index: int) -> Any:
+    """Our GPU's NVML handle, by the UUID torch sees (NVML numbers GPUs without ``CUDA_VISIBLE_DEVICES``)."""
+    import torch
+
+    uuid = str(torch.cuda.get_device_properties(device_index).uuid)
+    return nvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
 
 
 def busy_policy(spec: str, device_kind: str, device_index: int | None, log: Callable[[str], None]) -> Policy:
@@ -210,7 +240,7 @@ def busy_policy(spec: str, device_kind: str, device_index: int | None, log: Call
             import pynvml  # nvidia-ml-py: not a dependency of atoll
 
             pynvml.nvmlInit()
-            return GpuBusy(pynvml, device_index or 0)
+            return GpuBusy(pynvml, _nvml_handle(pynvml, device_index or 0), log=log)
         except Exception as e:  # noqa: BLE001 — missing package, no driver: fall back to the host
             log(f"pause-when busy: NVML is not available ({type(e).__name__}); watching the host's load instead")
     return HostLoad(cores)

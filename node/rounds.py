@@ -17,6 +17,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -185,18 +186,17 @@ class Rounds:
             future = self.syncer.submit_round(p, delta, snap.weight, snap.base_id)
             self.pending[p] = _Pending(future, snap.merge_at, snap.base_id[0], delta.float() if self.keep_stale else None)
 
-    def drain(self, timeout: float) -> int:
-        """Before a pause: start the rounds whose snapshots are on their way and merge every round in flight,
-        waiting up to ``timeout`` for them to land (not counted as blocked: the loop is about to stop anyway). A
-        round still out at the deadline stays pending and merges after the resume, if its replica is still ours.
-        Returns how many rounds ended."""
+    def drain(self, timeout: float, paused: Callable[[], None] = lambda: None) -> int:
+        """Before a pause: start the rounds whose snapshots are on their way, call ``paused`` (the island says so
+        to its peers: no new round expects it), and merge every round in flight, waiting up to ``timeout`` for them
+        to land (not counted as blocked: the loop is about to stop anyway). A round still out at the deadline stays
+        pending and merges after the resume. Returns how many rounds ended."""
         deadline = time.monotonic() + timeout
         while self.snapshots and not all(s.theta.done() for s in self.snapshots.values()):
             if time.monotonic() >= deadline or self.stop.wait(0.02):
                 break
-        for snap in self.snapshots.values():
-            snap.merge_at = min(snap.merge_at, self.replica.schedule_step)  # due now: the loop stops here
         self._submit_snapshots()
+        paused()
         while self.pending and not all(p.future.done() for p in self.pending.values()):
             if time.monotonic() >= deadline or self.stop.wait(0.02):
                 break
@@ -256,8 +256,9 @@ class Rounds:
         fragment = self.fragments[p]
         merged, base_id = self.replica.params_and_id(p)
         # Overwriting θ_p drops the steps trained on it since the snapshot (the paper's α = 0 choice): τ, or more
-        # when the round landed late (a grace window that waited for a joiner).
-        since = max(run.overlap_steps, self.replica.schedule_step - (pending.merge_at - run.overlap_steps))
+        # when the round landed late (a grace window that waited for a joiner), or fewer when a pause merged it
+        # early (``drain``).
+        since = self.replica.schedule_step - (pending.merge_at - run.overlap_steps)
         counters.tokens_lost += since * learner.tokens_per_step // len(self.fragments)
         tokens, steps = self.local[p].tokens, self.local[p].steps
         self.local[p].restart(merged, base_id)

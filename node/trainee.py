@@ -154,11 +154,24 @@ class Trainee:
         return state
 
     def reclaim(self, state: dict[str, torch.Tensor]) -> None:
-        """Put back what ``release`` freed, from ``state`` (``state_tensors``' names: its copy or a checkpoint's)."""
-        with torch.no_grad():
-            for p, shape in zip(self.params, self._shapes):
-                p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
-        self.load_state_tensors(state)
+        """Put back what ``release`` freed, from ``state`` (``state_tensors``' names: its copy or a checkpoint's).
+        If the device cannot hold it again (another job took the memory), the trainee is left released as before
+        and the error raised: the caller may try again later."""
+        try:
+            with torch.no_grad():
+                for p, shape in zip(self.params, self._shapes):
+                    p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
+            if self.device.spmd is not None:  # a new tensor is replicated: shard it as θ was, before it fills
+                self.device.spmd.shard_params(self.params)
+            self.load_state_tensors(state)
+        except Exception:
+            with torch.no_grad():
+                for p in self.params:
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self.optimizer.state.clear()
+            if self.device.kind == "cuda":
+                torch.cuda.empty_cache()
+            raise
 
 
 class LoopTrainee(Trainee):

@@ -45,7 +45,6 @@ class Status(enum.StrEnum):
 
 
 STATUSES = (Status.JOINING.value, Status.TRAINING.value, Status.LEAVING.value, Status.PAUSED.value)
-DONORS = (Status.TRAINING, Status.PAUSED)  # who serves its replica to a joiner (a paused daemon still holds one)
 
 MAX_FRAGMENTS = 256
 MAX_ROUND_WEIGHT = 1e15  # a member's declared weight, in a registration or an averaging part

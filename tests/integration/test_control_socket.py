@@ -115,3 +115,23 @@ def test_a_refusing_daemon_says_why(daemon, capsys):
     assert main(["pause", "--control-socket", server.path]) == 2
     assert "ddp run cannot pause" in capsys.readouterr().err
     assert not state.operator
+
+
+def test_a_file_in_the_way_is_refused_and_kept(tmp_path):
+    path = tmp_path / "control.sock"
+    path.write_text("not a socket")
+    with pytest.raises(ConfigError, match="is not a socket"):
+        ControlServer(str(path), PauseState([]))
+    assert path.read_text() == "not a socket"
+
+
+def test_a_hostile_request_does_not_end_the_socket(daemon):
+    import socket
+
+    server, state = daemon
+    for junk in (b"[" * 1000 + b"\n", b"\xff\xfe\n", b'{"op": 3}\n', b"\n"):
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(server.path)
+            s.sendall(junk)
+            s.recv(1024)
+    assert ask(server.path, "pause")["operator"] is True

@@ -144,16 +144,37 @@ def test_our_own_children_count_as_ours():
 
 
 def test_gpu_busy_by_nvml_sees_processes_outside_our_tree():
-    running = []
-    nvml = SimpleNamespace(nvmlDeviceGetHandleByIndex=lambda i: f"gpu{i}",
-                           nvmlDeviceGetComputeRunningProcesses=lambda h: list(running), nvmlShutdown=lambda: None)
+    running = [SimpleNamespace(pid=100)]  # our own context
+    nvml = SimpleNamespace(nvmlDeviceGetComputeRunningProcesses=lambda h: list(running), nvmlShutdown=lambda: None)
     procs = {100: (1, 0), 101: (100, 0), 300: (1, 0)}
-    policy = GpuBusy(nvml, 0, pid=100, read_processes=lambda: procs)
-    assert not policy.holds()
+    policy = GpuBusy(nvml, "gpu0", pid=100, read_processes=lambda: procs)
+    assert not policy.holds() and policy.unmapped is False
     running.append(SimpleNamespace(pid=101))  # our own DHT child, say
     assert not policy.holds()
     running.append(SimpleNamespace(pid=300))
     assert policy.holds()
+    running[:] = running[:2]
+    assert not policy.holds()
+
+
+def test_gpu_busy_in_another_pid_namespace_counts_contexts_beyond_ours():
+    running = [SimpleNamespace(pid=7001)]  # the host's pid of our own context: not one we know
+    nvml = SimpleNamespace(nvmlDeviceGetComputeRunningProcesses=lambda h: list(running), nvmlShutdown=lambda: None)
+    said = []
+    policy = GpuBusy(nvml, "gpu0", pid=100, read_processes=lambda: {100: (1, 0)}, log=said.append)
+    assert not policy.holds() and policy.unmapped and said
+    running.append(SimpleNamespace(pid=7002))
+    assert policy.holds()
+
+
+def test_a_failing_nvml_reads_as_not_busy_and_says_so_once():
+    def fail(_handle):
+        raise RuntimeError("driver gone")
+
+    said = []
+    policy = GpuBusy(SimpleNamespace(nvmlDeviceGetComputeRunningProcesses=fail), "gpu0", pid=1, log=said.append)
+    assert not policy.holds() and not policy.holds()
+    assert len(said) == 1 and "driver gone" in said[0]
 
 
 @pytest.mark.parametrize("spec,ok", [("busy", True), ("busy:0.5", True), ("file:/tmp/x", True), ("busy:x", False),
@@ -375,3 +396,27 @@ def test_across_a_pause_unmerged_work_is_lost_where_the_swarm_moved_and_fresh_wo
     assert weights[0] == algo.weight(m * tokens, m)
     assert weights[1] == algo.weight((k + m) * tokens, k + m)
     assert syncer.submitted[0][2] == (3, digest)  # taken against the adopted replica
+
+
+def test_a_failed_reclaim_leaves_the_trainee_released_to_try_again():
+    learner = trained_learner()
+    before = {k: v.clone() for k, v in learner.state_tensors().items()}
+    kept = learner.release()
+    with pytest.raises(KeyError):
+        learner.reclaim({})  # stands in for a device that cannot hold θ again
+    assert learner.held_bytes() == 0
+    learner.reclaim(kept)
+    assert all(torch.equal(before[k], v) for k, v in learner.state_tensors().items())
+
+
+def test_donors_are_the_training_peers_else_the_paused_ones():
+    from atoll.node.catchup import donors
+    from atoll.protocols.records import Status
+
+    def peer(name, status):
+        return SimpleNamespace(peer_id=name, status=status)
+
+    mixed = {"a": peer("a", Status.TRAINING), "b": peer("b", Status.PAUSED), "c": peer("c", Status.JOINING)}
+    assert [p.peer_id for p in donors(mixed)] == ["a"]
+    asleep = {"b": peer("b", Status.PAUSED), "c": peer("c", Status.LEAVING)}
+    assert [p.peer_id for p in donors(asleep)] == ["b"]
