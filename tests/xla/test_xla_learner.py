@@ -200,3 +200,21 @@ def test_checkpoint_state_moves_between_devices(corpus, xla, direction):
     for _ in range(3):
         assert dst.train_step() == pytest.approx(src.train_step(), abs=1e-4)
     assert (dst.flat_params() - src.flat_params()).abs().max() < 1e-4
+
+
+def test_a_paused_learner_frees_the_device_and_trains_on_as_its_twin(corpus, xla):
+    """``release`` (a pause) empties θ and the AdamW state on the device; ``reclaim`` puts them back exactly, and
+    the next steps are the twin's that never paused."""
+    paused, twin = xla_learner(corpus, xla), xla_learner(corpus, xla)
+    for _ in range(3):
+        paused.train_step()
+        twin.train_step()
+    before = {k: v.clone() for k, v in paused.state_tensors().items()}
+    kept = paused.release()
+    assert paused.held_bytes() == 0
+    paused.reclaim(kept)
+    after = paused.state_tensors()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    for _ in range(2):
+        assert paused.train_step() == pytest.approx(twin.train_step(), abs=1e-6)
+    assert torch.equal(gather(paused, range(len(paused.params))), gather(twin, range(len(twin.params))))
