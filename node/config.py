@@ -25,6 +25,7 @@ from atoll.protocols.codecs import CODECS
 
 from .algorithm import AlgorithmName, algorithm
 from .faults import parse_faults
+from .pause import Mode, PolicyError, check_spec, deadline_of, parse_window
 
 ALGORITHMS = tuple(name.value for name in AlgorithmName)
 DEVICES = ("auto", "cpu", "cuda", "xla")
@@ -242,7 +243,7 @@ class NodeConfig:
                                          "resumes", metavar="S")
     pause_to: str = opt("host", help="where a paused daemon keeps the model and optimizer state while the "
                                      "accelerator is free: host memory, or its checkpoint (frees host memory too; "
-                                     "needs --checkpoint-dir)", known=("host", "checkpoint"))
+                                     "needs --checkpoint-dir)", known=tuple(Mode))
     control_socket: str | None = opt(None, help="Unix socket for atoll pause / atoll resume (the local operator "
                                                 "only); unset: <checkpoint-dir>/control.sock, or none without a "
                                                 "checkpoint dir", metavar="PATH")
@@ -356,8 +357,6 @@ class NodeConfig:
             raise ConfigError(f"log_level: unknown {self.log_level!r}")
 
     def _check_lending(self) -> None:
-        from .pause import PolicyError, check_spec, deadline_of, parse_window
-
         checks = [("pause_when", lambda spec=spec: check_spec(spec)) for spec in self.pause_when]
         checks += [("schedule", lambda: self.schedule and parse_window(self.schedule)),
                    ("until", lambda: deadline_of(0, self.until))]
@@ -367,8 +366,8 @@ class NodeConfig:
             except PolicyError as e:
                 raise ConfigError(f"{name}: {e}") from None
         _non_negative(self, "resume_after", "max_hours")
-        if self.pause_to not in ("host", "checkpoint"):
-            raise ConfigError(f"pause_to: unknown {self.pause_to!r}; use host or checkpoint")
+        if self.pause_to not in tuple(Mode):
+            raise ConfigError(f"pause_to: unknown {self.pause_to!r}; use {' or '.join(Mode)}")
         if self.pause_to == "checkpoint" and self.checkpoint_dir is None:
             raise ConfigError("pause_to: checkpoint keeps a paused daemon's state in its checkpoint; give "
                               "--checkpoint-dir")

@@ -28,6 +28,7 @@ from .pause import PauseState
 
 logger = logging.getLogger("atoll")
 MAX_REQUEST = 1024
+MAX_ANSWER = 1 << 20
 MAX_PATH = 107  # sun_path holds 108 bytes with its terminating zero
 
 
@@ -89,16 +90,10 @@ class ControlServer:
         if uid not in (os.getuid(), 0):
             logger.warning("control socket: refused a request from uid %d", uid)
             return
-        data = b""
-        while not data.endswith(b"\n") and len(data) <= MAX_REQUEST:
-            chunk = conn.recv(MAX_REQUEST)
-            if not chunk:
-                break
-            data += chunk
-        request = json.loads(data.decode() or "null")
+        request = json.loads(_read_line(conn, MAX_REQUEST).decode() or "null")
         op = request.get("op") if isinstance(request, dict) else None
         if op in ("pause", "resume") and self.refusal:
-            conn.sendall(json.dumps({"error": self.refusal}).encode() + b"\n")
+            _send(conn, {"error": self.refusal})
             return
         if op == "pause":
             if not self.state.operator:
@@ -109,11 +104,11 @@ class ControlServer:
                 logger.info("the operator asked to resume (atoll resume)")
             self.state.request(False)
         elif op != "state":
-            conn.sendall(json.dumps({"error": f"unknown op {op!r}"}).encode() + b"\n")
+            _send(conn, {"error": f"unknown op {op!r}"})
             return
-        conn.sendall(json.dumps(self.describe()).encode() + b"\n")
+        _send(conn, self.state_doc())
 
-    def describe(self) -> dict[str, Any]:
+    def state_doc(self) -> dict[str, Any]:
         s = self.state
         return {"paused": s.paused, "operator": s.operator, "reasons": s.holding(), "step": s.step, **self.extra()}
 
@@ -125,6 +120,21 @@ class ControlServer:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+def _send(conn: socket.socket, doc: dict[str, Any]) -> None:
+    conn.sendall(json.dumps(doc).encode() + b"\n")
+
+
+def _read_line(conn: socket.socket, limit: int) -> bytes:
+    """Bytes up to a newline, the peer's close, or just past ``limit``."""
+    data = b""
+    while not data.endswith(b"\n") and len(data) <= limit:
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return data
 
 
 def _answers(path: str) -> bool:
@@ -144,13 +154,8 @@ def ask(path: str, op: str, timeout: float = 10.0) -> dict[str, Any]:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(timeout)
             s.connect(path)
-            s.sendall(json.dumps({"op": op}).encode() + b"\n")
-            data = b""
-            while not data.endswith(b"\n"):
-                chunk = s.recv(65536)
-                if not chunk:
-                    break
-                data += chunk
+            _send(s, {"op": op})
+            data = _read_line(s, MAX_ANSWER)
     except FileNotFoundError:
         raise ConfigError(f"control_socket: no daemon listens on {path} (is it running, with this "
                           "--checkpoint-dir?)") from None

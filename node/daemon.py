@@ -136,7 +136,7 @@ class Daemon:
             self.control.refusal = "a member of a ddp run cannot pause (its membership is fixed)"
 
     def _describe_pause(self) -> dict[str, Any]:
-        paused = self.island.paused if hasattr(self, "island") else None
+        paused = self.island.paused
         return {"freed_mib": paused.freed / 2**20} if paused is not None else {}
 
     def _pausable(self) -> bool:

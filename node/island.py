@@ -440,13 +440,14 @@ class Island:
         gc.collect()
         self._paused = _Paused(time.monotonic(), mode, kept, held - trainee.held_bytes(), step=trainee.step)
         counters.pauses += 1
+        rss_after = current_rss_mib()
         logger.info("paused at step %d (%s): %.1f MiB of model and optimizer state freed, kept in %s; resident "
                     "memory %d -> %d MiB; still serving our replica", trainee.step, ", ".join(reasons),
                     self._paused.freed / 2**20, "host memory" if mode is Mode.HOST else "the checkpoint", rss,
-                    current_rss_mib())
+                    rss_after)
         self.metrics.write(event="paused", step=trainee.step, reasons=reasons, mode=mode.value,
                            freed_bytes=self._paused.freed, held_bytes=trainee.held_bytes(), rss_mib_before=rss,
-                           rss_mib=current_rss_mib(), seconds=time.monotonic() - began)
+                           rss_mib=rss_after, seconds=time.monotonic() - began)
 
     @property
     def paused(self) -> _Paused | None:

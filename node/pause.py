@@ -8,7 +8,7 @@ policies:
   process that is not this daemon's on its GPU; elsewhere (a TPU host, the CPU, CUDA without NVML) the host's CPU
   time used by processes outside this daemon's own process tree, at least ``CORES`` cores (default 1) over the last
   sample. What it cannot see: on a TPU host, a job whose work stays on the TPU and leaves the host's cores idle;
-  with NVML, a process in another container whose pid it cannot map (it still counts: any pid not ours is another's).
+  with NVML in another pid namespace, which contexts are ours (``GpuBusy`` then counts those beyond one).
 - ``file:PATH``: the file exists (a team's scheduler touches it when it wants the machine back).
 - ``--schedule HH:MM-HH:MM``: the daemon trains inside that window of the host's local time (it may cross
   midnight) and is paused outside it.
