@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +52,18 @@ class Device:
             import torch_xla
 
             torch_xla.sync()
+
+    def fence(self) -> Callable[[], None]:
+        """A wait, for another thread to call before it reads what this thread's work on the device wrote so far.
+
+        On cuda an event recorded on this thread's current stream: another thread copies on its own current stream,
+        which is not ordered after ours when ours is not the default stream (a user's loop may train on a side
+        stream). Elsewhere a no-op: the CPU runs eagerly, and on xla ``sync`` has run the work."""
+        if self.kind != "cuda":
+            return lambda: None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.torch_device))
+        return event.synchronize
 
     def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Copies of ``tensors`` in host memory. On xla one batched device-to-host transfer for all of them

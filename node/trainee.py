@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import math
 from collections.abc import Callable, Sequence
+from itertools import groupby
 
 import torch
 
@@ -75,18 +76,32 @@ class Trainee:
         not hold up training.
 
         On an accelerator the parameters are first copied on the device (cheap), then moved to host memory by a
-        background thread while the next steps run; on the CPU the copy is made right away.
+        background thread while the next steps run, once the device has written the copies (``Device.fence``); on
+        the CPU the copy is made right away.
         """
         if self.device.kind == "cpu":
             done: concurrent.futures.Future = concurrent.futures.Future()
             done.set_result(self._to_host_flat([self.params[i] for i in indices]))
             return done
+        params = [self.params[i].detach() for i in indices]
         with torch.no_grad():
-            copies = [self.params[i].detach().clone() for i in indices]
+            if self.device.kind == "cuda":
+                # One flat copy per device (a user's model may span several), each moved in one transfer: a transfer
+                # waits for all the work queued on the stream before it, which the training thread keeps adding to,
+                # so one per tensor could each wait up to a step.
+                copies = [torch.cat([p.reshape(-1) for p in run]) for _, run in groupby(params, lambda p: p.device)]
+            else:
+                copies = [p.clone() for p in params]
         self.device.sync()  # the copies materialise as their own small graph, never inside a step's graph
+        written = self.device.fence()
         if self._snapshots is None:
             self._snapshots = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="snapshot")
-        return self._snapshots.submit(self._to_host_flat, copies)
+        return self._snapshots.submit(self._to_host_after, written, copies)
+
+    def _to_host_after(self, written: Callable[[], None], tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``tensors`` as one flat fp32 host tensor, read once ``written()`` returned."""
+        written()
+        return self._to_host_flat(tensors)
 
     # ---- checkpoints --------------------------------------------------------------------------------------------
     def _optimizer_index(self) -> dict[int, int]:

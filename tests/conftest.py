@@ -1,4 +1,11 @@
-"""Shared test set-up: one torch thread per process (the machine has 2 cores shared by daemons)."""
+"""Shared test set-up: one torch thread per process (the machine has 2 cores shared by daemons), and the device the
+device tests train on.
+
+``ATOLL_TEST_DEVICE`` (``cpu`` by default, or ``cuda``) is the device of every test that takes the ``device_name``
+fixture; each such test is marked ``device`` here, so ``-m device`` selects exactly them. On ``cuda`` their
+assertions are the CPU's, bit-exact comparisons of two runs included, so the GPU is made deterministic first.
+A ``cuda`` run on a machine without a usable GPU is a usage error, never a run of skips.
+"""
 
 import os
 import sys
@@ -13,6 +20,48 @@ torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))  # the swarm launcher doubles as the integration harness
 os.environ.setdefault("PYTHONUNBUFFERED", "1")
+TEST_DEVICES = ("cpu", "cuda")
+
+
+def selected_device() -> str:
+    """``ATOLL_TEST_DEVICE``; ``pytest.UsageError`` for a value that is not one of ``TEST_DEVICES``."""
+    name = os.environ.get("ATOLL_TEST_DEVICE", "cpu")
+    if name not in TEST_DEVICES:
+        raise pytest.UsageError(f"ATOLL_TEST_DEVICE={name!r}: use one of {', '.join(TEST_DEVICES)} (default cpu)")
+    return name
+
+
+def pytest_configure(config):
+    """Check ``ATOLL_TEST_DEVICE``; for ``cuda``, a GPU that computes the same bits on every run of the same steps."""
+    if selected_device() != "cuda":
+        return
+    # Before CUDA starts: cuBLAS reads it when it makes its first handle. Deterministic algorithms make two runs
+    # of the same steps bit-identical (embedding and scatter backward otherwise add with atomics, in any order;
+    # SDPA picks deterministic attention kernels), and refuse cuBLAS calls without this workspace setting.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if not torch.cuda.is_available():
+        build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a build without CUDA"
+        raise pytest.UsageError(f"ATOLL_TEST_DEVICE=cuda, but torch {torch.__version__} ({build}) sees no CUDA device")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True  # and no per-run benchmarking among cuDNN's algorithms either
+    torch.backends.cudnn.benchmark = False
+    # fp32 matmuls in full fp32, as on the CPU (TF32 would round their inputs to 10 mantissa bits). cuDNN's own
+    # TF32 setting is left alone: it is for convolutions and RNNs, which atoll's models do not have.
+    torch.set_float32_matmul_precision("highest")
+
+
+@pytest.hookimpl(tryfirst=True)  # registered after pytest's own ``-m`` hook, so it runs before it deselects
+def pytest_collection_modifyitems(config, items):
+    """Mark every test that takes ``device_name`` ``device``: ``-m device`` selects exactly the device tests."""
+    for item in items:
+        if "device_name" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.device)
+
+
+@pytest.fixture
+def device_name() -> str:
+    """The device this test trains on: ``ATOLL_TEST_DEVICE`` (``cpu`` or ``cuda``)."""
+    return selected_device()
 
 
 def _lines_mended(tb: types.TracebackType | None) -> types.TracebackType | None:

@@ -10,6 +10,8 @@
   its way (last checkpoint, summary, DHT stopped).
 - A user loop whose model differs from the run's refuses to join with one line, exit 2; so does a daemon
   joining a run whose members build their model in Python, without ``--model``.
+- In this process, on ``ATOLL_TEST_DEVICE``'s device: rounds merge into the user's parameters on the device, and a
+  new model and optimizer start from the checkpoint the island left, exactly.
 """
 
 import json
@@ -21,6 +23,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+
+import atoll
+from atoll.models.data import Corpus, load_corpus
+from atoll.models.fragments import flatten
+from atoll.models.registry import build_model
 from swarm import LocalSwarm
 from test_swarm import (assert_held_out_falls, assert_replicas_agree, resumes_and_merges_again,
                         stop_after_a_checkpoint, wait_for, wait_for_shared_rounds)
@@ -58,6 +65,45 @@ def test_the_api_loop_and_atoll_start_end_bit_identical(tmp_path):
     different = [k for k in ours if not torch.equal(ours[k], theirs[k])]
     assert not different, f"tensors that differ: {different[:5]}"
     assert any(k.startswith("opt.") for k in ours) and "replica.0.params" in ours
+
+
+def test_an_island_merges_rounds_on_the_models_device_and_restarts_from_its_checkpoint(tmp_path, device_name):
+    """One member alone, plain averaging: after its four rounds Θ is θ itself, bit for bit, on whatever device the
+    user's model lives; a model of another seed and a new optimizer, on the same checkpoint directory, start where
+    the island left: the step count, θ and the optimizer's state, exactly (tests/xla/test_xla_island.py on xla)."""
+    tokens, _ = load_corpus("builtin")
+
+    def member(seed):
+        model, shape = build_model("nano", seed)
+        model.to(device_name)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        island = atoll.Island(model, optimizer, tokens_per_step=4 * shape.seq_len, open=True, log_level="WARNING",
+                              host_maddrs=["/ip4/127.0.0.1/tcp/0"], checkpoint_dir=str(tmp_path), algorithm="diloco",
+                              sync_every=10, outer_lr=1.0, outer_momentum=0.0, compression="none")
+        return model, optimizer, island, shape
+
+    model, optimizer, island, shape = member(0)
+    with island:
+        corpus = Corpus(tokens, shape.seq_len, island.num_shards)
+        for step in range(40):
+            batch = corpus.batch_at(island.shard, 4 * step, 4).to(device_name)
+            model(batch[:, :-1], batch[:, 1:]).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        theta = flatten(p for p in model.parameters() if p.requires_grad)
+        replica = island.replica.snapshot(0).params
+        state = island.trainee.state_tensors()
+    assert island.step == 40 and island.version == 4  # a round every 10 steps, merged into the model
+    assert torch.equal(theta, replica)
+    assert all(p.device.type == device_name for p in model.parameters())
+
+    model, optimizer, restarted, _ = member(1)
+    assert not torch.equal(flatten(model.parameters()), theta)
+    with restarted:
+        assert (restarted.step, restarted.version) == (40, 4)
+        restored = restarted.trainee.state_tensors()
+    assert restored.keys() == state.keys() and any(k.startswith("opt.") for k in state)
+    assert not [k for k in state if not torch.equal(state[k], restored[k])]
 
 
 def test_a_user_loop_under_torchrun_and_an_island_of_ranks_end_bit_identical(tmp_path):

@@ -389,6 +389,26 @@ def test_codec_threads_split_large_payloads_byte_for_byte(codec):
         C.set_threads(0)
 
 
+@pytest.mark.parametrize("codec", C.CODECS)
+def test_a_tensor_on_the_device_encodes_as_its_host_copy(codec, device_name):
+    """A tensor on an accelerator encodes to the bytes of its host copy (strided and bf16 ones too), NaN is refused
+    there as on the host, and its payload decodes to a host fp32 tensor, the host copy's."""
+    x = torch.randn(5001, generator=torch.Generator().manual_seed(11)) * 3
+    on = x.to(device_name)
+    assert on.device.type == device_name
+    payload = C.encode(on, codec, 64)
+    assert payload == C.encode(x, codec, 64)
+    assert C.encode(on[::3], codec, 64) == C.encode(x[::3], codec, 64)
+    assert C.encode(on.to(torch.bfloat16), codec, 64) == C.encode(x.to(torch.bfloat16), codec, 64)
+    decoded = C.decode(payload, expected_numel=x.numel())
+    assert decoded.device.type == "cpu" and decoded.dtype == torch.float32
+    assert torch.equal(decoded, C.decode(C.encode(x, codec, 64)))
+    bad = on.clone()
+    bad[4000] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        C.encode(bad, codec, 64)
+
+
 def test_decode_does_not_alias_payload_and_accepts_buffers():
     x = torch.randn(100)
     p = bytearray(C.encode(x, "none"))

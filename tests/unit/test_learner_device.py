@@ -1,5 +1,10 @@
-"""The learner's device-facing API on the CPU: split steps, gradients in and out, fragments in and out,
-prefetching, checkpoints state. The same properties on xla are in tests/xla/test_xla_learner.py."""
+"""The learner's device-facing API: split steps, gradients in and out, fragments in and out, prefetching,
+checkpoints state, on the CPU or on ``ATOLL_TEST_DEVICE``'s device (tests/conftest.py). Two learners that run the
+same steps must agree bit for bit at the device's default precision (bf16 autocast on cuda); a test that compares
+the learner with a forward pass of its own asks for fp32, which that forward pass computes in. The same
+properties on xla are in tests/xla/test_xla_learner.py."""
+
+import math
 
 import pytest
 import torch
@@ -20,12 +25,17 @@ def corpus():
     return Corpus(tokens, MODELS["nano"].seq_len, RUN.num_shards)
 
 
-def make(corpus, precision=None):
-    return Learner(RUN, resolve_device("cpu"), corpus, shard=1, batch_size=4, precision=precision)
+def make(corpus, device_name, precision=None):
+    return Learner(RUN, resolve_device(device_name), corpus, shard=1, batch_size=4, precision=precision)
 
 
-def test_train_step_is_backward_then_apply_step(corpus):
-    fused, split = make(corpus), make(corpus)
+def on_device(batch, learner):
+    """A batch's inputs and targets on the learner's device."""
+    return batch[:, :-1].to(learner.device.torch_device), batch[:, 1:].to(learner.device.torch_device)
+
+
+def test_train_step_is_backward_then_apply_step(corpus, device_name):
+    fused, split = make(corpus, device_name), make(corpus, device_name)
     for _ in range(4):
         assert fused.train_step() == split.backward()
         split.apply_step()
@@ -33,8 +43,8 @@ def test_train_step_is_backward_then_apply_step(corpus):
     assert (fused.step, fused.tokens, fused.position) == (split.step, split.tokens, split.position) == (4, 4 * fused.tokens_per_step, 16)
 
 
-def test_flat_grads_round_trip_and_loaded_grads_drive_the_step(corpus):
-    a, b, c = make(corpus), make(corpus), make(corpus)
+def test_flat_grads_round_trip_and_loaded_grads_drive_the_step(corpus, device_name):
+    a, b, c = make(corpus, device_name), make(corpus, device_name), make(corpus, device_name)
     a.backward()
     g = a.flat_grads()
     assert g.dtype == torch.float32 and g.numel() == a.flat_params().numel() and g.abs().sum() > 0
@@ -55,10 +65,10 @@ def test_flat_grads_round_trip_and_loaded_grads_drive_the_step(corpus):
         c.load_flat_grads(g[:-1])
 
 
-def test_fragments_and_snapshots_address_parameters_in_place(corpus):
+def test_fragments_and_snapshots_address_parameters_in_place(corpus, device_name):
     """What the daemon does with one fragment between steps: read it (``Fragment.gather``, or a ``snapshot`` that
     does not hold up training) and write merged values back into the learner's tensors (``Fragment.scatter``)."""
-    learner = make(corpus)
+    learner = make(corpus, device_name)
     learner.train_step()
     flat = learner.flat_params()
     sizes = [p.numel() for p in learner.params]
@@ -79,23 +89,24 @@ def test_fragments_and_snapshots_address_parameters_in_place(corpus):
                        torch.cat([flat[offsets[i]: offsets[i] + sizes[i]] for i in other]))
 
 
-def test_prefetched_batch_follows_position_changes(corpus):
+def test_prefetched_batch_follows_position_changes(corpus, device_name):
     """The daemon sets ``position`` on restore: a batch prefetched for the old position must not be used."""
-    learner, ref = make(corpus), make(corpus)
+    # fp32: the expected loss is a plain forward pass, without the autocast a device may default to.
+    learner, ref = make(corpus, device_name, "fp32"), make(corpus, device_name, "fp32")
     learner.train_step()  # prefetches position 4
     learner.position = 100
     ref.load_flat(learner.flat_params())
     batch = corpus.batch_at(1, 100, 4)
     with torch.no_grad():
-        expected = float(ref.model(batch[:, :-1], batch[:, 1:]))
+        expected = float(ref.model(*on_device(batch, ref)))
     assert learner.backward() == pytest.approx(expected, abs=1e-6)
 
 
-def test_state_round_trip_continues_bit_identically(corpus):
-    a = make(corpus)
+def test_state_round_trip_continues_bit_identically(corpus, device_name):
+    a = make(corpus, device_name)
     for _ in range(3):
         a.train_step()
-    b = make(corpus)
+    b = make(corpus, device_name)
     b.load_state_tensors(a.state_tensors())
     b.step, b.tokens, b.position = a.step, a.tokens, a.position
     for _ in range(3):
@@ -104,29 +115,42 @@ def test_state_round_trip_continues_bit_identically(corpus):
     assert all(v.device.type == "cpu" for v in a.state_tensors().values())
 
 
-def test_bf16_autocast_trains_close_to_fp32(corpus):
-    fp32, bf16 = make(corpus), make(corpus, precision="bf16")
+def test_the_default_precision_trains_with_fp32_master_weights(corpus, device_name):
+    """At the device's default precision (bf16 autocast on cuda) the loss is finite and falls, and θ and AdamW's
+    state stay fp32 on the device; ``test_state_round_trip_continues_bit_identically`` restores them exactly."""
+    learner = make(corpus, device_name)
+    losses = [learner.train_step() for _ in range(30)]
+    assert all(math.isfinite(loss) for loss in losses)
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 1.0, losses  # about 5.2 -> 3.7 on the CPU
+    assert all(p.dtype == torch.float32 and p.device.type == device_name for p in learner.params)
+    state = learner.optimizer.state[learner.params[0]]
+    assert all(v.dtype == torch.float32 and v.device.type == device_name for v in state.values())
+
+
+def test_bf16_autocast_trains_close_to_fp32(corpus, device_name):
+    fp32, bf16 = make(corpus, device_name, "fp32"), make(corpus, device_name, "bf16")
     assert Device("cpu", torch.device("cpu")).precision == "fp32" and bf16.precision == "bf16"
+    assert make(corpus, device_name).precision == {"cpu": "fp32", "cuda": "bf16"}[device_name]  # the default
     for _ in range(3):
         l32, l16 = fp32.train_step(), bf16.train_step()
         assert abs(l32 - l16) < 0.05
     assert all(p.dtype == torch.float32 for p in bf16.params)  # master weights stay fp32
     assert not torch.equal(fp32.flat_params(), bf16.flat_params())  # bf16 really ran
     with pytest.raises(ValueError):
-        make(corpus, precision="fp8")
+        make(corpus, device_name, precision="fp8")
 
 
-def test_evaluate_is_the_mean_held_out_loss(corpus):
-    learner = make(corpus)
+def test_evaluate_is_the_mean_held_out_loss(corpus, device_name):
+    learner = make(corpus, device_name, "fp32")  # the direct losses are plain forward passes, without autocast
     batches = corpus.held_out(3, 4)
     with torch.no_grad():
-        direct = [float(learner.model(b[:, :-1], b[:, 1:])) for b in batches]
+        direct = [float(learner.model(*on_device(b, learner))) for b in batches]
     assert learner.evaluate(batches) == pytest.approx(sum(direct) / 3, rel=1e-6)
     assert learner.model.training
 
 
-def test_lagged_step_returns_the_previous_loss_and_takes_the_same_step(corpus):
-    plain, lagged = make(corpus), make(corpus)
+def test_lagged_step_returns_the_previous_loss_and_takes_the_same_step(corpus, device_name):
+    plain, lagged = make(corpus, device_name), make(corpus, device_name)
     losses = [plain.train_step() for _ in range(4)]
     got = [lagged.train_step_lagged() for _ in range(4)]
     assert got == [None, *losses[:3]]

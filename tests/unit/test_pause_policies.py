@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from atoll.node.config import ConfigError, NodeConfig, RunConfig
-from atoll.node.device import Device
 from atoll.node.pause import (OPERATOR, SAMPLE_EVERY, FilePresent, GpuBusy, HostLoad, PauseState, PolicyError,
                               Schedule, check_spec, deadline_of, in_window, parse_until, parse_window, tree_of)
 
@@ -277,14 +276,15 @@ def test_config_refuses_bad_lending_options(tmp_path):
 
 
 # ---- the trainee lets go of its memory and gets it back ---------------------------------------------------------------
-def trained_learner():
+def trained_learner(device_name="cpu"):
     from atoll.models.configs import MODELS
     from atoll.models.data import Corpus, load_corpus
+    from atoll.node.device import resolve_device
     from atoll.node.learner import Learner
 
     run = RunConfig(model="nano")
     tokens, _ = load_corpus("builtin")
-    learner = Learner(run, Device("cpu", torch.device("cpu")), Corpus(tokens, MODELS["nano"].seq_len, run.num_shards),
+    learner = Learner(run, resolve_device(device_name), Corpus(tokens, MODELS["nano"].seq_len, run.num_shards),
                       shard=0, batch_size=2)
     for _ in range(3):
         learner.train_step()
@@ -292,20 +292,23 @@ def trained_learner():
 
 
 @pytest.mark.parametrize("keep", [True, False])
-def test_release_frees_every_tensor_and_reclaim_restores_them_exactly(keep):
-    learner = trained_learner()
+def test_release_frees_every_tensor_and_reclaim_restores_them_exactly(keep, device_name):
+    learner = trained_learner(device_name)
     before = {k: v.clone() for k, v in learner.state_tensors().items()}
     held = learner.held_bytes()
     assert held >= 3 * sum(p.numel() * 4 for p in learner.params)  # θ and AdamW's two moments
+    allocated = torch.cuda.memory_allocated() if device_name == "cuda" else 0
     kept = learner.release(keep=keep)
     assert learner.held_bytes() == 0
+    if device_name == "cuda":  # the device's memory, not only the trainee's tensors: nothing else still holds it
+        assert torch.cuda.memory_allocated() <= allocated - held
     learner.reclaim(kept if keep else before)  # the checkpoint's copy stands in for a checkpoint
     after = learner.state_tensors()
     assert before.keys() == after.keys()
     for name in before:
         assert torch.equal(before[name], after[name]), name
     # And it trains on as if never paused: the same step as an uninterrupted twin.
-    twin = trained_learner()
+    twin = trained_learner(device_name)
     assert learner.train_step() == twin.train_step()
     assert all(torch.equal(a, b) for a, b in zip(learner.params, twin.params))
 
@@ -398,8 +401,8 @@ def test_across_a_pause_unmerged_work_is_lost_where_the_swarm_moved_and_fresh_wo
     assert syncer.submitted[0][2] == (3, digest)  # taken against the adopted replica
 
 
-def test_a_failed_reclaim_leaves_the_trainee_released_to_try_again():
-    learner = trained_learner()
+def test_a_failed_reclaim_leaves_the_trainee_released_to_try_again(device_name):
+    learner = trained_learner(device_name)
     before = {k: v.clone() for k, v in learner.state_tensors().items()}
     kept = learner.release()
     with pytest.raises(KeyError):
