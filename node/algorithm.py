@@ -24,6 +24,21 @@ class AlgorithmName(enum.StrEnum):
     DDP = "ddp"
 
 
+class LocalMerge(enum.StrEnum):
+    """How a learner takes a round's result Θ_p,new into its own θ_p, given what it trained since the snapshot it
+    contributed (``rounds.py``).
+
+    - ``delta``: θ_p ← Θ_p,new + (θ_p,now − θ_p,snapshot): the steps trained while the round was in flight are
+      kept and go into the next contribution (the same carry at an adoption: θ_p ← Θ_p,new + (θ_p − base));
+    - ``overwrite``: θ_p ← Θ_p,new (the paper's α = 0): those steps are lost, and so is unmerged work at an adoption;
+    - ``mix``: θ_p ← α·θ_p,now + (1 − α)·Θ_p,new (Streaming DiLoCo's α), adoptions as ``overwrite``.
+    """
+
+    DELTA = "delta"
+    OVERWRITE = "overwrite"
+    MIX = "mix"
+
+
 @dataclass(frozen=True)
 class Algorithm:
     """The policy of one algorithm."""

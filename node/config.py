@@ -23,7 +23,7 @@ from atoll.models.registry import ModelError, check_name
 from atoll.models.robust import MERGE_RULES
 from atoll.protocols.codecs import CODECS
 
-from .algorithm import AlgorithmName, algorithm
+from .algorithm import AlgorithmName, LocalMerge, algorithm
 from .faults import parse_faults
 from .pause import Mode, PolicyError, check_spec, deadline_of, parse_window
 
@@ -94,8 +94,13 @@ class RunConfig:
                          metavar="P")
     overlap: int = opt(2, help="inner steps (below --sync-every) between a fragment's snapshot and its merge, "
                                "for streaming and decoupled", metavar="TAU")
-    alpha: float = opt(0.0, help="share of the local model kept at a merge, in [0, 1): local <- A*local + "
-                                 "(1-A)*merged", metavar="A")
+    local_merge: str = opt("delta", help="how a learner takes a round's result into its own model: 'delta' keeps "
+                                         "the steps it trained while the round was in flight (and its unmerged work "
+                                         "when it adopts a newer replica) for its next contribution; 'overwrite' "
+                                         "drops them; 'mix' keeps --alpha of its own model",
+                           known=tuple(LocalMerge))
+    alpha: float = opt(0.0, help="--local-merge mix: share of the local model kept at a merge, in (0, 1): local <- "
+                                 "A*local + (1-A)*merged", metavar="A")
     quorum: int = opt(1, help="minimum members before a round may close (decoupled); ddp: daemons that start "
                               "together", metavar="K")
     max_group: int = opt(16, help="round-size cap: more ready daemons form several groups, whose results are "
@@ -106,8 +111,9 @@ class RunConfig:
     # before a peer a few steps off its schedule has joined, and the peers left out drop their unmerged work.
     join_window: bool = opt(True, help="decoupled, with --grace-gamma > 0: a round waits at least as long as a "
                                        "peer needs to notice and join it")
-    stale_contributions: bool = opt(False, help="decoupled: keep work a round missed and contribute it to the next "
-                                                "one")
+    stale_contributions: bool = opt(False, help="decoupled: when a fork our rounds were on loses, contribute our part "
+                                                "of those rounds again (and keep unmerged work at an adoption even "
+                                                "with --local-merge overwrite)")
     rda: bool = opt(True, help="decoupled: radial-directional averaging for non-embedding fragments")
     # int4 with error feedback is the default because it measured at parity with fp32 (docs/results.md).
     compression: str = opt("int4", help="codec of outer deltas on the wire", known=CODECS)
@@ -149,8 +155,12 @@ class RunConfig:
         _non_negative(self, "warmup_steps", "weight_decay", "seed", "overlap", "global_batch")
         if self.gather_timeout > 885:  # a round's records live 4 gather timeouts + 60 s; the DHT caps them at 1 h
             raise ConfigError(f"gather_timeout: at most 885 s, got {self.gather_timeout}")
-        if not 0 <= self.alpha < 1:
-            raise ConfigError(f"alpha: must be in [0, 1), got {self.alpha}")
+        if self.local_merge not in tuple(LocalMerge):
+            raise ConfigError(f"local_merge: unknown {self.local_merge!r}; known: {', '.join(LocalMerge)}")
+        if self.local_merge == LocalMerge.MIX and not 0 < self.alpha < 1:
+            raise ConfigError(f"alpha: --local-merge mix needs a share in (0, 1), got {self.alpha}")
+        if self.local_merge != LocalMerge.MIX and self.alpha:
+            raise ConfigError(f"alpha: applies to --local-merge mix only (this run merges by {self.local_merge})")
         if not 0 <= self.grace_gamma < 1:
             raise ConfigError(f"grace_gamma: must be in [0, 1), got {self.grace_gamma}")
         if not 0 <= self.outer_momentum < 1:

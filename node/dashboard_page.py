@@ -40,7 +40,7 @@ label { font-weight: normal; color: #555; margin-left: 8px; }
 <thead><tr>
 <th class="l">island</th><th class="l">status</th><th class="l">device</th><th>ranks</th><th>step</th>
 <th>tokens/s</th><th class="l">versions</th><th>last round</th><th>rounds</th><th>skipped</th><th>loss</th>
-<th>held-out</th><th>sent MB</th><th>recv MB</th><th>rejected</th><th>forks healed</th>
+<th>held-out</th><th>sent MB</th><th>recv MB</th><th>rejected</th><th>forks healed</th><th>tokens lost</th><th>tokens carried</th>
 </tr></thead>
 <tbody></tbody>
 </table>
@@ -184,7 +184,8 @@ function render(s) {
     for (const v of [p.ranks, p.step, human(p.tokens_per_s)]) node("td", {}, tr, String(v));
     node("td", {class: "l"}, tr, p.fragment_versions.join("/"));
     for (const v of [ago(p.last_round_s), p.rounds, p.rounds_skipped, fixed(p.loss, 4), fixed(p.held_out_loss, 4),
-                     fixed(p.bytes_sent / 1e6, 1), fixed(p.bytes_received / 1e6, 1), p.rejected, p.forks_healed])
+                     fixed(p.bytes_sent / 1e6, 1), fixed(p.bytes_received / 1e6, 1), p.rejected, p.forks_healed,
+                     human(p.tokens_lost), human(p.tokens_carried || 0)])
       node("td", {}, tr, String(v));
   }
   const loss = [];

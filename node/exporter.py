@@ -63,8 +63,15 @@ class DaemonCollector(Collector):
         yield _gauge("atoll_held_out_step", "inner step of the last held-out evaluation", c.held_out_step)
         yield _counter("atoll_train_seconds", "seconds spent in inner steps", c.train_seconds)
         yield _counter("atoll_blocked_seconds", "seconds the training loop waited on the network", c.blocked_seconds)
-        yield _counter("atoll_tokens_lost", "tokens whose work no merge kept (overwritten, forks, missed rounds)",
-                       c.tokens_lost)
+        yield _counter("atoll_tokens_lost", "tokens whose work no merge kept (overwritten, dropped past the carry "
+                       "bound, lost with a fork)", c.tokens_lost)
+        p50, p95 = c.in_flight()
+        yield _gauge("atoll_round_in_flight_steps_p50", "inner steps from a round's snapshot to its merge, median of "
+                     "the recent merged rounds", p50)
+        yield _gauge("atoll_round_in_flight_steps_p95", "inner steps from a round's snapshot to its merge, 95th "
+                     "percentile of the recent merged rounds", p95)
+        yield _counter("atoll_tokens_carried", "tokens of work a merge or an adoption moved onto a newer replica "
+                       "instead of dropping it (each move counts)", c.tokens_carried)
         yield _counter("atoll_forks_healed", "forks of the replica this daemon healed by adopting a heavier one",
                        c.forks_healed)
         yield _counter("atoll_paused_seconds", "seconds paused, the machine lent back (atoll pause, --pause-when)",

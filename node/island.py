@@ -517,6 +517,7 @@ class Island:
         tensors, meta = loaded
         self.replica, error_feedback = persist.restore(cfg, tensors, meta, self.trainee, self.fragments, self.local)
         self.counters.tokens_lost = meta["tokens_lost"]
+        self.counters.tokens_carried = meta.get("tokens_carried", 0)  # absent from checkpoints before the delta rule
         log_context.step = self.trainee.step
         logger.info("resumed from checkpoint: version %d, step %d, data position %d", meta["version"], meta["step"],
                     meta["position"])
@@ -615,7 +616,8 @@ class Island:
             return
         self.checkpointer.wait()
         tensors, meta = persist.capture(self.cfg, self.peer_id, self.trainee, self.replica, self.local,
-                                        self.syncer.error_feedback_state(), self.counters.tokens_lost)
+                                        self.syncer.error_feedback_state(), self.counters.tokens_lost,
+                                        self.counters.tokens_carried)
         self.checkpoints_written += 1
         self.checkpointer.submit(tensors, meta, interrupt=self.faults.checkpoint_interrupt(self.checkpoints_written))
 

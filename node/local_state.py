@@ -1,9 +1,11 @@
 """What this daemon has learned on each fragment that the swarm has not merged yet.
 
-Per fragment p it keeps ``base`` (the global Θ_p that θ_p last started from, and that replica's identity) and the
-token/step counters of Decoupled DiLoCo's weights. When a heavier replica is adopted (a fork lost, a round
-missed), θ_p restarts from it and the unmerged local work on p is dropped and counted as lost, as in the paper;
-with ``stale_contributions`` the work is rebased instead (``rebase``) and contributed to the next round.
+Per fragment p it keeps ``base`` (the global Θ_p that θ_p's unmerged work is measured from, and that replica's
+identity) and the token/step counters of Decoupled DiLoCo's weights: the work in θ_p − base, which the next
+contribution carries. Under the delta rule (``LocalMerge.DELTA``) a merged round moves the base to its result and
+leaves the counters at the steps trained since the snapshot it contributed (``carry``); an adopted replica moves
+the base and keeps them (``rebase``). Overwriting restarts θ_p from the new base and drops them (``restart``).
+``fresh_steps`` counts the steps since our last snapshot of p, whatever was carried: the rounds' gates read it.
 """
 
 from __future__ import annotations
@@ -20,12 +22,18 @@ class LocalFragmentState:
     def __init__(self, base: torch.Tensor, base_id: tuple[int, str] = (0, "")) -> None:
         self.base = base.detach().to("cpu", torch.float32).clone()
         self.base_id = base_id  # (version, digest) of the replica ``base`` was read from
-        self.tokens = 0  # tokens trained since θ_p last restarted from a base (c_tokens)
+        self.tokens = 0  # tokens of the work in θ_p − base (c_tokens)
         self.steps = 0
+        self.fresh_steps = 0  # steps since our last snapshot of p (or since θ_p restarted)
 
     def add_step(self, tokens: int) -> None:
         self.tokens += tokens
         self.steps += 1
+        self.fresh_steps += 1
+
+    def snapshotted(self) -> None:
+        """A snapshot of θ_p was taken for a round: the gates count steps from here."""
+        self.fresh_steps = 0
 
     def delta(self, theta: torch.Tensor) -> torch.Tensor:
         """The pseudo-gradient to contribute: Θ_base − θ, in float64."""
@@ -38,8 +46,15 @@ class LocalFragmentState:
         unmerged = self.tokens
         self.base = new_base.detach().to("cpu", torch.float32).clone()
         self.base_id = base_id
-        self.tokens = self.steps = 0
+        self.tokens = self.steps = self.fresh_steps = 0
         return unmerged
+
+    def carry(self, new_base: torch.Tensor, base_id: tuple[int, str], tokens: int, steps: int) -> None:
+        """A round merged our snapshot into ``new_base``: θ_p keeps the ``tokens``/``steps`` trained since that
+        snapshot (θ_p ← Θ_new + θ_now − θ_snapshot), which the next contribution carries."""
+        self.base = new_base.detach().to("cpu", torch.float32).clone()
+        self.base_id = base_id
+        self.tokens, self.steps = tokens, steps
 
     def rebase(self, new_base: torch.Tensor, base_id: tuple[int, str]) -> None:
         """A newer Θ_p arrived that does not contain our unmerged work: move the base, keep the counters (the work
@@ -57,3 +72,4 @@ class LocalFragmentState:
     def load(self, tensors: dict[str, torch.Tensor], prefix: str, counters: list[int]) -> None:
         self.base = tensors[f"{prefix}.base"].float().clone()
         self.tokens, self.steps = counters
+        self.fresh_steps = self.steps  # no round of ours is in flight after a restart

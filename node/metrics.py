@@ -9,6 +9,7 @@ healed); readers on the other thread see a value at most one update old. ``Metri
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 
 SKIPPED = "skipped"  # ``Counters.round_ended``'s result for a sync point that started no round
 # Upper bounds (seconds) of the buckets of a round's duration: from a LAN's sub-second rounds to a WAN's minutes.
+IN_FLIGHT_KEPT = 256  # merged rounds whose steps in flight the median and 95th percentile are taken over
 ROUND_SECONDS_BUCKETS = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -63,7 +65,8 @@ class Counters:
     loss: float | None = None
     held_out_loss: float | None = None
     held_out_step: int | None = None  # the step at which held_out_loss was measured
-    tokens_lost: int = 0  # tokens whose work no merge kept (overwritten, or lost with a fork or a missed round)
+    tokens_lost: int = 0  # tokens whose work no merge kept (overwritten, dropped past the carry bound, a fork's)
+    tokens_carried: int = 0  # tokens of work a merge or an adoption moved onto a newer replica (each move counts)
     train_seconds: float = 0.0
     blocked_seconds: float = 0.0  # time the loop waited on the network
     eval_seconds: float = 0.0
@@ -81,6 +84,8 @@ class Counters:
     # The training loop's: each round's end by fragment (``round_ended``), and when the last checkpoint was written.
     rounds_by_result: dict[tuple[int, str], int] = field(default_factory=dict)
     round_seconds: dict[int, Histogram] = field(default_factory=dict)  # merged rounds' durations by fragment
+    # Inner steps from each of the recent merged rounds' snapshots to their merge: how late rounds land, in steps.
+    in_flight_steps: collections.deque = field(default_factory=lambda: collections.deque(maxlen=IN_FLIGHT_KEPT))
     checkpoint_at: float | None = None  # wall-clock time
 
     def round_ended(self, fragment: int, result: str, seconds: float | None = None) -> None:
@@ -92,6 +97,13 @@ class Counters:
             self.rounds_skipped += 1
         if seconds is not None:
             self.round_seconds.setdefault(fragment, Histogram(ROUND_SECONDS_BUCKETS)).observe(seconds)
+
+    def in_flight(self) -> tuple[int | None, int | None]:
+        """The median and 95th percentile of ``in_flight_steps`` (None before a round merged)."""
+        steps = sorted(self.in_flight_steps)
+        if not steps:
+            return None, None
+        return steps[len(steps) // 2], steps[min(len(steps) - 1, math.ceil(0.95 * len(steps)) - 1)]
 
     def stepped(self, seconds: float) -> None:
         """One inner step took ``seconds``."""
@@ -106,7 +118,8 @@ class Counters:
             "tokens": self.tokens, "tokens_per_s": float(self.tokens_per_s), "loss": _finite_or_none(self.loss),
             "held_out_loss": _finite_or_none(self.held_out_loss),
             "held_out_step": self.held_out_step if _finite_or_none(self.held_out_loss) is not None else None,
-            "tokens_lost": int(self.tokens_lost),
+            "tokens_lost": int(self.tokens_lost), "tokens_carried": int(self.tokens_carried),
+            "in_flight_p50": self.in_flight()[0], "in_flight_p95": self.in_flight()[1],
             "goodput": float(min(1.0, self.train_seconds / wall)), "blocked_s": float(self.blocked_seconds),
             "rounds": self.rounds_done, "rounds_skipped": self.rounds_skipped, "forks_healed": self.forks_healed,
         }

@@ -21,7 +21,8 @@ from .trainee import Trainee
 
 
 def capture(cfg: NodeConfig, peer_id: str, learner: Trainee, replica: Replica, local: list[LocalFragmentState],
-            error_feedback: dict[str, torch.Tensor], tokens_lost: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+            error_feedback: dict[str, torch.Tensor], tokens_lost: int,
+            tokens_carried: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The tensors (host copies) and metadata of a checkpoint at this step."""
     tensors = dict(learner.state_tensors())
     tensors.update({f"ef.{k}": v for k, v in error_feedback.items()})
@@ -41,7 +42,7 @@ def capture(cfg: NodeConfig, peer_id: str, learner: Trainee, replica: Replica, l
         "ancestors": ancestors,
         "step": learner.step, "tokens": learner.tokens, "position": learner.position,
         "schedule_step": replica.schedule_step, "counters": [lo.counters() for lo in local],
-        "tokens_lost": tokens_lost,
+        "tokens_lost": tokens_lost, "tokens_carried": tokens_carried,
     }
     return tensors, meta
 

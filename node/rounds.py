@@ -3,10 +3,14 @@
 At a fragment's due step (or when a peer opened its round, decoupled) θ_p is copied to host memory without
 holding up the next steps; once there, the pseudo-gradient Θ_base − θ_p goes to the syncer as a round. τ steps
 later the round's result is merged into θ_p (the synchronous algorithms wait for it; decoupled merges whenever it
-lands). A replica the syncer adopted from a peer replaces θ_p at the next step boundary; one nobody vouches for
-(a lonely daemon's, see ``catchup``) is first vetted on the held-out data (``vetting``). Every token of work that
-no merge keeps is counted as lost: the steps a merge overwrites, unmerged work an adoption drops, and our part of
-rounds a fork lost.
+lands). By default (``LocalMerge.DELTA``) the merge keeps what the learner trained while the round was in flight:
+θ_p ← Θ_p,new + (θ_p,now − θ_p,snapshot), and those steps are carried into the next contribution, so that every
+inner step lands in exactly one merged pseudo-gradient. A replica the syncer adopted from a peer moves θ_p at the
+next step boundary, carrying the unmerged work the same way (θ_p ← Θ_p,new + θ_p − base); one nobody vouches for
+(a lonely daemon's, see ``catchup``) is first vetted on the held-out data (``vetting``). Carried work is bounded
+by one period (``sync_every`` steps): beyond it, and under ``overwrite``, the work is dropped. Every token of work
+that no merge keeps is counted as lost (the steps a merge overwrites or the bound drops, and our part of rounds a
+fork lost); every token the carry keeps is counted as carried.
 
 The loop calls ``before_step`` and ``after_step``, nothing else; neither awaits the network.
 """
@@ -26,7 +30,7 @@ from atoll.models.fragments import Fragment
 from atoll.models.outer import pseudo_gradient
 from atoll.protocols.state_sync import MAX_ANCESTORS
 
-from .algorithm import Algorithm
+from .algorithm import Algorithm, LocalMerge
 from .config import NodeConfig
 from .local_state import LocalFragmentState
 from .metrics import SKIPPED, Counters, HeldOut, MetricsLog
@@ -47,6 +51,9 @@ class _Pending:
     future: concurrent.futures.Future
     merge_at: int  # schedule step at which the result is merged in (due step + τ)
     version: int
+    theta: torch.Tensor  # θ_p at the snapshot (flat fp32 host): the delta rule keeps θ_p,now − theta
+    counters: tuple[int, int]  # the tokens and steps behind our contribution (the fragment's, at the snapshot)
+    base_id: tuple[int, str]  # the replica the contribution was taken against
     delta: torch.Tensor | None = None  # our contribution (Θ_base − θ at the snapshot), kept for stale contributions
 
 
@@ -59,6 +66,7 @@ class _Snapshot:
     base_id: tuple[int, str]
     weight: float
     merge_at: int
+    counters: tuple[int, int]  # the fragment's tokens and steps at the snapshot
 
 
 @dataclass(eq=False)
@@ -80,6 +88,12 @@ class Rounds:
         self.replica, self.local, self.syncer = replica, local, syncer
         self.counters, self.metrics, self.held_out, self.stop = counters, metrics, held_out, stop
         self.keep_stale = algorithm.stale_contributions and cfg.run.stale_contributions
+        self.local_merge = LocalMerge(cfg.run.local_merge)
+        # Unmerged work survives an adoption under the delta rule (and, as before it, with stale contributions).
+        self.carry_adopted = self.local_merge is LocalMerge.DELTA or self.keep_stale
+        # The most steps of work carried onto a new replica: one period. Work older than that was trained against a
+        # replica the swarm has since moved a whole period past (a freeze, a long round): it is dropped and counted.
+        self.carry_max_steps = cfg.run.sync_every
         self.pending: dict[int, _Pending] = {}
         self.snapshots: dict[int, _Snapshot] = {}  # rounds whose θ_p snapshot is still on its way to the host
         self.merged_rounds: dict[int, list[_MergedRound]] = {}  # per fragment, newest last
@@ -117,20 +131,22 @@ class Rounds:
             lost_rounds = [r for r in ours if r.digest not in state.ancestors] if state.forked else []
             self.merged_rounds[p] = [r for r in ours if r not in lost_rounds]
             lost = sum(r.counters[0] for r in lost_rounds) // n
-            if self.keep_stale:
+            if self.carry_adopted and local.steps <= self.carry_max_steps:
                 # Keep the work no round has merged yet: θ_p moves with the new Θ_p, and the unmerged progress
-                # rides along into our next contribution (a stale one, weighted by the tokens behind it). Our part
-                # of the lost rounds rides along too (Θ_base − θ_snapshot = delta, so its progress is −delta).
-                progress = learner.gather(fragment) - local.base
-                again = [r for r in lost_rounds if r.delta is not None]
+                # rides along into our next contribution, weighted by the tokens behind it. With stale
+                # contributions our part of the lost rounds rides along too (Θ_base − θ_snapshot = delta, so its
+                # progress is −delta).
+                progress = learner.gather(fragment).double() - local.base.double()
+                again = [r for r in lost_rounds if r.delta is not None] if self.keep_stale else []
                 for r in again:
-                    progress -= r.delta
+                    progress -= r.delta.double()
                     local.tokens += r.counters[0]
                     local.steps += r.counters[1]
-                lost = sum(r.counters[0] for r in lost_rounds if r.delta is None) // n
+                lost = sum(r.counters[0] for r in lost_rounds if r not in again) // n
+                counters.tokens_carried += local.tokens // n
                 local.rebase(new, base_id)
-                learner.put(fragment, new + progress)
-                what = "kept" + (" with our part of the lost round" if again else "")
+                learner.put(fragment, (new.double() + progress).float())
+                what = "carried" + (" with our part of the lost round" if again else "")
             else:
                 lost += local.restart(new, base_id) // n
                 learner.put(fragment, new)
@@ -152,11 +168,11 @@ class Rounds:
             if own_schedule:
                 self.counters.round_ended(p, SKIPPED)
             return
-        if own_schedule and self.algorithm.joins_open_rounds and self.local[p].steps < self.run.sync_every // 2:
+        if own_schedule and self.algorithm.joins_open_rounds and self.local[p].fresh_steps < self.run.sync_every // 2:
             # We joined a round of p that a peer opened not long ago: opening another now would only split the
             # swarm's work on p into smaller rounds.
             return
-        if not own_schedule and self.local[p].steps < self.run.sync_every // OPEN_ROUND_MIN_SHARE:
+        if not own_schedule and self.local[p].fresh_steps < self.run.sync_every // OPEN_ROUND_MIN_SHARE:
             # A peer's round opened right after our last one: honest peers a little off our schedule do not do
             # that, and a member announcing rounds at every step would make us contribute at every step.
             return
@@ -171,7 +187,9 @@ class Rounds:
         # lands a step or two later; the round starts then, against the base it was taken from).
         self.snapshots[p] = _Snapshot(self.learner.snapshot(self.fragments[p].params), local.base, local.base_id,
                                       self.algorithm.weight(local.tokens, local.steps),
-                                      self.replica.schedule_step + self.run.overlap_steps)
+                                      self.replica.schedule_step + self.run.overlap_steps,
+                                      (local.tokens, local.steps))
+        local.snapshotted()
         self._submit_snapshots()
 
     def _submit_snapshots(self) -> None:
@@ -182,9 +200,11 @@ class Rounds:
                                               and self.replica.schedule_step >= snap.merge_at):
                 continue
             del self.snapshots[p]
-            delta = pseudo_gradient(snap.base, snap.theta.result())
+            theta = snap.theta.result()
+            delta = pseudo_gradient(snap.base, theta)
             future = self.syncer.submit_round(p, delta, snap.weight, snap.base_id)
-            self.pending[p] = _Pending(future, snap.merge_at, snap.base_id[0], delta.float() if self.keep_stale else None)
+            self.pending[p] = _Pending(future, snap.merge_at, snap.base_id[0], theta, snap.counters, snap.base_id,
+                                       delta.float() if self.keep_stale else None)
 
     def drain(self, timeout: float, paused: Callable[[], None] = lambda: None) -> int:
         """Before a pause: start the rounds whose snapshots are on their way, call ``paused`` (the island says so
@@ -236,6 +256,44 @@ class Rounds:
         finally:
             self.counters.blocked_seconds += time.monotonic() - t0
 
+    def _merge(self, p: int, pending: _Pending) -> None:
+        """Take round ``pending``'s result (the replica as it is now) into θ_p by the run's ``local_merge``."""
+        learner, counters, local, n = self.learner, self.counters, self.local[p], len(self.fragments)
+        fragment = self.fragments[p]
+        merged, base_id = self.replica.params_and_id(p)
+        # The work trained on θ_p since the snapshot: τ steps, or more when the round landed late (a grace window
+        # that waited for a joiner), or fewer when a pause merged it early (``drain``).
+        since = (local.tokens - pending.counters[0], local.steps - pending.counters[1])
+        counters.in_flight_steps.append(since[1])
+        rounds = self.merged_rounds.setdefault(p, [])
+        for older in rounds:
+            older.delta = None  # memory: only the newest round can be contributed again
+        rounds.append(_MergedRound(base_id[1], pending.counters, pending.delta))
+        del rounds[:-MAX_ANCESTORS]
+        delta_rule = self.local_merge is LocalMerge.DELTA and since[1] <= self.carry_max_steps
+        if local.base_id != pending.base_id:
+            # A replica adopted while the round was in flight already moved θ_p and its base (``_apply_adopted``):
+            # what θ_p holds beyond that base moves onto this result the same way.
+            if delta_rule:
+                value = merged.double() + (learner.gather(fragment).double() - local.base.double())
+                local.rebase(merged, base_id)  # the adoption counted this work carried already
+                learner.put(fragment, value.float())
+                return
+            since = (local.tokens, local.steps)
+        if delta_rule:
+            value = merged.double() + (learner.gather(fragment).double() - pending.theta.double())
+            local.carry(merged, base_id, *since)
+            counters.tokens_carried += since[0] // n
+            learner.put(fragment, value.float())
+            return
+        # Overwriting (or mixing) drops the work since the snapshot (the paper's α = 0 choice); so does a carry past
+        # the bound.
+        counters.tokens_lost += since[0] // n
+        local.restart(merged, base_id)
+        if self.local_merge is LocalMerge.MIX:
+            merged = self.run.alpha * learner.gather(fragment) + (1 - self.run.alpha) * merged
+        learner.put(fragment, merged)
+
     def _finish(self, p: int, pending: _Pending) -> bool:
         learner, run, counters = self.learner, self.run, self.counters
         try:
@@ -253,23 +311,7 @@ class Rounds:
         if outcome.kind is Outcome.FAILED:
             logger.warning("round f%d v%d failed; continuing with local progress", p, pending.version)
             return False
-        fragment = self.fragments[p]
-        merged, base_id = self.replica.params_and_id(p)
-        # Overwriting θ_p drops the steps trained on it since the snapshot (the paper's α = 0 choice): τ, or more
-        # when the round landed late (a grace window that waited for a joiner), or fewer when a pause merged it
-        # early (``drain``).
-        since = self.replica.schedule_step - (pending.merge_at - run.overlap_steps)
-        counters.tokens_lost += since * learner.tokens_per_step // len(self.fragments)
-        tokens, steps = self.local[p].tokens, self.local[p].steps
-        self.local[p].restart(merged, base_id)
-        rounds = self.merged_rounds.setdefault(p, [])
-        for older in rounds:
-            older.delta = None  # memory: only the newest round can be contributed again
-        rounds.append(_MergedRound(base_id[1], (tokens, steps), pending.delta))
-        del rounds[:-MAX_ANCESTORS]
-        if run.alpha:
-            merged = run.alpha * learner.gather(fragment) + (1 - run.alpha) * merged
-        learner.put(fragment, merged)
+        self._merge(p, pending)
         # The round's own result: a heavier replica downloaded since (now in θ_p) is recorded as an adoption.
         if p == 0:
             self.held_out.evaluate(learner)
@@ -284,5 +326,6 @@ class Rounds:
                            step=learner.step, tokens=learner.tokens, held_out_loss=held_out,
                            held_out_step=counters.held_out_step, seconds=outcome.seconds,
                            formation_seconds=outcome.formation_seconds,
+                           in_flight_steps=counters.in_flight_steps[-1] if counters.in_flight_steps else None,
                            bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received)
         return p == len(self.fragments) - 1

@@ -116,7 +116,7 @@ def status_view(doc: dict[str, Any], rate: dict[str, float] | None = None) -> An
                     f"{summary['age_s']:.0f} s old; --peers lists every peer)")
     table = Table(title=title)
     for col in ("peer", "status", "device", "ranks", "step", "versions", "tokens", "tok/s", "loss", "held-out",
-                "rounds", "skipped", "goodput", "blocked s", "forks healed", "tokens lost", "sent MB", "recv MB",
+                "rounds", "skipped", "goodput", "blocked s", "forks healed", "tokens lost", "carried", "in flight", "sent MB", "recv MB",
                 "rejected"):
         table.add_column(col, justify="left" if col in ("peer", "status", "device", "versions") else "right",
                          no_wrap=col == "peer")
@@ -127,8 +127,16 @@ def status_view(doc: dict[str, Any], rate: dict[str, float] | None = None) -> An
                       "/".join(map(str, p["fragment_versions"])), f"{p['tokens']:,}", f"{p['tokens_per_s']:,.0f}",
                       fmt(p["loss"]), fmt(p["held_out_loss"]), str(p["rounds"]), str(p["rounds_skipped"]),
                       f"{p['goodput']:.2f}", f"{p['blocked_s']:.1f}", str(p["forks_healed"]), f"{p['tokens_lost']:,}",
+                      f"{p.get('tokens_carried', 0):,}", _in_flight(p),
                       f"{p['bytes_sent'] / 1e6:.1f}", f"{p['bytes_received'] / 1e6:.1f}", str(p["rejected"]))
     return table
+
+
+def _in_flight(p: dict) -> str:
+    """Steps from a round's snapshot to its merge, median/p95 ("-" before a round merged)."""
+    if p.get("in_flight_p50") is None:
+        return "-"
+    return f"{p['in_flight_p50']}/{p['in_flight_p95']}"
 
 
 def _console() -> Any:

@@ -150,6 +150,10 @@ class ProgressRecord(pydantic.BaseModel):
     rounds_skipped: conint(ge=0, strict=True)
     forks_healed: conint(ge=0, strict=True)
     tokens_lost: conint(ge=0, strict=True)
+    tokens_carried: conint(ge=0, strict=True) = 0  # work moved onto a newer replica rather than lost
+    # Inner steps from a round's snapshot to its merge, over the recent merged rounds (None before the first).
+    in_flight_p50: Optional[conint(ge=0, strict=True)] = None
+    in_flight_p95: Optional[conint(ge=0, strict=True)] = None
     goodput: StrictFloat
     blocked_s: StrictFloat
     bytes_sent: conint(ge=0, strict=True)

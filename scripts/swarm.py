@@ -375,7 +375,8 @@ def summary(swarm: LocalSwarm) -> list[dict[str, Any]]:
             "held_out_loss": end.get("held_out_loss", rounds[-1].get("held_out_loss") if rounds else None),
             "rounds": len(rounds), "version": end.get("version"), "goodput": end.get("goodput"),
             "blocked_s": end.get("blocked_s"), "forks_healed": end.get("forks_healed"),
-            "tokens_lost": end.get("tokens_lost"), "bytes_sent": end.get("bytes_sent"),
+            "tokens_lost": end.get("tokens_lost"), "tokens_carried": end.get("tokens_carried"),
+            "bytes_sent": end.get("bytes_sent"),
         })
     return rows
 
@@ -450,14 +451,14 @@ def main() -> int:
     table = Table(title="summary")
     rows = summary(swarm)
     for col in ("daemon", "exit", "steps", "tokens", "train loss", "held-out", "rounds", "version", "goodput",
-                "blocked s", "forks", "tokens lost", "sent MB"):
+                "blocked s", "forks", "tokens lost", "carried", "sent MB"):
         table.add_column(col, no_wrap=True)
     for r in rows:
         fmt = lambda x, spec=".4f": "-" if x is None else format(x, spec)  # noqa: E731
         table.add_row(r["daemon"], str(codes.get(r["daemon"])), str(r["steps"]), f"{r['tokens']:,}",
                       fmt(r["train_loss"]), fmt(r["held_out_loss"]), str(r["rounds"]), str(r["version"]),
                       fmt(r["goodput"], ".2f"), fmt(r["blocked_s"], ".1f"), str(r["forks_healed"]),
-                      fmt(r["tokens_lost"], ","), fmt(None if r["bytes_sent"] is None else r["bytes_sent"] / 1e6, ".1f"))
+                      fmt(r["tokens_lost"], ","), fmt(r["tokens_carried"], ","), fmt(None if r["bytes_sent"] is None else r["bytes_sent"] / 1e6, ".1f"))
     console.print(table)
     plot = Path(args.plot) if args.plot else workdir / "loss.png"
     plot_loss(swarm, plot)

@@ -343,11 +343,12 @@ class FakeSyncer:
         return done
 
 
-def test_across_a_pause_unmerged_work_is_lost_where_the_swarm_moved_and_fresh_work_alone_is_weighed():
-    """Trained k steps, paused, resumed: the fragment the swarm moved past during the pause is adopted and its
-    unmerged k steps are counted lost (not contributed against a base they were not trained from); the next
-    contribution of that fragment weighs only the m steps since. A fragment the swarm did not move keeps its
-    k steps: its base is still the run's, so they are fresh."""
+@pytest.mark.parametrize("local_merge", ["delta", "overwrite"])
+def test_across_a_pause_unmerged_work_moves_onto_the_replica_the_swarm_moved_to(local_merge):
+    """Trained k steps, paused, resumed: the fragment the swarm moved past during the pause is adopted. Under the
+    delta rule its unmerged k steps ride along onto the new replica (θ_0 ← Θ_new + θ_0 − base) and the next
+    contribution weighs k + m steps; overwriting drops them, counted lost, and the next contribution weighs only
+    the m steps since. A fragment the swarm did not move keeps its k steps either way."""
     import threading
 
     from atoll.models.fragments import make_fragments
@@ -360,7 +361,7 @@ def test_across_a_pause_unmerged_work_is_lost_where_the_swarm_moved_and_fresh_wo
     from atoll.protocols.state_sync import ReplicaState
 
     learner = trained_learner()
-    cfg = NodeConfig(run=RunConfig(model="nano", sync_every=40, fragments=2))
+    cfg = NodeConfig(run=RunConfig(model="nano", sync_every=40, fragments=2, local_merge=local_merge))
     algo = algorithm("decoupled")
     fragments = make_fragments(learner.params, 2, 40)
     replica = Replica([learner.gather(f) for f in fragments])
@@ -379,6 +380,7 @@ def test_across_a_pause_unmerged_work_is_lost_where_the_swarm_moved_and_fresh_wo
     k, m, tokens = 7, 25, learner.tokens_per_step
     train(k)
     assert rounds.drain(1.0) == 0
+    theta, base = learner.gather(fragments[0]), local[0].base
     kept = learner.release()
     # Meanwhile the swarm merged three rounds of fragment 0; the catch-up at resume adopts them.
     params = replica.params_and_id(0)[0] + 0.01
@@ -390,13 +392,18 @@ def test_across_a_pause_unmerged_work_is_lost_where_the_swarm_moved_and_fresh_wo
     learner.reclaim(kept)
     syncer.adopted.append(state)
     rounds.before_step()
-    assert counters.tokens_lost == k * tokens // 2  # fragment 0's half of the k steps
-    assert torch.equal(learner.gather(fragments[0]), params)  # θ_0 is the swarm's
+    if local_merge == "delta":
+        assert counters.tokens_lost == 0 and counters.tokens_carried == k * tokens // 2  # fragment 0's half
+        assert torch.equal(learner.gather(fragments[0]), (params.double() + theta.double() - base.double()).float())
+    else:
+        assert counters.tokens_lost == k * tokens // 2  # fragment 0's half of the k steps
+        assert torch.equal(learner.gather(fragments[0]), params)  # θ_0 is the swarm's
     train(m)
     for p in (0, 1):
         rounds._start(p, own_schedule=True)
     weights = {p: w for p, w, _ in syncer.submitted}
-    assert weights[0] == algo.weight(m * tokens, m)
+    carried = k if local_merge == "delta" else 0
+    assert weights[0] == algo.weight((carried + m) * tokens, carried + m)
     assert weights[1] == algo.weight((k + m) * tokens, k + m)
     assert syncer.submitted[0][2] == (3, digest)  # taken against the adopted replica
 

@@ -1,0 +1,192 @@
+"""How a learner takes rounds and adopted replicas into its own θ (``node/rounds.py``, ``--local-merge``): the delta
+rule keeps every step trained while a round is in flight and carries it into the next contribution; overwriting
+drops them. Driven through ``Rounds`` with a syncer stand-in that lands each round a set number of steps late."""
+
+import concurrent.futures
+import threading
+
+import pytest
+import torch
+
+from atoll.models.data import Corpus, load_corpus
+from atoll.models.configs import MODELS
+from atoll.models.fragments import make_fragments
+from atoll.models.outer import NesterovOuter, tensor_hash
+from atoll.node.algorithm import algorithm
+from atoll.node.config import NodeConfig, RunConfig
+from atoll.node.device import resolve_device
+from atoll.node.learner import Learner
+from atoll.node.local_state import LocalFragmentState
+from atoll.node.metrics import Counters, HeldOut, MetricsLog
+from atoll.node.replica import Replica
+from atoll.node.round_protocol import Outcome, RoundOutcome
+from atoll.node.rounds import Rounds
+from atoll.protocols.state_sync import ReplicaState
+from atoll.protocols.stats import TrafficStats
+
+H, P = 8, 2
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    tokens, _ = load_corpus("builtin")
+    return Corpus(tokens, MODELS["nano"].seq_len, 16)
+
+
+class LateSyncer:
+    """One member's rounds: each lands ``delay`` steps after it was submitted, as plain averaging of one
+    contribution would (Θ_new = θ_snapshot exactly); rounds listed in ``fail`` (by submission order) fail."""
+
+    def __init__(self, replica: Replica, delay: int, fail=()) -> None:
+        self.replica, self.delay, self.fail = replica, delay, set(fail)
+        self.adopted, self.submitted, self.stats, self.inflight, self.merged = [], [], TrafficStats(), [], []
+
+    def take_candidates(self):
+        return []
+
+    def take_adopted(self):
+        out, self.adopted = self.adopted, []
+        return out
+
+    def take_open_rounds(self):
+        return set()
+
+    def submit_round(self, p, delta, weight, base):
+        future = concurrent.futures.Future()
+        self.inflight.append((self.replica.schedule_step + self.delay, p, delta, weight, base, future,
+                              len(self.submitted) in self.fail))
+        self.submitted.append((p, weight, base))
+        return future
+
+    def land(self) -> None:
+        """Land the rounds due at this step (before the learner's next boundary reads them)."""
+        for item in [i for i in self.inflight if i[0] <= self.replica.schedule_step]:
+            self.inflight.remove(item)
+            _, p, delta, weight, base, future, fails = item
+            if fails:
+                future.set_result(RoundOutcome(Outcome.FAILED, base[0]))
+                continue
+            version, total, digest = self.replica.apply_outer_step(p, base[0], delta, weight, NesterovOuter(1.0, 0.0))
+            self.merged.append((p, weight))
+            future.set_result(RoundOutcome(Outcome.MERGED, base[0], digest=digest, weight=total))
+
+
+def island(corpus, local_merge="delta", delay=3, fail=()):
+    run = RunConfig(model="nano", sync_every=H, fragments=P, overlap=1, warmup_steps=3, local_merge=local_merge)
+    learner = Learner(run, resolve_device("cpu"), corpus, shard=0, batch_size=2)
+    fragments = make_fragments(learner.params, P, H)
+    replica = Replica([learner.gather(f) for f in fragments])
+    local = [LocalFragmentState(learner.gather(f), (replica.identity(p)[0], replica.identity(p)[2]))
+             for p, f in enumerate(fragments)]
+    counters, syncer = Counters(), LateSyncer(replica, delay, fail)
+    rounds = Rounds(NodeConfig(run=run), algorithm("decoupled"), learner, fragments, replica, local, syncer,
+                    counters, MetricsLog(None), HeldOut(1e9, counters), threading.Event())
+    return learner, fragments, replica, local, counters, syncer, rounds
+
+
+def train(learner, replica, local, syncer, rounds, steps):
+    for _ in range(steps):
+        rounds.before_step()
+        learner.train_step()
+        replica.schedule_step += 1
+        for state in local:
+            state.add_step(learner.tokens_per_step)
+        syncer.land()
+        rounds.after_step()
+
+
+def plain(corpus, steps):
+    learner = island(corpus)[0]
+    for _ in range(steps):
+        learner.train_step()
+    return learner.flat_params()
+
+
+@pytest.mark.parametrize("delay", [1, 3, 7])
+def test_one_member_through_the_delta_rule_is_plain_training_bit_for_bit(corpus, delay):
+    learner, fragments, replica, local, counters, syncer, rounds = island(corpus, delay=delay, fail={2})
+    train(learner, replica, local, syncer, rounds, 33)
+    assert torch.equal(learner.flat_params(), plain(corpus, 33))
+    assert counters.tokens_lost == 0
+    merged = len(syncer.submitted) - 1 - len(syncer.inflight)  # one failed
+    assert replica.identity(0)[0] + replica.identity(1)[0] == merged > 3
+    # Every step is in exactly one merged contribution or still in θ − base: the steps behind the merged
+    # contributions (a token weight c_tok²/c_steps is per²·steps) and those unmerged add up to every step trained.
+    per = learner.tokens_per_step
+    for p in range(P):
+        merged_steps = sum(round(w / per**2) for q, w in syncer.merged if q == p)
+        assert merged_steps + local[p].steps == 33, p
+    assert counters.tokens_carried > 0
+
+
+def test_overwriting_a_late_round_loses_the_steps_since_its_snapshot(corpus):
+    learner, fragments, replica, local, counters, syncer, rounds = island(corpus, local_merge="overwrite", delay=3)
+    train(learner, replica, local, syncer, rounds, 33)
+    assert not torch.equal(learner.flat_params(), plain(corpus, 33))
+    merged = replica.identity(0)[0] + replica.identity(1)[0]
+    assert counters.tokens_lost == merged * 3 * learner.tokens_per_step // P and counters.tokens_carried == 0
+
+
+def test_a_contribution_weighs_the_steps_it_carries_and_the_gates_count_from_the_snapshot(corpus):
+    """After a round of fragment 0 lands 3 steps late, fragment 0's next contribution carries those 3 steps plus
+    the H − 3 trained since: H in all, the same as a round that landed at once."""
+    learner, fragments, replica, local, counters, syncer, rounds = island(corpus, delay=3)
+    train(learner, replica, local, syncer, rounds, 2 * H + 1)
+    algo, per = algorithm("decoupled"), learner.tokens_per_step
+    weights = [w for p, w, _ in syncer.submitted if p == 0]
+    assert weights[:2] == [algo.weight(H * per, H)] * 2
+    # 3 carried + 5 contributed at 2H (in flight) + 1 since: the gates count the 1.
+    assert local[0].fresh_steps == 1 and local[0].steps == H + 1
+
+
+def test_a_failed_round_keeps_its_work_for_the_next_one(corpus):
+    learner, fragments, replica, local, counters, syncer, rounds = island(corpus, delay=2, fail={0})
+    train(learner, replica, local, syncer, rounds, H + 1)
+    assert replica.identity(0)[0] == 0 and local[0].steps == H + 1  # fragment 0's first round failed
+    assert counters.tokens_lost == 0
+
+
+def adopt(replica, learner, syncer, rounds, p, version, ancestors, shift=0.01):
+    params = replica.params_and_id(p)[0] + shift
+    momentum = torch.zeros_like(params)
+    digest = tensor_hash(params, momentum)
+    state = ReplicaState(version, float(version), digest, params, momentum, 0, donor="peer", fragment=p,
+                         ancestors=(*ancestors, digest), donors=("peer",))
+    assert replica.adopt(state)
+    syncer.adopted.append(state)
+    rounds.before_step()
+    return params, state
+
+
+def test_an_adopted_descendant_carries_the_unmerged_work(corpus):
+    learner, fragments, replica, local, counters, syncer, rounds = island(corpus)
+    train(learner, replica, local, syncer, rounds, 3)  # no round yet: fragment 1 is due at 4
+    theta, base = learner.gather(fragments[1]), local[1].base
+    own = replica.identity(1)[2]
+    params, state = adopt(replica, learner, syncer, rounds, 1, 2, (own, "x"))
+    assert not state.forked
+    assert torch.equal(learner.gather(fragments[1]), (params.double() + theta.double() - base.double()).float())
+    assert counters.tokens_lost == 0 and counters.tokens_carried == 3 * learner.tokens_per_step // P
+    assert local[1].steps == 3 and local[1].base_id == (2, state.digest)
+
+
+def test_a_forks_loser_counts_its_lost_round_and_carries_what_no_round_merged(corpus):
+    learner, fragments, replica, local, counters, syncer, rounds = island(corpus, delay=1)
+    train(learner, replica, local, syncer, rounds, H // P + 3)  # fragment 1's round at 4 merged at 5
+    assert replica.identity(1)[0] == 1
+    per, unmerged = learner.tokens_per_step, local[1].tokens
+    assert unmerged == 3 * per  # 1 carried from the merge, 2 since
+    params, state = adopt(replica, learner, syncer, rounds, 1, 2, ("other",))
+    assert state.forked
+    assert counters.tokens_lost == 4 * per // P  # our part of the lost round: the 4 steps before its snapshot
+    assert local[1].tokens == unmerged
+
+
+def test_carried_work_past_one_period_is_dropped_and_counted(corpus):
+    learner, fragments, replica, local, counters, syncer, rounds = island(corpus, delay=1, fail={0, 1, 2})
+    train(learner, replica, local, syncer, rounds, H + 2)  # both fragments' rounds failed: work piles up
+    assert local[1].steps == H + 2 > H
+    own = replica.identity(1)[2]
+    params, _ = adopt(replica, learner, syncer, rounds, 1, 3, (own,))
+    assert torch.equal(learner.gather(fragments[1]), params)
+    assert counters.tokens_lost == (H + 2) * learner.tokens_per_step // P and local[1].steps == 0
