@@ -86,6 +86,10 @@ def run_swarm(root: Path, algorithm: str, args: argparse.Namespace, extra: list[
             "blocked_s_mean": statistics.mean(x["blocked_s"] for x in s),
             "rounds_per_daemon": [x["rounds"] for x in s], "rounds_skipped": sum(x["rounds_skipped"] for x in s),
             "forks_healed": sum(x["forks_healed"] for x in s), "tokens_lost": sum(x["tokens_lost"] for x in s),
+            "tokens_carried": sum(x.get("tokens_carried", 0) for x in s),
+            # Steps from a round's snapshot to its merge, every merged round of every daemon.
+            "in_flight_steps": [m["in_flight_steps"] for d in swarm.daemons.values() for m in d.rounds()
+                                if m.get("in_flight_steps") is not None],
             "replayed_adoptions": len([m for m in adopted if m.get("replayed")]),
             "full_adoptions": len([m for m in adopted if not m.get("replayed")]),
             "seconds": time.monotonic() - start}

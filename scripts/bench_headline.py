@@ -5,7 +5,8 @@
 
 For each seed, the same four-daemon swarm as ``scripts/bench_algorithms.py`` (tiny, batch 8, equal tokens) runs
 each configuration in turn: ``ddp`` (the baseline), ``decoupled`` with every default (Nesterov outer step, int4,
-join window) and ``decoupled`` with plain averaging as the outer step. The order rotates from seed to seed, so
+join window, the delta rule), ``decoupled`` with plain averaging as the outer step, ``decoupled`` overwriting at a
+merge (the rule before the delta rule) and ``diloco``. The order rotates from seed to seed, so
 that neither side always runs first on the shared machine. Each ratio is a configuration's held-out loss (final
 global replica, mean of the daemons) over the ddp run of the same seed in this invocation; reported per seed and
 as the mean with a 95% interval over seeds. Writes ``<out>/bench_headline.json`` and ``.png``.
@@ -30,6 +31,8 @@ CONFIGS = (  # label, algorithm, extra daemon flags
     ("ddp", "ddp", []),
     ("decoupled (defaults)", "decoupled", []),
     ("decoupled, plain averaging", "decoupled", ["--outer-lr", "1", "--outer-momentum", "0"]),
+    ("decoupled, overwriting", "decoupled", ["--local-merge", "overwrite"]),  # the merge rule before the delta rule
+    ("diloco", "diloco", []),
 )
 
 
@@ -52,6 +55,7 @@ def main() -> int:
             r.update(label=label, seed=seed, flags=extra)
             runs.append(r)
             print(f"    held-out {r['held_out_loss_mean']:.4f}  tokens lost {r['tokens_lost'] / r['tokens_total']:.0%}"
+                  f"  carried {r['tokens_carried'] / r['tokens_total']:.0%}"
                   f"  blocked {r['blocked_s_mean']:.1f}s  ({r['seconds']:.0f} s)", flush=True)
     ddp = {r["seed"]: r for r in runs if r["algorithm"] == "ddp"}
     summary = {}
@@ -65,6 +69,8 @@ def main() -> int:
             "loss_ratio_to_ddp": interval([r["loss_ratio_to_ddp"] for r in mine]),
             "ddp_bytes_per_token_over_this": interval([r["ddp_bytes_per_token_over_this"] for r in mine]),
             "tokens_lost_share": interval([r["tokens_lost"] / r["tokens_total"] for r in mine]),
+            "tokens_carried_share": interval([r["tokens_carried"] / r["tokens_total"] for r in mine]),
+            "in_flight_steps_p50_p95": _percentiles([x for r in mine for x in r["in_flight_steps"]]),
             "blocked_s_per_daemon": interval([r["blocked_s_mean"] for r in mine]),
             "goodput": interval([r["goodput_mean"] for r in mine]),
             "seeds_within_1pct_of_ddp": sum(r["loss_ratio_to_ddp"] <= 1.01 for r in mine),
@@ -80,6 +86,13 @@ def main() -> int:
         print(f"{label:28s} held-out {fmt(s['held_out_loss'], 4)}  / ddp {fmt(s['loss_ratio_to_ddp'])}  "
               f"ddp bytes/these {fmt(s['ddp_bytes_per_token_over_this'], 0)}  blocked {fmt(s['blocked_s_per_daemon'], 1)} s")
     return 0
+
+
+def _percentiles(values: list[int]) -> list[int] | None:
+    values = sorted(values)
+    if not values:
+        return None
+    return [values[len(values) // 2], values[min(len(values) - 1, -(-95 * len(values) // 100) - 1)]]
 
 
 def plot(doc: dict, path: Path) -> None:
