@@ -59,8 +59,9 @@ class Trainee:
         return self._to_host_flat(self.params)
 
     def gather(self, fragment) -> torch.Tensor:
-        """A fragment's parameters as one flat fp32 host tensor (a copy): every read of θ by rounds goes here."""
-        return fragment.gather(self.params)
+        """A fragment's parameters as one flat fp32 host tensor (a copy): every read of θ by rounds goes here (the
+        delta rule reads θ_p at every merge), in one batched transfer (``Device.to_host``)."""
+        return self._to_host_flat([self.params[i] for i in fragment.params])
 
     def put(self, fragment, flat: torch.Tensor) -> None:
         """Copy ``flat`` into a fragment's parameters in place: every write of θ by rounds goes here."""
