@@ -26,7 +26,7 @@ from atoll.protocols.averaging import HONEST, AllreduceResult, AveragingServicer
 from atoll.protocols.matchmaking import POLL_INTERVAL, form_group, sibling_group
 from atoll.protocols.records import Status, open_rounds_key, parse_open_round, unwrap_subkeys
 
-from .catchup import CatchUp
+from .catchup import MAX_LONELY_LEAD, CatchUp
 from .context import SyncContext
 from .peers import PeerTable
 
@@ -154,6 +154,9 @@ class RoundProtocol:
                 if decided:  # left out: its members will hold the replica to catch up to
                     self.peers.follow([m for group in decided[-1] for m in group])
                 return RoundOutcome(Outcome.FAILED, version, seconds=formed - started)
+            if algo.quorum and members == [ctx.peer_id] and not await self._may_merge_alone(p, version):
+                behind = True
+                return RoundOutcome(Outcome.BEHIND, version, members, seconds=formed - started)
             if run.quorum > 1:
                 self.quorum_time.update(formed - started)
             ctx.faults.group_formed(ctx.counters.rounds_done, version)
@@ -189,6 +192,26 @@ class RoundProtocol:
             ctx.spawn(self.peers.publish())
             if behind:
                 self.catch_up.maybe_catch_up()
+
+    async def _may_merge_alone(self, p: int, version: int) -> bool:
+        """Whether a decoupled round of fragment ``p`` at ``version`` whose group is only ourselves may merge. Not when
+        a live peer holds the fragment at a later version: the swarm merged on without us (we were frozen, paused,
+        slow, or left out), and merging alone would make a second replica of that version, a fork that loses its
+        work when it heals. Not either while the daemon settles after a stall (``Syncer._watch_stalls``): its table
+        is stale then, or empty. The round is abandoned as behind instead: the work stays in θ (the delta rule) and
+        goes into the next round, and the replica is caught up. A claim more than ``MAX_LONELY_LEAD`` versions
+        ahead is ignored here, as by the catch-up: one lying peer cannot stop a lone daemon's rounds."""
+        if time.monotonic() < self.ctx.settle_until:
+            logger.info("round f%d v%d: alone just after a stall; not merging alone until the swarm is read again",
+                        p, version)
+            return False
+        peers = await self.peers.refresh(max_age=PEERS_MAX_AGE)
+        ahead = [peer.fragment_versions[p] for peer in peers.values() if peer.status == Status.TRAINING
+                 and version < peer.fragment_versions[p] <= version + MAX_LONELY_LEAD]
+        if ahead:
+            logger.info("round f%d v%d: alone while %d live peer(s) hold the fragment at v%d; merging alone would "
+                        "fork it: catching up instead", p, version, len(ahead), max(ahead))
+        return not ahead
 
     async def _merge_siblings(self, p: int, version: int, groups: list[list[str]], result: AllreduceResult,
                               digest: str) -> AllreduceResult:

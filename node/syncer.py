@@ -43,6 +43,10 @@ from .round_protocol import RoundProtocol
 
 logger = logging.getLogger("atoll")
 LEAVE_TIMEOUT = 3.0  # seconds the leaving announcement may take
+STALL_TICK_S = 0.5  # how often the stall watch wakes
+STALL_MIN_S = 5.0  # a gap this long (or three heartbeats) without the loop running is a stall
+# After a stall the DHT's first calls may give up (dht_io's 10 s timeouts) before a fresh read of the table arrives.
+STALL_SETTLE_S = 20.0
 # Before its P2P stops, a leaving daemon serves the streams peers still have open (the reduced shard of the last
 # round, which a member may still be fetching: a ddp daemon that left at --max-steps cut one off), for at most
 # LINGER seconds, and until none has been open for LINGER_QUIET (a request may be on its way).
@@ -116,6 +120,7 @@ class Syncer:
                             replay=replica.replay_from).add_p2p_handlers(ctx.p2p, namespace=ctx.cfg.run_id)
         self.catch_up.start()
         self._spawn(self._heartbeat())
+        self._spawn(self._watch_stalls())
         if ctx.algorithm.joins_open_rounds:
             self._spawn(self.rounds.watch_open_rounds())
 
@@ -154,6 +159,31 @@ class Syncer:
                 logger.warning("heartbeat failed: %r", e)
             await asyncio.sleep(self.ctx.cfg.heartbeat)
             self.table.heartbeat_took(time.monotonic() - began)
+
+    async def _watch_stalls(self) -> None:
+        """Notice that the event loop did not run for a while (the process was frozen by SIGSTOP or a debugger,
+        starved of CPU, or the machine slept) and come back into step at once: publish a fresh progress record
+        (the old one expired meanwhile: the others stopped counting on us), read the swarm and catch up, and merge
+        no round alone until ``STALL_SETTLE_S`` have passed (``RoundProtocol._may_merge_alone``)."""
+        ctx, last = self.ctx, time.monotonic()
+        while True:
+            await asyncio.sleep(STALL_TICK_S)
+            now = time.monotonic()
+            stalled, last = now - last - STALL_TICK_S, now
+            if stalled < max(STALL_MIN_S, 3 * ctx.cfg.heartbeat):
+                continue
+            ctx.settle_until = now + STALL_SETTLE_S
+            logger.warning("the daemon did not run for %.1f s (frozen, or starved of CPU): publishing our record "
+                           "again and catching up; no round merges alone for %.0f s", stalled, STALL_SETTLE_S)
+            self._spawn(self._come_back())
+
+    async def _come_back(self) -> None:
+        try:
+            await self.table.publish()
+            await self.table.refresh()
+            self.catch_up.maybe_catch_up()
+        except Exception as e:  # the heartbeat does the same a moment later
+            logger.info("coming back after a stall: %r", e)
 
     def shutdown(self) -> None:
         """Announce leaving (status ``leaving``, short expiry) and stop the event loop."""
