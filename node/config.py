@@ -78,9 +78,11 @@ class RunConfig:
     data: str = opt("builtin", help="'builtin', a text file or folder, uint16 .bin shards, or a folder from "
                                     "atoll data prepare (docs/data.md)", metavar="PATH")
     sync_every: int = opt(50, help="inner steps between outer rounds", metavar="H")
-    outer_lr: float = opt(0.7, help="outer step size", metavar="LR")
-    outer_momentum: float = opt(0.9, help="outer Nesterov momentum, in [0, 1); 0 with --outer-lr 1 is plain "
-                                          "averaging", metavar="MU")
+    # Plain averaging (1, 0) by measurement: under the delta rule the papers' Nesterov (0.7, 0.9) amplifies the work
+    # carried from late rounds (docs/results.md, "The merge rule in one process").
+    outer_lr: float = opt(1.0, help="outer step size (the papers': 0.7)", metavar="LR")
+    outer_momentum: float = opt(0.0, help="outer Nesterov momentum, in [0, 1); 0 with --outer-lr 1 (the default) is "
+                                          "plain averaging; the papers': 0.9", metavar="MU")
     inner_lr: float = opt(1e-3, help="AdamW learning rate of the inner steps", metavar="LR")
     weight_decay: float = opt(0.1, help="AdamW weight decay of the inner steps", metavar="WD")
     warmup_steps: int = opt(20, help="inner steps of linear learning-rate warmup, 0 for none", metavar="N")

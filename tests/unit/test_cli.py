@@ -48,7 +48,7 @@ def test_help_shows_each_dataclass_default():
         shown = f"default: {show_default(defaults[action.dest])})"
         assert shown in action.help, action.dest
         assert shown in " ".join((action.help % {}).split()) and action.option_strings[0] in text
-    for snippet in ("--outer-lr LR outer step size (default: 0.7)", "(default: /ip4/0.0.0.0/tcp/0)",
+    for snippet in ("--outer-lr LR outer step size (the papers': 0.7) (default: 1.0)", "(default: /ip4/0.0.0.0/tcp/0)",
                     "--error-feedback {true,false}", "(one of decoupled, streaming, diloco, ddp; default: decoupled)",
                     "(one of auto, cpu, cuda, xla; default: auto)", "int4, fp4, int2; default: int4)",
                     f"(default: {RunConfig().sync_every})", f"(default: {NodeConfig().peer_cooldown})"):
