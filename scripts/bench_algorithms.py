@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bars import each  # noqa: E402
-from bench_parity import BATCH, make_learner  # noqa: E402
+from bench_parity import BATCH, EVAL_BATCHES, make_learner  # noqa: E402
 from swarm import LocalSwarm  # noqa: E402
 
 from atoll.models.fragments import make_fragments  # noqa: E402
@@ -36,7 +36,8 @@ ALGORITHMS = ("ddp", "diloco", "streaming", "decoupled")
 
 def evaluate_swarm(swarm: LocalSwarm, run: RunConfig) -> list[float]:
     """Held-out loss of each daemon's final global replica (its last checkpoint), on the same batches."""
-    learner, held_out = make_learner(run, shard=0)
+    learner, corpus = make_learner(run, shard=0)
+    held_out = corpus.held_out(EVAL_BATCHES, BATCH)
     fragments = make_fragments(learner.params, run.num_fragments, run.sync_every, learner.model.embed.weight)
     losses = []
     for d in swarm.daemons.values():
