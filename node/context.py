@@ -41,7 +41,7 @@ class SyncContext:
     error_feedback: ErrorFeedback = field(default_factory=ErrorFeedback)  # touched on the event loop only
     in_round: set[int] = field(default_factory=set)  # fragments with a round of ours under way
     leaving: bool = False
-    settle_until: float = 0.0  # monotonic: until then no round merges alone (the syncer ran again after a stall)
+    settle_until: float = 0.0  # monotonic: until then a lone merge reads the table afresh (after a stall)
     started_at: float = field(default_factory=get_dht_time)  # DHT time this process's syncer was made
     p2p: Any = None  # hivemind's P2P, once the event loop has started
     run_public_key: bytes | None = None  # a private run's run key (signs its revocation lists)

@@ -197,15 +197,15 @@ class RoundProtocol:
         """Whether a decoupled round of fragment ``p`` at ``version`` whose group is only ourselves may merge. Not when
         a live peer holds the fragment at a later version: the swarm merged on without us (we were frozen, paused,
         slow, or left out), and merging alone would make a second replica of that version, a fork that loses its
-        work when it heals. Not either while the daemon settles after a stall (``Syncer._watch_stalls``): its table
-        is stale then, or empty. The round is abandoned as behind instead: the work stays in θ (the delta rule) and
-        goes into the next round, and the replica is caught up. A claim more than ``MAX_LONELY_LEAD`` versions
-        ahead is ignored here, as by the catch-up: one lying peer cannot stop a lone daemon's rounds."""
-        if time.monotonic() < self.ctx.settle_until:
-            logger.info("round f%d v%d: alone just after a stall; not merging alone until the swarm is read again",
-                        p, version)
-            return False
-        peers = await self.peers.refresh(max_age=PEERS_MAX_AGE)
+        work when it heals. The round is abandoned as behind instead: the work stays in θ (the delta rule) and goes
+        into the next round, and the replica is caught up. While the daemon settles after a stall
+        (``Syncer._watch_stalls``) the table is read afresh first: the one it holds is from before the stall. A
+        round at a version the others hold too is not refused: as its coordinator we may have decided a group of
+        ourselves alone, and refusing it would fail the round for them as well (they were left out of it). A claim
+        more than ``MAX_LONELY_LEAD`` versions ahead is ignored here, as by the catch-up: one lying peer cannot
+        stop a lone daemon's rounds."""
+        settling = time.monotonic() < self.ctx.settle_until
+        peers = await self.peers.refresh(max_age=0.0 if settling else PEERS_MAX_AGE)
         ahead = [peer.fragment_versions[p] for peer in peers.values() if peer.status == Status.TRAINING
                  and version < peer.fragment_versions[p] <= version + MAX_LONELY_LEAD]
         if ahead:

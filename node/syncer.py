@@ -163,8 +163,8 @@ class Syncer:
     async def _watch_stalls(self) -> None:
         """Notice that the event loop did not run for a while (the process was frozen by SIGSTOP or a debugger,
         starved of CPU, or the machine slept) and come back into step at once: publish a fresh progress record
-        (the old one expired meanwhile: the others stopped counting on us), read the swarm and catch up, and merge
-        no round alone until ``STALL_SETTLE_S`` have passed (``RoundProtocol._may_merge_alone``)."""
+        (the old one expired meanwhile: the others stopped counting on us), read the swarm and catch up, and for
+        ``STALL_SETTLE_S`` read the table afresh before any round merges alone (``RoundProtocol._may_merge_alone``)."""
         ctx, last = self.ctx, time.monotonic()
         while True:
             await asyncio.sleep(STALL_TICK_S)
@@ -174,7 +174,7 @@ class Syncer:
                 continue
             ctx.settle_until = now + STALL_SETTLE_S
             logger.warning("the daemon did not run for %.1f s (frozen, or starved of CPU): publishing our record "
-                           "again and catching up; no round merges alone for %.0f s", stalled, STALL_SETTLE_S)
+                           "again and catching up", stalled)
             self._spawn(self._come_back())
 
     async def _come_back(self) -> None:

@@ -1,5 +1,5 @@
 """A decoupled round whose group is only this daemon merges alone only when that cannot fork the replica: not while
-a live peer holds the fragment at a later version, and not while the daemon settles after a stall (no sockets: the
+a live peer holds the fragment at a later version; after a stall only on a fresh read of the table (no sockets: the
 peer table is a stub)."""
 
 import asyncio
@@ -7,16 +7,18 @@ import time
 from types import SimpleNamespace
 
 from atoll.node.catchup import MAX_LONELY_LEAD
+from atoll.node import round_protocol
 from atoll.node.round_protocol import RoundProtocol
 from atoll.protocols.records import Status
 
 
 class Table:
     def __init__(self, records):
-        self.records, self.reads = records, 0
+        self.records, self.reads, self.ages = records, 0, []
 
     async def refresh(self, max_age=0.0):
         self.reads += 1
+        self.ages.append(max_age)
         return {r.peer_id: r for r in self.records}
 
 
@@ -27,11 +29,11 @@ def peer(name, versions, status=Status.TRAINING):
 def may_merge_alone(records, version, fragment=0, settle_until=0.0):
     table = Table(records)
     rounds = RoundProtocol(SimpleNamespace(settle_until=settle_until), peers=table, catch_up=None)
-    return asyncio.run(rounds._may_merge_alone(fragment, version)), table.reads
+    return asyncio.run(rounds._may_merge_alone(fragment, version)), table.ages
 
 
 def test_alone_in_the_swarm_or_ahead_of_it_merges():
-    assert may_merge_alone([], 7) == (True, 1)
+    assert may_merge_alone([], 7) == (True, [round_protocol.PEERS_MAX_AGE])
     assert may_merge_alone([peer("a", [7, 9]), peer("b", [6, 3])], 7)[0]  # at our version or behind: not a fork
     assert may_merge_alone([peer("a", [7, 9])], 9, fragment=1)[0]
 
@@ -49,10 +51,13 @@ def test_a_claim_too_far_ahead_is_ignored():
     assert may_merge_alone([peer("liar", [7 + MAX_LONELY_LEAD + 1, 0])], 7)[0]
 
 
-def test_no_lone_merge_while_settling_after_a_stall():
-    merged, reads = may_merge_alone([], 7, settle_until=time.monotonic() + 60)
-    assert not merged and reads == 0  # not even a read: the table is stale or empty right after a stall
-    assert may_merge_alone([], 7, settle_until=time.monotonic() - 1)[0]
+def test_after_a_stall_the_table_is_read_afresh_before_a_lone_merge():
+    """The table held right after a stall is from before it: a lone merge then waits for a fresh read (max_age 0).
+    It is not refused outright: as the coordinator of a round at the others' version, refusing our group of one
+    would fail the round for them too."""
+    settling = time.monotonic() + 60
+    assert may_merge_alone([], 7, settle_until=settling) == (True, [0.0])
+    assert may_merge_alone([peer("a", [8, 0])], 7, settle_until=settling) == (False, [0.0])
 
 
 def test_a_stall_is_noticed_and_the_daemon_comes_back_at_once(monkeypatch):

@@ -1,0 +1,24 @@
+"""The freeze benchmark (scripts/bench_freeze.py) at short times: a daemon stopped with SIGSTOP for 10 s comes
+back without merging a round alone and is in a shared round again; the JSON it writes holds every figure."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def test_a_frozen_daemon_comes_back_without_lone_rounds(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/bench_freeze.py"), "--model", "nano", "--warmup", "20",
+                           "--freeze", "10", "--after", "30", "--out", str(tmp_path)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    doc = json.loads((tmp_path / "bench_freeze.json").read_text())
+    assert doc["rounds_alone"] == 0, doc
+    assert doc["rounds_after"] >= 1 and doc["first_shared_round_after_s"] is not None, doc
+    assert doc["adoptions_forked"] == 0, doc
+    assert set(doc["steps_at_end"]) == {"a", "b", "frozen"}
