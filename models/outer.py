@@ -40,23 +40,42 @@ def weighted_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> t
 
 
 class NesterovOuter:
-    """SGD with Nesterov momentum on Θ (DiLoCo's outer optimizer), in place.
+    """SGD with Nesterov momentum on Θ (DiLoCo's outer optimizer), in place; with ``period`` N > 1, Delayed
+    Nesterov (Liu et al., arXiv 2401.09135): the momentum is applied once every N rounds of a fragment.
 
-    ``buf ← μ·buf + Δ ; Θ ← Θ − lr·(Δ + μ·buf)``. With lr=1, μ=0 it reduces to Θ ← Θ − Δ = θ_avg.
+    N = 1: ``buf ← μ·buf + Δ ; Θ ← Θ − lr·(Δ + μ·buf)``. With lr=1, μ=0 it reduces to Θ ← Θ − Δ = θ_avg.
+
+    N > 1: every round ``buf ← buf + Δ/N ; Θ ← Θ − lr·Δ/N``; the round that brings the version to a multiple of N
+    then does ``Θ ← Θ − lr·μ·buf ; buf ← μ·buf``. The stored buffer is μ·m plus the rounds' mean so far, so over N
+    rounds Θ moves exactly as one Nesterov step on the mean of their N deltas, while a stale delta in between is
+    applied without momentum's amplification (up to lr/(1−μ)). The phase is the replica's version, which every
+    member and every replay shares, so the state stays (Θ, buf) and replicas stay bit-identical.
     """
 
-    def __init__(self, lr: float = 0.7, momentum: float = 0.9) -> None:
-        if not lr > 0 or not 0 <= momentum < 1:
-            raise ValueError(f"outer lr must be > 0 and momentum in [0, 1); got lr={lr} momentum={momentum}")
-        self.lr, self.momentum = lr, momentum
+    def __init__(self, lr: float = 0.7, momentum: float = 0.9, period: int = 1) -> None:
+        if not lr > 0 or not 0 <= momentum < 1 or not (isinstance(period, int) and period >= 1):
+            raise ValueError(f"outer lr must be > 0, momentum in [0, 1) and period an integer >= 1; got lr={lr} "
+                             f"momentum={momentum} period={period}")
+        self.lr, self.momentum, self.period = lr, momentum, period
 
-    def step(self, params: torch.Tensor, buf: torch.Tensor, delta: torch.Tensor, chunk: int = 1 << 22) -> None:
-        """Update fp32 ``params`` and ``buf`` in place, computing in float64 a chunk at a time (bounded memory)."""
+    def step(self, params: torch.Tensor, buf: torch.Tensor, delta: torch.Tensor, version: int = 0,
+             chunk: int = 1 << 22) -> None:
+        """Update fp32 ``params`` and ``buf`` in place, computing in float64 a chunk at a time (bounded memory).
+        ``version``: the replica's version the round started from (only Delayed Nesterov reads it)."""
+        n = self.period
+        apply_momentum = (version + 1) % n == 0
         for lo in range(0, params.numel(), chunk):
             hi = min(lo + chunk, params.numel())
             d = delta[lo:hi].double()  # may alias ``delta`` (already float64): never modified in place
-            b = buf[lo:hi].double().mul_(self.momentum).add_(d)
-            p = params[lo:hi].double().sub_(d.add(b, alpha=self.momentum), alpha=self.lr)
+            if n == 1:
+                b = buf[lo:hi].double().mul_(self.momentum).add_(d)
+                p = params[lo:hi].double().sub_(d.add(b, alpha=self.momentum), alpha=self.lr)
+            else:
+                b = buf[lo:hi].double().add_(d, alpha=1.0 / n)
+                p = params[lo:hi].double().sub_(d, alpha=self.lr / n)
+                if apply_momentum:
+                    p.sub_(b, alpha=self.lr * self.momentum)
+                    b.mul_(self.momentum)
             buf[lo:hi] = b
             params[lo:hi] = p
 

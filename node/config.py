@@ -83,6 +83,9 @@ class RunConfig:
     outer_lr: float = opt(1.0, help="outer step size (the papers': 0.7)", metavar="LR")
     outer_momentum: float = opt(0.0, help="outer Nesterov momentum, in [0, 1); 0 with --outer-lr 1 (the default) is "
                                           "plain averaging; the papers': 0.9", metavar="MU")
+    outer_period: int = opt(1, help="rounds of a fragment per outer momentum step: N > 1 is Delayed Nesterov (each "
+                                    "round moves the replica by LR/N of its delta, the momentum step comes every "
+                                    "N-th round); 1 applies the momentum every round", metavar="N")
     inner_lr: float = opt(1e-3, help="AdamW learning rate of the inner steps", metavar="LR")
     weight_decay: float = opt(0.1, help="AdamW weight decay of the inner steps", metavar="WD")
     warmup_steps: int = opt(20, help="inner steps of linear learning-rate warmup, 0 for none", metavar="N")
@@ -152,7 +155,7 @@ class RunConfig:
             raise ConfigError(f"algorithm: unknown {self.algorithm!r}; known: {', '.join(ALGORITHMS)}")
         if self.data != "builtin" and not Path(self.data).exists():
             raise ConfigError(f"data: {self.data!r} is neither 'builtin' nor an existing path")
-        _positive(self, "sync_every", "num_shards", "outer_lr", "inner_lr", "gather_timeout", "round_timeout",
+        _positive(self, "sync_every", "num_shards", "outer_lr", "outer_period", "inner_lr", "gather_timeout", "round_timeout",
                   "fragments", "quorum", "max_group")
         _non_negative(self, "warmup_steps", "weight_decay", "seed", "overlap", "global_batch")
         if self.gather_timeout > 885:  # a round's records live 4 gather timeouts + 60 s; the DHT caps them at 1 h

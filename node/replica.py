@@ -114,7 +114,7 @@ class Replica:
             if f.version != version or (digest is not None and f.digest != digest):
                 return None
             base = f.digest
-            outer.step(f.params, f.momentum, delta)
+            outer.step(f.params, f.momentum, delta, version)
             f.version += 1
             f.weight += float(weight)
             f.advanced()
@@ -146,7 +146,11 @@ class Replica:
             return None
         params, momentum, weight, digest = state.params, state.momentum, state.weight, state.digest
         ancestors = list(state.ancestors)
-        for r in replay.rounds:
+        for i, r in enumerate(replay.rounds):
+            if r.version != state.version + i:  # the outer step's phase (Delayed Nesterov) is the version
+                logger.warning("fragment %d: the replay's round %d claims v%d, expected v%d", p, i, r.version,
+                               state.version + i)
+                return None
             try:
                 delta = merged_delta([codecs.decode(b, expected_numel=n) for n, b in r.shards], r.rda_norm)
             except codecs.CodecError as e:
@@ -155,7 +159,7 @@ class Replica:
             if delta.numel() != params.numel():
                 logger.warning("fragment %d: round v%d of the replay has the wrong size", p, r.version)
                 return None
-            outer.step(params, momentum, delta)
+            outer.step(params, momentum, delta, r.version)
             weight += float(r.weight)
             digest = tensor_hash(params, momentum)
             if digest != r.result:

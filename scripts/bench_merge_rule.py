@@ -7,7 +7,9 @@ For every seed and outer step, the reference is the same swarm with rounds landi
 rule is the same); each rule and delay is reported as its held-out loss against that reference. The swarm is
 ``inproc_swarm.Swarm``: atoll's own learners, fragments (P = 4), int4 codec with error feedback, RDA and outer step,
 no network. Rules: ``overwrite`` (θ_p ← Θ_p,new), ``mix`` (α = 0.5) and ``delta`` (θ_p ← Θ_p,new + θ_p,now −
-θ_p,snapshot). Outer steps: the papers' Nesterov (0.7, 0.9) and plain averaging (1, 0).
+θ_p,snapshot). Outer steps: the papers' Nesterov (0.7, 0.9), plain averaging (1, 0) and Delayed Nesterov (0.7, 0.9,
+the momentum every 2nd or 3rd round). To choose an outer step, every run is also reported against the first outer
+step's reference of the same seed (``vs_first_reference``): ``--outers avg nesterov dn2 dn3 --rules delta``.
 
 Writes docs/results/bench_merge_rule.{json,png} (``--out`` for another stem); ``--replot`` redraws from the JSON.
 """
@@ -25,15 +27,18 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from inproc_swarm import Config, run_configs  # noqa: E402
 from stats import fmt, interval  # noqa: E402
 
-OUTERS = {"nesterov": (0.7, 0.9), "avg": (1.0, 0.0)}
+# (lr, momentum, period): the papers' Nesterov, plain averaging, and Delayed Nesterov (momentum every N-th round of a
+# fragment, arXiv 2401.09135) with N = 2 and 3.
+OUTERS = {"nesterov": (0.7, 0.9, 1), "avg": (1.0, 0.0, 1), "dn2": (0.7, 0.9, 2), "dn3": (0.7, 0.9, 3)}
 
 
 def measure(args: argparse.Namespace) -> dict:
     runs = []
     for seed in args.seeds:
         for outer in args.outers:
-            lr, mu = OUTERS[outer]
-            base = Config(kind="decoupled", fragments=args.fragments, outer_lr=lr, outer_momentum=mu)
+            lr, mu, period = OUTERS[outer]
+            base = Config(kind="decoupled", fragments=args.fragments, outer_lr=lr, outer_momentum=mu,
+                          outer_period=period)
             configs = [base]  # k = 0: the reference
             configs += [Config(**(asdict(base) | {"merge": rule, "delay": k})) for k in args.delays if k
                         for rule in args.rules]
@@ -47,17 +52,22 @@ def measure(args: argparse.Namespace) -> dict:
                 runs.append({"seed": seed, "outer": outer, "rule": cfg.merge if cfg.delay else "reference",
                              "delay": cfg.delay, "held_out": r.held_out, "vs_reference": r.held_out / ref,
                              "counters": r.counters, "seconds": r.seconds})
+    for r in runs:
+        first = next(x for x in runs if (x["seed"], x["outer"], x["delay"]) == (r["seed"], args.outers[0], 0))
+        r["vs_first_reference"] = r["held_out"] / first["held_out"]
     return {"args": vars(args), "runs": runs, "summary": summarise(runs, args)}
 
 
 def summarise(runs: list[dict], args: argparse.Namespace) -> list[dict]:
     rows = []
     for outer in args.outers:
-        for k in [k for k in args.delays if k]:
-            for rule in args.rules:
-                ratios = [r["vs_reference"] for r in runs if (r["outer"], r["delay"], r["rule"]) == (outer, k, rule)]
-                if ratios:
-                    rows.append({"outer": outer, "delay": k, "rule": rule, "vs_reference": interval(ratios)})
+        for k in args.delays:
+            for rule in args.rules if k else ["reference"]:
+                own = [r for r in runs if (r["outer"], r["delay"], r["rule"]) == (outer, k, rule)]
+                if own:
+                    rows.append({"outer": outer, "delay": k, "rule": rule,
+                                 "vs_reference": interval([r["vs_reference"] for r in own]),
+                                 "vs_first_reference": interval([r["vs_first_reference"] for r in own])})
     return rows
 
 
@@ -68,10 +78,13 @@ def plot(doc: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     outers = doc["args"]["outers"]
+    if len(doc["args"]["rules"]) == 1 and all("vs_first_reference" in r for r in doc["summary"]):
+        plot_outers(doc, path, plt)
+        return
     fig, axes = plt.subplots(1, len(outers), figsize=(6 * len(outers), 4.2), sharey=True, squeeze=False)
     for ax, outer in zip(axes[0], outers):
         for rule in doc["args"]["rules"]:
-            rows = [r for r in doc["summary"] if r["outer"] == outer and r["rule"] == rule]
+            rows = [r for r in doc["summary"] if r["outer"] == outer and r["rule"] == rule and r["delay"]]
             ks = [r["delay"] for r in rows]
             means = [r["vs_reference"]["mean"] for r in rows]
             errs = [r["vs_reference"]["ci95"] or 0 for r in rows]
@@ -82,6 +95,24 @@ def plot(doc: dict, path: Path) -> None:
         ax.legend()
     fig.suptitle(f"merge rules, {doc['args']['model']}, {doc['args']['members']} learners, "
                  f"{len(doc['args']['seeds'])} seeds (mean, 95% interval)")
+    fig.tight_layout()
+    fig.savefig(path.with_suffix(".png"), dpi=110)
+
+
+def plot_outers(doc: dict, path: Path, plt) -> None:
+    """One rule, several outer steps: every outer step's held-out loss against the first one's reference."""
+    args = doc["args"]
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for outer in args["outers"]:
+        rows = [r for r in doc["summary"] if r["outer"] == outer]
+        ax.errorbar([r["delay"] for r in rows], [r["vs_first_reference"]["mean"] for r in rows],
+                    yerr=[r["vs_first_reference"]["ci95"] or 0 for r in rows], marker="o", capsize=3, label=outer)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set(xlabel=f"steps a round lands after its snapshot (H={args['sync_every']})",
+           ylabel=f"held-out loss / {args['outers'][0]}, rounds landing at once",
+           title=f"outer steps under the {args['rules'][0]} rule, {args['model']}, {args['steps']} steps, "
+                 f"{len(args['seeds'])} seeds")
+    ax.legend()
     fig.tight_layout()
     fig.savefig(path.with_suffix(".png"), dpi=110)
 
@@ -114,7 +145,8 @@ def main() -> int:
     path.write_text(json.dumps(doc, indent=1))
     plot(doc, path)
     for row in doc["summary"]:
-        print(f"{row['outer']:9s} k={row['delay']:3d} {row['rule']:9s} {fmt(row['vs_reference'], 4)}")
+        print(f"{row['outer']:9s} k={row['delay']:3d} {row['rule']:9s} vs its own k=0 {fmt(row['vs_reference'], 4)}"
+              f"  vs {args.outers[0]} k=0 {fmt(row['vs_first_reference'], 4)}")
     return 0
 
 

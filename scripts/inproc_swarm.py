@@ -51,7 +51,8 @@ MERGES = ("overwrite", "mix", "delta")
 @dataclass(frozen=True)
 class Config:
     """One configuration of the swarm. ``delay``: steps from a round's snapshot to its landing (decoupled);
-    ``outer_lr``/``outer_momentum``: Nesterov (1.0/0.0 is plain averaging); ``codec``: the wire codec with error
+    ``outer_lr``/``outer_momentum``/``outer_period``: Nesterov (1.0/0.0 is plain averaging; a period N > 1 is
+    Delayed Nesterov); ``codec``: the wire codec with error
     feedback (``none`` for exact fp32)."""
 
     kind: str = "decoupled"
@@ -61,6 +62,7 @@ class Config:
     fragments: int = 4
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    outer_period: int = 1
     codec: str = "int4"
     rda: bool = True
 
@@ -137,6 +139,7 @@ class Swarm:
         self.fragments = make_fragments(first.params, parts, sync_every, embedding=embedding_of(first.model))
         self.replicas = [first.gather(f) for f in self.fragments]
         self.bufs = [torch.zeros_like(r) for r in self.replicas]
+        self.versions = [0] * len(self.replicas)
         self.ef = [ErrorFeedback() for _ in self.learners]
         self.inflight: dict[int, _Round] = {}
         self.counters = Counters()
@@ -197,7 +200,9 @@ class Swarm:
             merged = codecs.decode(codecs.encode(merged.float(), cfg.codec), expected_numel=merged.numel())
         merged = outer.merged_delta([merged], norm)
         value, buf = base.clone(), self.bufs[p]
-        outer.NesterovOuter(cfg.outer_lr, cfg.outer_momentum).step(value, buf, merged)
+        outer.NesterovOuter(cfg.outer_lr, cfg.outer_momentum, cfg.outer_period).step(value, buf, merged,
+                                                                                     self.versions[p])
+        self.versions[p] += 1
         delay = cfg.delay if cfg.kind == "decoupled" else 0
         self.inflight[p] = _Round(self.step + delay, self.step, value, snaps)
 

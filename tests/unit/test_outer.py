@@ -65,11 +65,52 @@ def test_sibling_lines_averaged_by_their_weights_equal_one_round_of_every_member
     assert torch.allclose(merged_buf, buf, rtol=0, atol=1e-12)
 
 
+def test_delayed_nesterov_over_a_period_is_one_nesterov_step_on_the_mean_of_its_deltas():
+    """Delayed Nesterov (period N): the rounds between momentum steps move Θ by lr/N of their deltas, and after the
+    N-th round Θ is where one Nesterov step on the mean of the N deltas puts it; checked in float64 against a
+    naive Nesterov over three periods, from a nonzero momentum, at every version phase."""
+    torch.manual_seed(2)
+    n, lr, mu = 4, 0.7, 0.9
+    dn = NesterovOuter(lr, mu, period=n)
+    params = torch.randn(30, dtype=torch.float64)
+    m = torch.randn(30, dtype=torch.float64) * 0.1
+    buf = mu * m  # the stored buffer at a period's start: μ·m
+    ref_p, ref_m = params.clone(), m.clone()
+    for period in range(3):
+        deltas = [torch.randn(30, dtype=torch.float64) * 0.1 for _ in range(n)]
+        for i, d in enumerate(deltas):
+            before = params.clone()
+            dn.step(params, buf, d, version=period * n + i)
+            if i < n - 1:  # no momentum in between: exactly lr·Δ/N
+                assert torch.allclose(before - params, lr * d / n, rtol=0, atol=1e-12)
+        mean = sum(deltas) / n
+        ref_m = mu * ref_m + mean
+        ref_p = ref_p - lr * (mean + mu * ref_m)
+        assert torch.allclose(params, ref_p, rtol=0, atol=1e-12)
+        assert torch.allclose(buf, mu * ref_m, rtol=0, atol=1e-12)
+
+
+def test_delayed_nesterov_with_no_momentum_is_plain_sgd_on_each_delta_and_its_phase_is_the_version():
+    torch.manual_seed(3)
+    p1, b1 = torch.randn(20), torch.zeros(20)
+    p2, b2 = p1.clone(), b1.clone()
+    d = torch.randn(20).double()
+    NesterovOuter(1.0, 0.0, period=3).step(p1, b1, d, version=5)
+    assert torch.allclose(p1.double(), p2.double() - d / 3, rtol=0, atol=1e-6)
+    p3, b3 = p2.clone(), torch.randn(20)
+    b4 = b3.clone()
+    NesterovOuter(0.7, 0.9, period=3).step(p2, b3, d, version=1)  # mid-period: the buffer only accumulates
+    NesterovOuter(0.7, 0.9, period=3).step(p3, b4, d, version=2)  # version 2 -> 3 closes the period
+    assert not torch.equal(p2, p3) and not torch.equal(b3, b4)
+
+
 def test_nesterov_rejects_bad_hyperparameters():
     with pytest.raises(ValueError):
         NesterovOuter(lr=0)
     with pytest.raises(ValueError):
         NesterovOuter(momentum=1.0)
+    with pytest.raises(ValueError):
+        NesterovOuter(period=0)
 
 
 def test_weighted_mean_matches_naive_loop():

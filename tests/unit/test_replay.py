@@ -21,7 +21,7 @@ OUTER = NesterovOuter(0.7, 0.9)
 CONTEXT = SimpleNamespace(remote_id="QmRequester")
 
 
-def do_round(replica: Replica, seed: int, codec="int4", members=3, rda=False):
+def do_round(replica: Replica, seed: int, codec="int4", members=3, rda=False, outer=OUTER):
     """One merged round as ``allreduce`` produces it: every reduced shard encoded and decoded, then merged."""
     version, _, digest = replica.identity(0)
     theta = replica.snapshot(0).params
@@ -32,7 +32,7 @@ def do_round(replica: Replica, seed: int, codec="int4", members=3, rda=False):
               for lo, hi in shard_bounds(NUMEL, members, BLOCK)]
     norm = float(torch.linalg.vector_norm(delta)) if rda else None
     merged = merged_delta([codecs.decode(b, expected_numel=n) for n, b in shards], norm)
-    assert replica.apply_outer_step(0, version, merged, 2.5, OUTER, digest, shards, norm)
+    assert replica.apply_outer_step(0, version, merged, 2.5, outer, digest, shards, norm)
 
 
 def pair(rounds=0):
@@ -110,6 +110,23 @@ def test_a_tampered_replay_is_refused():
     # A replay that no longer starts at our replica (we moved on) is not applied either.
     do_round(behind, 99)
     assert behind.replay(replay, OUTER) is None
+
+
+def test_replay_under_delayed_nesterov_follows_the_phase_and_refuses_a_relabelled_round():
+    """Delayed Nesterov's phase is the replica's version: a replay across a period boundary reaches the donor's
+    replica bit for bit, and a round relabelled with another version (another phase) is refused."""
+    dn = NesterovOuter(0.7, 0.9, period=2)
+    ahead, behind = pair()
+    for i in range(3):
+        do_round(ahead, i, outer=dn)
+    replay = ahead.replay_from(0, behind.identity(0)[2])
+    assert len(replay.rounds) == 3
+    relabelled = Replay(**{**replay.__dict__, "rounds": tuple(
+        type(r)(**{**r.__dict__, "version": r.version + 1}) for r in replay.rounds)})
+    assert behind.replay(relabelled, dn) is None
+    state = behind.replay(replay, dn)
+    assert state is not None and behind.adopt(state)
+    assert behind.identity(0) == ahead.identity(0)
 
 
 def serve(replica):
