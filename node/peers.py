@@ -65,6 +65,7 @@ FOLLOW_PEERS = 2
 # A progress record lives this many heartbeats (of the last one's length): one or two lost stores do not make a live
 # daemon vanish from the others' tables.
 LIFETIME_BEATS = 3
+EXPIRATION_STEP = 1e-3  # seconds a record's expiration grows by, at least, from one publication to the next
 
 
 @dataclasses.dataclass
@@ -100,6 +101,7 @@ class PeerTable:
         self._dht_refused: dict[str, int] = {}  # the DHT process's refusal counts as last added to our stats
         self._told_revoked = False
         self._beat = 0.0  # seconds the last heartbeat took, its sleep included (0: none yet)
+        self._expires = -float("inf")  # DHT time our last published record expires at
 
     # ---- our record -----------------------------------------------------------------------------------------
     def progress_record(self, status: Status) -> dict[str, Any]:
@@ -123,7 +125,13 @@ class PeerTable:
         ttl = ttl if ttl is not None else self.lifetime()
         size = self.size()
         shards = [self.my_shard] + ([ALL_SHARDS] if size is None or size <= WRITE_ALL_UP_TO else [])
-        await asyncio.gather(*(dht_io.store(ctx.dht, progress_key(ctx.namespace(), shard), rec, get_dht_time() + ttl,
+        # A DHT node replaces a stored value only with one that expires later. After a long heartbeat (a freeze)
+        # our record was stored to live long; a record stored with the usual lifetime would be refused, and the
+        # others would read the old one (versions, status, schedule as of then) until it expired. So expirations
+        # never go backwards: a shorter lifetime takes effect once the long one has run out.
+        expiration = max(get_dht_time() + ttl, self._expires + EXPIRATION_STEP)
+        self._expires = expiration
+        await asyncio.gather(*(dht_io.store(ctx.dht, progress_key(ctx.namespace(), shard), rec, expiration,
                                             ctx.subkey, timeout=timeout, on_timeout=ctx.reject) for shard in shards))
 
     def lifetime(self) -> float:
