@@ -122,7 +122,10 @@ class Rounds:
         n = len(self.fragments)
         for candidate in self.syncer.take_candidates():
             self.syncer.settle(candidate, self.vetting.vet(candidate))
-        for state in self.syncer.take_adopted():
+        adopted = self.syncer.take_adopted()
+        if adopted and self.syncer.take_realign():
+            self._realign(adopted[0])
+        for state in adopted:
             p = state.fragment
             new, base_id = self.replica.params_and_id(p)
             local, fragment = self.local[p], self.fragments[p]
@@ -159,6 +162,22 @@ class Rounds:
             self.metrics.write(event="adopted", fragment=p, version=state.version, replaced=state.replaced,
                                lost_tokens=lost, step=learner.step, forked=state.forked, hash=state.digest,
                                donors=list(state.donors), replayed=len(state.rounds))
+
+    def _realign(self, state) -> None:
+        """Back from a stall (a freeze, a starved CPU), take the donor's place in the sync schedule. Our schedule
+        step stood still while theirs went on; kept, our fragments would fall due at other moments than theirs,
+        so we would open rounds nobody joins and miss theirs, adopting their results one version behind again and
+        again while our unmerged work grows past the carry bound. Rounds in flight keep their place relative to
+        the schedule (their merge steps move by the same jump)."""
+        jump = state.schedule_step - self.replica.schedule_step
+        if jump == 0:
+            return
+        self.replica.schedule_step = state.schedule_step
+        for item in (*self.pending.values(), *self.snapshots.values()):
+            item.merge_at += jump
+        logger.info("back from a stall: our sync schedule moves %+d steps to %s's (schedule step %d)", jump,
+                    state.donor[-8:], state.schedule_step)
+        self.metrics.write(event="realigned", jump=jump, schedule_step=state.schedule_step, donor=state.donor)
 
     # ---- contributing ---------------------------------------------------------------------------------------
     def _start(self, p: int, own_schedule: bool = False) -> None:

@@ -64,7 +64,7 @@ class Syncer:
             cfg=cfg, algorithm=algorithm(cfg.run.algorithm), dht=dht, peer_id=str(dht.peer_id), subkey=subkey,
             replica=replica, fragments=fragments, counters=counters, faults=faults, private=private,
             stats=TrafficStats(), cooldown=Cooldown(cfg.peer_cooldown),
-            outer=NesterovOuter(cfg.run.outer_lr, cfg.run.outer_momentum), spawn=self._spawn,
+            outer=NesterovOuter(cfg.run.outer_lr, cfg.run.outer_momentum, cfg.run.outer_period), spawn=self._spawn,
             run_public_key=run_public_key, revocation=revocation,
         )
         ctx.stats.on_offence = ctx.offence
@@ -172,7 +172,7 @@ class Syncer:
             stalled, last = now - last - STALL_TICK_S, now
             if stalled < max(STALL_MIN_S, 3 * ctx.cfg.heartbeat):
                 continue
-            ctx.settle_until = now + STALL_SETTLE_S
+            ctx.settle_until, ctx.realign = now + STALL_SETTLE_S, True
             logger.warning("the daemon did not run for %.1f s (frozen, or starved of CPU): publishing our record "
                            "again and catching up", stalled)
             self._spawn(self._come_back())
@@ -248,6 +248,16 @@ class Syncer:
     def take_adopted(self) -> list[ReplicaState]:
         """Fragments adopted since the last call (the learner must reload them into θ)."""
         return self.catch_up.take_adopted()
+
+    def take_realign(self) -> bool:
+        """True once after a stall (``_watch_stalls``) while it settles: the training side then takes the next
+        adopted replica's sync-schedule step as its own (``Rounds._realign``), as a joiner or a restarted daemon
+        does, so that its fragments fall due with the others' again."""
+        ctx = self.ctx
+        if not ctx.realign:
+            return False
+        ctx.realign = False
+        return time.monotonic() < ctx.settle_until
 
     def take_candidates(self) -> list[ReplicaState]:
         """Replicas nobody vouches for that a lonely daemon downloaded, for the learner to vet (``node/vetting.py``);

@@ -44,6 +44,10 @@ class LateSyncer:
     def take_candidates(self):
         return []
 
+    def take_realign(self):
+        realign, self.realign = getattr(self, "realign", False), False
+        return realign
+
     def take_adopted(self):
         out, self.adopted = self.adopted, []
         return out
@@ -146,11 +150,11 @@ def test_a_failed_round_keeps_its_work_for_the_next_one(corpus):
     assert counters.tokens_lost == 0
 
 
-def adopt(replica, learner, syncer, rounds, p, version, ancestors, shift=0.01):
+def adopt(replica, learner, syncer, rounds, p, version, ancestors, shift=0.01, schedule_step=0):
     params = replica.params_and_id(p)[0] + shift
     momentum = torch.zeros_like(params)
     digest = tensor_hash(params, momentum)
-    state = ReplicaState(version, float(version), digest, params, momentum, 0, donor="peer", fragment=p,
+    state = ReplicaState(version, float(version), digest, params, momentum, schedule_step, donor="peer", fragment=p,
                          ancestors=(*ancestors, digest), donors=("peer",))
     assert replica.adopt(state)
     syncer.adopted.append(state)
@@ -190,3 +194,19 @@ def test_carried_work_past_one_period_is_dropped_and_counted(corpus):
     params, _ = adopt(replica, learner, syncer, rounds, 1, 3, (own,))
     assert torch.equal(learner.gather(fragments[1]), params)
     assert counters.tokens_lost == (H + 2) * learner.tokens_per_step // P and local[1].steps == 0
+
+
+def test_back_from_a_stall_the_next_adoption_brings_the_donors_schedule(corpus):
+    """After a stall the syncer asks for realignment once: the next adopted replica's schedule step becomes ours and
+    a round in flight keeps its place relative to it; without the request an adoption leaves the schedule alone."""
+    learner, fragments, replica, local, counters, syncer, rounds = island(corpus, delay=5)
+    train(learner, replica, local, syncer, rounds, 5)  # fragment 1's round (due at 4) lands at 9: in flight
+    assert list(rounds.pending) == [1] and rounds.pending[1].merge_at == 5
+    adopt(replica, learner, syncer, rounds, 0, 1, (replica.identity(0)[2],), schedule_step=40)
+    assert replica.schedule_step == 5  # no stall: our schedule is ours
+    syncer.realign = True
+    adopt(replica, learner, syncer, rounds, 0, 2, (replica.identity(0)[2],), schedule_step=43)
+    assert replica.schedule_step == 43 and rounds.pending[1].merge_at == 43
+    adopt(replica, learner, syncer, rounds, 0, 3, (replica.identity(0)[2],), schedule_step=90)
+    assert replica.schedule_step == 43  # once per stall
+    assert counters.tokens_lost == 0

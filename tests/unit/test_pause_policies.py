@@ -330,6 +330,10 @@ class FakeSyncer:
     def take_candidates(self):
         return []
 
+    def take_realign(self):
+        realign, self.realign = getattr(self, "realign", False), False
+        return realign
+
     def take_adopted(self):
         out, self.adopted = self.adopted, []
         return out
