@@ -199,6 +199,14 @@ class RunConfig:
             fields["data"] = LOCAL_DATA
         return fields
 
+    def same_run(self, saved: Any) -> bool:
+        """Whether ``saved`` (``published()`` as a checkpoint recorded it) is this config. A field the recording
+        version did not have yet counts as its default: a checkpoint of an older atoll resumes with a newer one."""
+        if not isinstance(saved, dict):
+            return False
+        missing = {f.name: f.default for f in dataclasses.fields(self) if f.name not in saved}
+        return {**missing, **saved} == self.published()
+
 
 @dataclass(frozen=True)
 class NodeConfig:

@@ -51,7 +51,7 @@ def restore(cfg: NodeConfig, tensors: dict[str, torch.Tensor], meta: dict[str, A
             fragments: list[Fragment], local: list[LocalFragmentState]) -> tuple[Replica, dict[str, torch.Tensor]]:
     """Load a checkpoint into ``learner`` and ``local``; returns the restored replica and error-feedback state.
     ``ConfigError`` if the checkpoint belongs to another run config or does not match its own hashes."""
-    if meta.get("run") != cfg.run.published():
+    if not cfg.run.same_run(meta.get("run")):
         raise ConfigError(f"checkpoint_dir: {cfg.checkpoint_dir!r} holds a checkpoint of a different run config")
     n = len(fragments)
     replica = Replica([tensors[f"replica.{p}.params"] for p in range(n)],

@@ -125,3 +125,13 @@ def test_optimizer_flags_reach_the_run_config():
     assert (cfg.run.outer_lr, cfg.run.outer_momentum, cfg.run.inner_lr) == (1.0, 0.0, 2e-3)
     assert {"outer_lr", "outer_momentum", "inner_lr"} <= explicit
     assert main(["start", "--outer-momentum", "1"]) == 2  # a momentum of 1 never forgets: refused
+
+
+def test_a_checkpoint_of_an_older_version_is_the_same_run_when_its_missing_fields_are_at_their_defaults():
+    run = RunConfig(sync_every=40)
+    saved = run.published()
+    assert run.same_run(saved)
+    older = {k: v for k, v in saved.items() if k != "outer_period"}  # recorded before --outer-period existed
+    assert run.same_run(older)
+    assert not RunConfig(sync_every=40, outer_period=2).same_run(older)
+    assert not run.same_run({**saved, "sync_every": 50}) and not run.same_run(None)
