@@ -18,7 +18,10 @@ def test_a_frozen_daemon_comes_back_without_lone_rounds(tmp_path):
                           cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
     doc = json.loads((tmp_path / "bench_freeze.json").read_text())
-    assert doc["rounds_alone"] == 0, doc
-    assert doc["rounds_after"] >= 1 and doc["first_shared_round_after_s"] is not None, doc
-    assert doc["adoptions_forked"] == 0, doc
-    assert set(doc["steps_at_end"]) == {"a", "b", "frozen"}
+    (run,) = doc["runs"]
+    assert run["rounds_alone"] == 0, run
+    assert run["rounds_after"] >= 1 and run["first_shared_round_after_s"] is not None, run
+    assert run["adoptions_forked"] == 0, run
+    assert 1 <= run["swarm_rounds_with_it"] <= run["swarm_rounds_after"], run
+    assert set(run["steps_at_end"]) == {"a", "b", "frozen"}
+    assert doc["summary"]["rounds_alone"]["mean"] == 0
