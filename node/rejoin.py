@@ -84,6 +84,18 @@ class Rejoin:
         self._last_try = now
         self.ctx.spawn(self._bootstrap(now - self._alone_since, first))
 
+    def after_stall(self, live: set[str]) -> None:
+        """Back from a stall (``Syncer._watch_stalls``): if the table shows no live peer but us although we had
+        some, bootstrap at once. The others stopped hearing from us for the stall's length and may have dropped us
+        from their routing tables, as our DHT node may have dropped them; waiting ``after`` seconds first would let
+        the daemon train, and merge rounds, alone meanwhile."""
+        if live - {self.ctx.peer_id} or not self.seen:
+            return
+        now = self._clock()
+        self._alone_since = now if self._alone_since is None else self._alone_since
+        self._last_try = now
+        self.ctx.spawn(self._bootstrap(0.0, True))
+
     async def _bootstrap(self, alone: float, first: bool) -> None:
         peers, initial = sorted(self.seen), list(self.ctx.cfg.initial_peers)
         call = functools.partial(bootstrap_again, peer_ids=peers, maddrs=initial)

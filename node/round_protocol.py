@@ -10,11 +10,12 @@ close at a quorum plus a grace window, and are announced so that peers a few ste
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 import threading
 import time
-import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -101,6 +102,7 @@ class RoundProtocol:
         self._open_lock = threading.Lock()
         self._last_round: dict[int, int] = {}  # fragment -> the version of the last round we registered for
         self._announced: dict[int, int] = {}  # fragment -> the version whose round a peer announced
+        self.had_peers: Callable[[], bool] = lambda: False  # whether any peer was ever live (``Rejoin.seen``)
 
     def grace(self) -> float:
         """The adaptive grace window (seconds) a decoupled round may wait for more members after quorum: the
@@ -203,9 +205,15 @@ class RoundProtocol:
         round at a version the others hold too is not refused: as its coordinator we may have decided a group of
         ourselves alone, and refusing it would fail the round for them as well (they were left out of it). A claim
         more than ``MAX_LONELY_LEAD`` versions ahead is ignored here, as by the catch-up: one lying peer cannot
-        stop a lone daemon's rounds."""
+        stop a lone daemon's rounds. And while settling, a table with no live peer at all, when we had some, says
+        that our DHT node lost the others during the stall (``Rejoin.after_stall`` is finding them again), not that
+        they left: no round merges alone until they are back or the settling ends."""
         settling = time.monotonic() < self.ctx.settle_until
         peers = await self.peers.refresh(max_age=0.0 if settling else PEERS_MAX_AGE)
+        if settling and self.had_peers() and not any(peer.status == Status.TRAINING for peer in peers.values()):
+            logger.info("round f%d v%d: alone, and no peer is visible since the stall: not merging alone until the "
+                        "DHT finds them again", p, version)
+            return False
         ahead = [peer.fragment_versions[p] for peer in peers.values() if peer.status == Status.TRAINING
                  and version < peer.fragment_versions[p] <= version + MAX_LONELY_LEAD]
         if ahead:

@@ -73,6 +73,7 @@ class Syncer:
         self.catch_up = CatchUp(ctx, self.table)
         self.rounds = RoundProtocol(ctx, self.table, self.catch_up)
         self.rejoin = Rejoin(ctx)
+        self.rounds.had_peers = lambda: bool(self.rejoin.seen)
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run_loop, name="atoll-syncer", daemon=True)
@@ -180,7 +181,8 @@ class Syncer:
     async def _come_back(self) -> None:
         try:
             await self.table.publish()
-            await self.table.refresh()
+            live = await self.table.refresh()
+            self.rejoin.after_stall(set(live))
             self.catch_up.maybe_catch_up()
         except Exception as e:  # the heartbeat does the same a moment later
             logger.info("coming back after a stall: %r", e)

@@ -26,9 +26,10 @@ def peer(name, versions, status=Status.TRAINING):
     return SimpleNamespace(peer_id=name, fragment_versions=versions, status=status)
 
 
-def may_merge_alone(records, version, fragment=0, settle_until=0.0):
+def may_merge_alone(records, version, fragment=0, settle_until=0.0, had_peers=False):
     table = Table(records)
     rounds = RoundProtocol(SimpleNamespace(settle_until=settle_until), peers=table, catch_up=None)
+    rounds.had_peers = lambda: had_peers
     return asyncio.run(rounds._may_merge_alone(fragment, version)), table.ages
 
 
@@ -60,6 +61,16 @@ def test_after_a_stall_the_table_is_read_afresh_before_a_lone_merge():
     assert may_merge_alone([peer("a", [8, 0])], 7, settle_until=settling) == (False, [0.0])
 
 
+def test_after_a_stall_an_empty_table_is_our_dht_having_lost_the_others():
+    """Settling, with no live peer visible although we had some: our DHT node lost them during the stall (the
+    rejoin is finding them), so no round merges alone; once settled, or with a peer visible, the usual rule."""
+    settling = time.monotonic() + 60
+    assert may_merge_alone([], 7, settle_until=settling, had_peers=True) == (False, [0.0])
+    assert may_merge_alone([peer("a", [9, 0], Status.LEAVING)], 7, settle_until=settling, had_peers=True)[0] is False
+    assert may_merge_alone([peer("a", [7, 0])], 7, settle_until=settling, had_peers=True)[0]
+    assert may_merge_alone([], 7, had_peers=True)[0]  # not settling: alone in the swarm merges
+
+
 def test_a_stall_is_noticed_and_the_daemon_comes_back_at_once(monkeypatch):
     """The stall watch: a gap without the event loop running (here 30 s between two of its 0.5 s ticks) republishes,
     reads the table and catches up, and opens the settle window; normal ticks do nothing."""
@@ -75,9 +86,10 @@ def test_a_stall_is_noticed_and_the_daemon_comes_back_at_once(monkeypatch):
             raise asyncio.CancelledError
 
     monkeypatch.setattr(syncer, "asyncio", SimpleNamespace(sleep=sleep))
-    table = SimpleNamespace(publish=lambda: record(done, "published"), refresh=lambda: record(done, "read"))
+    table = SimpleNamespace(publish=lambda: record(done, "published"), refresh=lambda: record(done, "read", {}))
     me = SimpleNamespace(ctx=SimpleNamespace(cfg=SimpleNamespace(heartbeat=1.0), settle_until=0.0), table=table,
-                         catch_up=SimpleNamespace(maybe_catch_up=lambda: done.append("caught up")), spawned=[])
+                         catch_up=SimpleNamespace(maybe_catch_up=lambda: done.append("caught up")), spawned=[],
+                         rejoin=SimpleNamespace(after_stall=lambda live: done.append(f"rejoin {sorted(live)}")))
     me._spawn = me.spawned.append
     me._come_back = lambda: syncer.Syncer._come_back(me)
 
@@ -91,13 +103,13 @@ def test_a_stall_is_noticed_and_the_daemon_comes_back_at_once(monkeypatch):
 
     asyncio.run(watch())
     assert me.ctx.settle_until == 131.0 + syncer.STALL_SETTLE_S
-    assert done == ["published", "read", "caught up"]
+    assert done == ["published", "read", "rejoin []", "caught up"]
 
 
-async def _noop():
-    return None
+async def _value(value):
+    return value
 
 
-def record(log, what):
+def record(log, what, value=None):
     log.append(what)
-    return _noop()
+    return _value(value)

@@ -66,6 +66,25 @@ def test_a_daemon_that_lost_its_peers_bootstraps_again_after_the_delay_and_then_
     assert len(calls) == 3
 
 
+def test_back_from_a_stall_with_nobody_visible_it_bootstraps_at_once(calls):
+    """After a stall the others may have dropped us (and we them): a table with nobody live, when we had peers, is
+    not waited out for ``after`` seconds. With peers visible, or none ever seen, nothing is done."""
+    r, clock, ctx = make()
+    r.after_stall({ME})
+    assert calls == []  # never had a peer: nobody to look for
+    r.check({ME, A})
+    r.after_stall({ME, A})
+    assert calls == []
+    r.after_stall({ME})
+    assert calls == [{"peer_ids": [A], "maddrs": []}] and ctx.counters.rejoins == 1
+    clock.now += 9.9
+    r.check({ME})  # the regular tries count from this one
+    assert len(calls) == 1
+    clock.now += 0.2
+    r.check({ME})
+    assert len(calls) == 2
+
+
 def test_a_founder_that_never_had_a_peer_looks_for_nobody(calls):
     r, clock, _ = make()
     for _ in range(5):
