@@ -56,6 +56,7 @@ def once(args: argparse.Namespace, root: Path) -> dict:
     rounds = [m for m in after if m.get("event") == "round"]
     adopted = [m for m in after if m.get("event") == "adopted"]
     shared = [m["time"] - thawed for m in rounds if len(m["contributors"]) >= 2]
+    early = [m for m in after if m["time"] - thawed <= args.early]  # the freeze's own aftermath
     # The swarm's rounds after the thaw (as the other two merged them): how many the resumed daemon was in.
     swarm_rounds = {(m["fragment"], m["version"]): frozen_id in m["members"] for m in others}
     return {
@@ -63,6 +64,8 @@ def once(args: argparse.Namespace, root: Path) -> dict:
         "swarm_rounds_after": len(swarm_rounds), "swarm_rounds_with_it": sum(swarm_rounds.values()),
         "adoptions": len(adopted), "adoptions_replayed": sum(m["replayed"] > 0 for m in adopted),
         "adoptions_forked": sum(bool(m["forked"]) for m in adopted),
+        "rounds_alone_early": sum(m.get("event") == "round" and len(m["members"]) == 1 for m in early),
+        "adoptions_forked_early": sum(m.get("event") == "adopted" and bool(m["forked"]) for m in early),
         "tokens_lost_by_adoptions": sum(m["lost_tokens"] for m in adopted),
         "first_shared_round_after_s": min(shared) if shared else None,
         "steps_at_end": steps,
@@ -77,6 +80,8 @@ def main() -> int:
     parser.add_argument("--after", type=float, default=75.0)
     parser.add_argument("--step-delay", type=float, default=0.03)
     parser.add_argument("--repeats", type=int, default=1, help="independent runs, one after the other")
+    parser.add_argument("--early", type=float, default=30.0,
+                        help="seconds after the thaw whose lone rounds and forks are counted apart (*_early)")
     parser.add_argument("--out", default="docs/results")
     args = parser.parse_args()
     runs = []
