@@ -155,8 +155,8 @@ class RunConfig:
             raise ConfigError(f"algorithm: unknown {self.algorithm!r}; known: {', '.join(ALGORITHMS)}")
         if self.data != "builtin" and not Path(self.data).exists():
             raise ConfigError(f"data: {self.data!r} is neither 'builtin' nor an existing path")
-        _positive(self, "sync_every", "num_shards", "outer_lr", "outer_period", "inner_lr", "gather_timeout", "round_timeout",
-                  "fragments", "quorum", "max_group")
+        _positive(self, "sync_every", "num_shards", "outer_lr", "outer_period", "inner_lr", "gather_timeout",
+                  "round_timeout", "fragments", "quorum", "max_group")
         _non_negative(self, "warmup_steps", "weight_decay", "seed", "overlap", "global_batch")
         if self.gather_timeout > 885:  # a round's records live 4 gather timeouts + 60 s; the DHT caps them at 1 h
             raise ConfigError(f"gather_timeout: at most 885 s, got {self.gather_timeout}")

@@ -28,7 +28,7 @@ import torch
 
 from atoll.models.fragments import Fragment
 from atoll.models.outer import pseudo_gradient
-from atoll.protocols.state_sync import MAX_ANCESTORS
+from atoll.protocols.state_sync import MAX_ANCESTORS, ReplicaState
 
 from .algorithm import Algorithm, LocalMerge
 from .config import NodeConfig
@@ -163,7 +163,7 @@ class Rounds:
                                lost_tokens=lost, step=learner.step, forked=state.forked, hash=state.digest,
                                donors=list(state.donors), replayed=len(state.rounds))
 
-    def _realign(self, state) -> None:
+    def _realign(self, state: ReplicaState) -> None:
         """Back from a stall (a freeze, a starved CPU), take the donor's place in the sync schedule. Our schedule
         step stood still while theirs went on; kept, our fragments would fall due at other moments than theirs,
         so we would open rounds nobody joins and miss theirs, adopting their results one version behind again and

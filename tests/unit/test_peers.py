@@ -272,45 +272,44 @@ def test_a_record_lives_three_heartbeats_of_the_last_ones_length(caplog):
     assert table.lifetime() == peers_module.MAX_EXPIRY["progress"]  # what the DHT's validators accept
 
 
-def test_publish_stores_the_record_for_its_lifetime(monkeypatch):
-    expirations: list[float] = []
-
-    async def store(dht, key, value, expiration, *args, **kwargs):
-        expirations.append(expiration - get_dht_time())
-        return True
-
-    clock = [0.0]
-    table, _, _ = sharded_table(monkeypatch, 0, clock)
-    monkeypatch.setattr(peers_module.dht_io, "store", store)
-    monkeypatch.setattr(table, "progress_record", lambda status: {})
-    table.ctx.subkey, table.ctx.cfg = b"k", SimpleNamespace(heartbeat=1.0)
-    table.heartbeat_took(4.0)
-    asyncio.run(table.publish(status=Status.TRAINING))
-    assert expirations and all(11.5 < e <= 12.0 for e in expirations), expirations
-
-
-def test_after_a_long_heartbeat_expirations_never_go_backwards(monkeypatch):
-    """A DHT node keeps a stored value against one that expires sooner: after a freeze stretched our record's
-    lifetime, a record with the usual lifetime would be refused and the others would read the old one for minutes.
-    Every publication expires strictly later than the one before."""
+def publishing_table(monkeypatch):
+    """A table whose stores are recorded: the absolute DHT expiration of every record it publishes."""
     expirations: list[float] = []
 
     async def store(dht, key, value, expiration, *args, **kwargs):
         expirations.append(expiration)
         return True
 
-    clock = [0.0]
-    table, _, _ = sharded_table(monkeypatch, 0, clock)
+    table, _, _ = sharded_table(monkeypatch, 0, [0.0])
     monkeypatch.setattr(peers_module.dht_io, "store", store)
     monkeypatch.setattr(table, "progress_record", lambda status: {})
     table.ctx.subkey, table.ctx.cfg = b"k", SimpleNamespace(heartbeat=1.0)
+    return table, expirations
+
+
+def test_publish_stores_the_record_for_its_lifetime(monkeypatch):
+    table, expirations = publishing_table(monkeypatch)
+    table.heartbeat_took(4.0)
+    asyncio.run(table.publish(status=Status.TRAINING))
+    lifetimes = [e - get_dht_time() for e in expirations]
+    assert lifetimes and all(11.5 < e <= 12.0 for e in lifetimes), lifetimes
+
+
+def test_after_a_long_heartbeat_expirations_never_go_backwards(monkeypatch):
+    """A DHT node keeps a stored value against one that expires sooner: after a freeze stretched our record's
+    lifetime, a record with the usual lifetime would be refused and the others would read the old one for minutes.
+    Every publication expires strictly later than the one before."""
+    table, expirations = publishing_table(monkeypatch)
     table.heartbeat_took(61.0)
     asyncio.run(table.publish(status=Status.TRAINING))
     long = expirations[-1]
     assert long - get_dht_time() > 180
     table.heartbeat_took(1.0)
+    published = []
     for _ in range(3):
+        before = len(expirations)
         asyncio.run(table.publish(status=Status.TRAINING))
-    later = [e for e in expirations if e != long]
-    assert later and all(e > long for e in later)
-    assert sorted(set(later)) == sorted(set(later), key=later.index)  # increasing, publication by publication
+        published.append(set(expirations[before:]))
+    assert all(len(e) == 1 for e in published)  # one expiration for the record under each of its keys
+    times = [long, *(e.pop() for e in published)]
+    assert all(a < b for a, b in zip(times, times[1:])), times
