@@ -50,7 +50,10 @@ MERGES = ("overwrite", "mix", "delta")
 
 @dataclass(frozen=True)
 class Config:
-    """One configuration of the swarm. ``delay``: steps from a round's snapshot to its landing (decoupled);
+    """One configuration of the swarm. ``delay``: steps from a round's snapshot to its landing (decoupled; a round
+    still in flight when its fragment falls due again skips that round, as a daemon does, so ``delay`` ≥ H means
+    fewer rounds, each carrying more work); ``carry_max``: the delta rule's bound, in steps since the snapshot
+    (beyond it the work is dropped, as overwriting does; 0: no bound);
     ``outer_lr``/``outer_momentum``/``outer_period``: Nesterov (1.0/0.0 is plain averaging; a period N > 1 is
     Delayed Nesterov); ``codec``: the wire codec with error
     feedback (``none`` for exact fp32)."""
@@ -59,6 +62,7 @@ class Config:
     merge: str = "delta"
     alpha: float = 0.5
     delay: int = 0
+    carry_max: int = 0
     fragments: int = 4
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
@@ -73,7 +77,8 @@ class Config:
         if self.kind == "diloco":
             return "diloco"
         merge = f"mix{self.alpha:g}" if self.merge == "mix" else self.merge
-        return f"decoupled-{merge}-k{self.delay}"
+        bound = f"-max{self.carry_max}" if self.merge == "delta" and self.carry_max else ""
+        return f"decoupled-{merge}{bound}-k{self.delay}"
 
 
 @dataclass
@@ -84,6 +89,7 @@ class Counters:
     trained: int = 0
     carried: int = 0
     lost: int = 0
+    skipped: int = 0  # due rounds not started because the fragment's previous round was still in flight
 
 
 @dataclass
@@ -120,8 +126,8 @@ class Swarm:
 
         if cfg.kind not in KINDS or cfg.merge not in MERGES:
             raise ValueError(f"unknown configuration {cfg}")
-        if cfg.kind == "decoupled" and not 0 <= cfg.delay < sync_every:
-            raise ValueError(f"delay must be in [0, H={sync_every}): one round in flight per fragment")
+        if cfg.kind == "decoupled" and cfg.delay < 0:
+            raise ValueError(f"delay must be ≥ 0, not {cfg.delay}")
         self.cfg, self.H = cfg, sync_every
 
         def own() -> torch.nn.Module | None:  # θ₀ built once (a large model takes seconds to initialise)
@@ -155,11 +161,19 @@ class Swarm:
             self.counters.trained += self.learners[0].tokens_per_step
             if self.cfg.kind == "ddp":
                 continue
+            self._land_due(started_before=self.step)  # a late round landing as its fragment falls due again
             for p, fragment in enumerate(self.fragments):
-                if fragment.due(self.step, self.H):
+                if not fragment.due(self.step, self.H):
+                    continue
+                if p in self.inflight:  # one round in flight per fragment: this one is skipped
+                    self.counters.skipped += 1
+                else:
                     self._start(p)
-            for p in [p for p, r in self.inflight.items() if r.land_step <= self.step]:
-                self._land(p)
+            self._land_due(started_before=self.step + 1)
+
+    def _land_due(self, started_before: int) -> None:
+        for p in [p for p, r in self.inflight.items() if r.land_step <= self.step and r.snap_step < started_before]:
+            self._land(p)
 
     def finish(self) -> None:
         """Land the rounds still in flight (the global model then holds every round started)."""
@@ -171,8 +185,6 @@ class Swarm:
         from atoll.models import outer
         from atoll.protocols import codecs
 
-        if p in self.inflight:
-            raise AssertionError(f"fragment {p}: a round is still in flight at step {self.step}")
         cfg, fragment = self.cfg, self.fragments[p]
         base = self.replicas[p]
         snaps = [learner.gather(fragment) for learner in self.learners]
@@ -212,17 +224,18 @@ class Swarm:
         cfg, fragment = self.cfg, self.fragments[p]
         since = self.step - r.snap_step
         fragment_tokens = since * self.learners[0].tokens_per_step // len(self.fragments)
+        merge = "overwrite" if cfg.merge == "delta" and cfg.carry_max and since > cfg.carry_max else cfg.merge
         for learner, snap in zip(self.learners, r.snaps):
-            if since == 0 or cfg.merge == "overwrite":
+            if since == 0 or merge == "overwrite":
                 learner.put(fragment, r.value)
-            elif cfg.merge == "mix":
+            elif merge == "mix":
                 now = learner.gather(fragment)
                 learner.put(fragment, (cfg.alpha * now.double() + (1 - cfg.alpha) * r.value.double()).float())
             else:
                 now = learner.gather(fragment)
                 learner.put(fragment, (r.value.double() + (now.double() - snap.double())).float())
         if since:
-            if cfg.merge == "delta":
+            if merge == "delta":
                 self.counters.carried += fragment_tokens
             else:
                 self.counters.lost += fragment_tokens

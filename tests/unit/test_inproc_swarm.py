@@ -67,7 +67,48 @@ def test_replicas_are_the_mean_of_the_members_snapshots_and_the_global_model_is_
     assert loss == probe.evaluate(batches)
 
 
-def test_a_fragment_never_has_two_rounds_in_flight(corpus):
+def started_rounds(swarm, steps, delay):
+    """A naive schedule: per fragment, the due steps at which no round of it was in flight (one lands at
+    snapshot + delay, before a round falling due at that step starts)."""
+    starts = []
+    for f in swarm.fragments:
+        busy_until = -1
+        for step in range(1, steps + 1):
+            if f.due(step, swarm.H) and step >= busy_until:
+                starts.append(step)
+                busy_until = step + delay
+    return starts
+
+
+def test_rounds_longer_than_a_period_skip_the_rounds_due_meanwhile_and_keep_every_step(corpus):
+    """delay 11 > H = 8: a fragment's next due round is skipped while one is in flight (as a daemon does), the one
+    that lands carries all 11 steps, and one member still trains exactly as plain training."""
+    swarm = Swarm(Config(kind="decoupled", merge="delta", delay=11, fragments=2, **EXACT), RUN,
+                  resolve_device("cpu"), corpus, members=1, batch_size=2, sync_every=8)
+    swarm.train(30)
+    assert torch.equal(swarm.learners[0].flat_params(), plain(corpus, 30))
+    starts = started_rounds(swarm, 30, 11)
+    due = sum(1 for f in swarm.fragments for step in range(1, 31) if f.due(step, 8))
+    assert swarm.counters.skipped == due - len(starts) > 0
+    per_fragment_step = swarm.learners[0].tokens_per_step // 2
+    assert swarm.counters.carried == sum(1 for s in starts if s + 11 <= 30) * 11 * per_fragment_step
+    assert swarm.counters.lost == 0
+
+
+def test_the_carry_bound_drops_work_older_than_it(corpus):
+    """carry_max 5 < delay 7: every late round's 7 steps are dropped (as overwriting would), none carried."""
+    bounded = Swarm(Config(kind="decoupled", merge="delta", delay=7, carry_max=5, fragments=2, **EXACT), RUN,
+                    resolve_device("cpu"), corpus, members=1, batch_size=2, sync_every=8)
+    bounded.train(30)
+    assert bounded.counters.carried == 0 and bounded.counters.lost > 0
+    assert not torch.equal(bounded.learners[0].flat_params(), plain(corpus, 30))
+    within = Swarm(Config(kind="decoupled", merge="delta", delay=7, carry_max=7, fragments=2, **EXACT), RUN,
+                   resolve_device("cpu"), corpus, members=1, batch_size=2, sync_every=8)
+    within.train(30)
+    assert within.counters.lost == 0 and within.counters.carried == bounded.counters.lost
+
+
+def test_a_negative_delay_is_refused(corpus):
     with pytest.raises(ValueError):
-        Swarm(Config(kind="decoupled", delay=8, **EXACT), RUN, resolve_device("cpu"), corpus, members=1,
+        Swarm(Config(kind="decoupled", delay=-1, **EXACT), RUN, resolve_device("cpu"), corpus, members=1,
               batch_size=2, sync_every=8)
