@@ -8,7 +8,8 @@ lands). By default (``LocalMerge.DELTA``) the merge keeps what the learner train
 inner step lands in exactly one merged pseudo-gradient. A replica the syncer adopted from a peer moves θ_p at the
 next step boundary, carrying the unmerged work the same way (θ_p ← Θ_p,new + θ_p − base); one nobody vouches for
 (a lonely daemon's, see ``catchup``) is first vetted on the held-out data (``vetting``). Carried work is bounded
-by one period (``sync_every`` steps): beyond it, and under ``overwrite``, the work is dropped. Every token of work
+at ``CARRY_PERIODS`` periods (``sync_every`` steps each): beyond it, and under ``overwrite``, the work is dropped.
+Every token of work
 that no merge keeps is counted as lost (the steps a merge overwrites or the bound drops, and our part of rounds a
 fork lost); every token the carry keeps is counted as carried.
 
@@ -44,6 +45,13 @@ logger = logging.getLogger("atoll")
 # A peer's open round is joined once we have done at least 1/4 of a period's steps on the fragment since our last
 # round of it: a 3x slower daemon still joins the rounds its faster peers open; a liar gains at most 4x the rate.
 OPEN_ROUND_MIN_SHARE = 4
+# The most periods of work carried onto a new replica. A round that takes longer than a period to land (a thin
+# link: its due round is skipped meanwhile), or one that failed before it, carries all its steps: carrying them beat
+# dropping them at every delay measured in one process, up to five periods (docs/results.md, "The carry bound").
+# Past the longest measured (a daemon frozen or alone for minutes, its work trained against a replica the swarm
+# has moved far past) the work is dropped and counted. A contribution carrying more than about 4 periods meets the
+# reducers' weight clip (4x the lower median): it still counts, at that weight.
+CARRY_PERIODS = 5
 
 
 @dataclass
@@ -91,9 +99,7 @@ class Rounds:
         self.local_merge = LocalMerge(cfg.run.local_merge)
         # Unmerged work survives an adoption under the delta rule (and, as before it, with stale contributions).
         self.carry_adopted = self.local_merge is LocalMerge.DELTA or self.keep_stale
-        # The most steps of work carried onto a new replica: one period. Work older than that was trained against a
-        # replica the swarm has since moved a whole period past (a freeze, a long round): it is dropped and counted.
-        self.carry_max_steps = cfg.run.sync_every
+        self.carry_max_steps = CARRY_PERIODS * cfg.run.sync_every
         self.pending: dict[int, _Pending] = {}
         self.snapshots: dict[int, _Snapshot] = {}  # rounds whose θ_p snapshot is still on its way to the host
         self.merged_rounds: dict[int, list[_MergedRound]] = {}  # per fragment, newest last
@@ -329,6 +335,8 @@ class Rounds:
             return False
         if outcome.kind is Outcome.FAILED:
             logger.warning("round f%d v%d failed; continuing with local progress", p, pending.version)
+            return False
+        if outcome.kind is Outcome.DEFERRED:  # said why already; θ keeps the work for the next round
             return False
         self._merge(p, pending)
         # The round's own result: a heavier replica downloaded since (now in θ_p) is recorded as an adoption.

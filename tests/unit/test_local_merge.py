@@ -20,7 +20,7 @@ from atoll.node.local_state import LocalFragmentState
 from atoll.node.metrics import Counters, HeldOut, MetricsLog
 from atoll.node.replica import Replica
 from atoll.node.round_protocol import Outcome, RoundOutcome
-from atoll.node.rounds import Rounds
+from atoll.node.rounds import CARRY_PERIODS, Rounds
 from atoll.protocols.state_sync import ReplicaState
 from atoll.protocols.stats import TrafficStats
 
@@ -106,14 +106,14 @@ def plain(corpus, steps):
     return learner.flat_params()
 
 
-@pytest.mark.parametrize("delay", [1, 3, 7])
+@pytest.mark.parametrize("delay", [1, 3, 7, 11])  # 11 > H: the round due meanwhile is skipped, 11 steps carried
 def test_one_member_through_the_delta_rule_is_plain_training_bit_for_bit(corpus, delay):
     learner, fragments, replica, local, counters, syncer, rounds = island(corpus, delay=delay, fail={2})
     train(learner, replica, local, syncer, rounds, 33)
     assert torch.equal(learner.flat_params(), plain(corpus, 33))
     assert counters.tokens_lost == 0
     merged = len(syncer.submitted) - 1 - len(syncer.inflight)  # one failed
-    assert replica.identity(0)[0] + replica.identity(1)[0] == merged > 3
+    assert replica.identity(0)[0] + replica.identity(1)[0] == merged > (3 if delay < H else 1)
     # Every step is in exactly one merged contribution or still in θ − base: the steps behind the merged
     # contributions (a token weight c_tok²/c_steps is per²·steps) and those unmerged add up to every step trained.
     per = learner.tokens_per_step
@@ -186,14 +186,21 @@ def test_a_forks_loser_counts_its_lost_round_and_carries_what_no_round_merged(co
     assert local[1].tokens == unmerged
 
 
-def test_carried_work_past_one_period_is_dropped_and_counted(corpus):
-    learner, fragments, replica, local, counters, syncer, rounds = island(corpus, delay=1, fail={0, 1, 2})
-    train(learner, replica, local, syncer, rounds, H + 2)  # both fragments' rounds failed: work piles up
-    assert local[1].steps == H + 2 > H
+@pytest.mark.parametrize("steps", [CARRY_PERIODS * H, CARRY_PERIODS * H + 2])
+def test_carried_work_past_the_bound_is_dropped_and_counted(corpus, steps):
+    learner, fragments, replica, local, counters, syncer, rounds = island(corpus, delay=1, fail=set(range(99)))
+    train(learner, replica, local, syncer, rounds, steps)  # every round failed: work piles up
+    assert local[1].steps == steps
     own = replica.identity(1)[2]
+    theta, base = learner.gather(fragments[1]), local[1].base
     params, _ = adopt(replica, learner, syncer, rounds, 1, 3, (own,))
-    assert torch.equal(learner.gather(fragments[1]), params)
-    assert counters.tokens_lost == (H + 2) * learner.tokens_per_step // P and local[1].steps == 0
+    per = learner.tokens_per_step
+    if steps <= CARRY_PERIODS * H:  # at the bound: carried
+        assert torch.equal(learner.gather(fragments[1]), (params.double() + theta.double() - base.double()).float())
+        assert counters.tokens_lost == 0 and local[1].steps == steps
+    else:
+        assert torch.equal(learner.gather(fragments[1]), params)
+        assert counters.tokens_lost == steps * per // P and local[1].steps == 0
 
 
 def test_back_from_a_stall_the_next_adoption_brings_the_donors_schedule(corpus):
