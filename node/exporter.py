@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("atoll")
 # Every result a round of a fragment can end with, exported from the start at 0 so that rates work from the first
 # scrape (Prometheus's advice for labelled counters).
-ROUND_RESULTS = ("merged", "behind", "failed", SKIPPED)
+ROUND_RESULTS = ("merged", "behind", "failed", "deferred", SKIPPED)
 
 
 class DaemonCollector(Collector):

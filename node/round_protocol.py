@@ -27,6 +27,7 @@ from atoll.protocols.averaging import HONEST, AllreduceResult, AveragingServicer
 from atoll.protocols.matchmaking import POLL_INTERVAL, form_group, sibling_group
 from atoll.protocols.records import Status, open_rounds_key, parse_open_round, unwrap_subkeys
 
+from .algorithm import LocalMerge
 from .catchup import MAX_LONELY_LEAD, CatchUp
 from .context import SyncContext
 from .peers import PeerTable
@@ -36,12 +37,14 @@ MAX_ATTEMPTS = 3
 SIBLING_ATTEMPTS = 1000  # the attempt numbers (in group ids) of a split round's merge of its groups
 OPEN_ROUND_POLL = 0.5  # seconds between reads of the rounds others opened (decoupled)
 PEERS_MAX_AGE = 1.0  # seconds a peer table read may be reused while forming a group (it is polled)
+MAX_DEFERRALS = 2  # lone rounds deferred at one version of a fragment before one merges alone anyway
 
 
 class Outcome(enum.Enum):
     MERGED = "merged"  # the replica advanced
     BEHIND = "behind"  # a heavier replica exists: catch up instead
     FAILED = "failed"  # no group, or its all-reduce did not complete: keep the local progress
+    DEFERRED = "deferred"  # alone while live peers hold our very replica: no lone merge, the work goes on
 
 
 @dataclass
@@ -103,6 +106,7 @@ class RoundProtocol:
         self._last_round: dict[int, int] = {}  # fragment -> the version of the last round we registered for
         self._announced: dict[int, int] = {}  # fragment -> the version whose round a peer announced
         self.had_peers: Callable[[], bool] = lambda: False  # whether any peer was ever live (``Rejoin.seen``)
+        self._deferred: dict[int, tuple[int, int]] = {}  # fragment -> (version, lone rounds deferred at it)
 
     def grace(self) -> float:
         """The adaptive grace window (seconds) a decoupled round may wait for more members after quorum: the
@@ -156,9 +160,11 @@ class RoundProtocol:
                 if decided:  # left out: its members will hold the replica to catch up to
                     self.peers.follow([m for group in decided[-1] for m in group])
                 return RoundOutcome(Outcome.FAILED, version, seconds=formed - started)
-            if algo.quorum and members == [ctx.peer_id] and not await self._may_merge_alone(p, version):
-                behind = True
-                return RoundOutcome(Outcome.BEHIND, version, members, seconds=formed - started)
+            if algo.quorum and members == [ctx.peer_id]:
+                refused = await self._refuse_alone(p, version, digest)
+                if refused is not None:
+                    behind = refused is Outcome.BEHIND
+                    return RoundOutcome(refused, version, members, seconds=formed - started)
             if run.quorum > 1:
                 self.quorum_time.update(formed - started)
             ctx.faults.group_formed(ctx.counters.rounds_done, version)
@@ -195,31 +201,46 @@ class RoundProtocol:
             if behind:
                 self.catch_up.maybe_catch_up()
 
-    async def _may_merge_alone(self, p: int, version: int) -> bool:
-        """Whether a decoupled round of fragment ``p`` at ``version`` whose group is only ourselves may merge. Not when
-        a live peer holds the fragment at a later version: the swarm merged on without us (we were frozen, paused,
-        slow, or left out), and merging alone would make a second replica of that version, a fork that loses its
-        work when it heals. The round is abandoned as behind instead: the work stays in θ (the delta rule) and goes
-        into the next round, and the replica is caught up. While the daemon settles after a stall
-        (``Syncer._watch_stalls``) the table is read afresh first: the one it holds is from before the stall. A
-        round at a version the others hold too is not refused: as its coordinator we may have decided a group of
-        ourselves alone, and refusing it would fail the round for them as well (they were left out of it). A claim
-        more than ``MAX_LONELY_LEAD`` versions ahead is ignored here, as by the catch-up: one lying peer cannot
-        stop a lone daemon's rounds. And while settling, a table with no live peer at all, when we had some, says
-        that our DHT node lost the others during the stall (``Rejoin.after_stall`` is finding them again), not that
-        they left: no round merges alone until they are back or the settling ends."""
+    async def _refuse_alone(self, p: int, version: int, digest: str) -> Outcome | None:
+        """Why a decoupled round of fragment ``p`` at ``version`` (replica ``digest``) whose group is only ourselves
+        must not merge; None when it may. Merging alone makes a replica of ``version + 1`` that only we hold: when
+        the others merge that version among themselves it is a fork, and the lighter side loses its work.
+
+        - ``BEHIND`` when a live peer holds the fragment at a later version: the swarm merged on without us (we were
+          frozen, paused, slow, or left out). The replica is caught up; the work stays in θ (the delta rule) and
+          goes into the next round. A claim more than ``MAX_LONELY_LEAD`` versions ahead is ignored, as by the
+          catch-up: one lying peer cannot stop a lone daemon's rounds.
+        - ``DEFERRED`` when a live peer holds our very replica (same version and digest): it did not make it into
+          this round (its registration came after the group closed, over a slow DHT), and will meet us in the
+          next one. Under the delta rule waiting costs no work: θ keeps it and the next contribution carries it.
+          At most ``MAX_DEFERRALS`` times at one version: a peer claiming our replica and never joining cannot
+          stop our rounds, only slow them. Not under ``--local-merge overwrite``: there a lone merge keeps more.
+        - While the daemon settles after a stall (``Syncer._watch_stalls``) the table is read afresh first: the one
+          it holds is from before the stall. A table with no live peer at all, when we had some, says that our DHT
+          node lost the others during the stall (``Rejoin.after_stall`` is finding them again), not that they left:
+          no round merges alone (``BEHIND``) until they are back or the settling ends."""
         settling = time.monotonic() < self.ctx.settle_until
         peers = await self.peers.refresh(max_age=0.0 if settling else PEERS_MAX_AGE)
-        if settling and self.had_peers() and not any(peer.status == Status.TRAINING for peer in peers.values()):
+        live = [peer for peer in peers.values() if peer.status == Status.TRAINING]
+        if settling and self.had_peers() and not live:
             logger.info("round f%d v%d: alone, and no peer is visible since the stall: not merging alone until the "
                         "DHT finds them again", p, version)
-            return False
-        ahead = [peer.fragment_versions[p] for peer in peers.values() if peer.status == Status.TRAINING
-                 and version < peer.fragment_versions[p] <= version + MAX_LONELY_LEAD]
+            return Outcome.BEHIND
+        ahead = [peer.fragment_versions[p] for peer in live
+                 if version < peer.fragment_versions[p] <= version + MAX_LONELY_LEAD]
         if ahead:
             logger.info("round f%d v%d: alone while %d live peer(s) hold the fragment at v%d; merging alone would "
                         "fork it: catching up instead", p, version, len(ahead), max(ahead))
-        return not ahead
+            return Outcome.BEHIND
+        same = [peer for peer in live if peer.fragment_versions[p] == version and peer.fragment_hashes[p] == digest]
+        at, deferred = self._deferred.get(p, (version, 0))
+        deferred = deferred if at == version else 0
+        if same and LocalMerge(self.ctx.cfg.run.local_merge) is LocalMerge.DELTA and deferred < MAX_DEFERRALS:
+            self._deferred[p] = (version, deferred + 1)
+            logger.info("round f%d v%d: alone while %d live peer(s) hold this replica; merging alone would fork it: "
+                        "the work goes into the next round", p, version, len(same))
+            return Outcome.DEFERRED
+        return None
 
     async def _merge_siblings(self, p: int, version: int, groups: list[list[str]], result: AllreduceResult,
                               digest: str) -> AllreduceResult:

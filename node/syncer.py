@@ -165,7 +165,7 @@ class Syncer:
         """Notice that the event loop did not run for a while (the process was frozen by SIGSTOP or a debugger,
         starved of CPU, or the machine slept) and come back into step at once: publish a fresh progress record
         (the old one expired meanwhile: the others stopped counting on us), read the swarm and catch up, and for
-        ``STALL_SETTLE_S`` read the table afresh before any round merges alone (``RoundProtocol._may_merge_alone``)."""
+        ``STALL_SETTLE_S`` read the table afresh before any round merges alone (``RoundProtocol._refuse_alone``)."""
         ctx, last = self.ctx, time.monotonic()
         while True:
             await asyncio.sleep(STALL_TICK_S)

@@ -1,15 +1,19 @@
 """A decoupled round whose group is only this daemon merges alone only when that cannot fork the replica: not while
-a live peer holds the fragment at a later version; after a stall only on a fresh read of the table (no sockets: the
-peer table is a stub)."""
+a live peer holds the fragment at a later version (caught up instead), not while one holds our very replica (the
+work waits for the next round, a bounded number of times); after a stall only on a fresh read of the table (no
+sockets: the peer table is a stub)."""
 
 import asyncio
 import time
 from types import SimpleNamespace
 
-from atoll.node.catchup import MAX_LONELY_LEAD
 from atoll.node import round_protocol
-from atoll.node.round_protocol import RoundProtocol
+from atoll.node.catchup import MAX_LONELY_LEAD
+from atoll.node.round_protocol import MAX_DEFERRALS, Outcome, RoundProtocol
 from atoll.protocols.records import Status
+
+BEHIND, DEFERRED = Outcome.BEHIND, Outcome.DEFERRED
+OURS = "ours"  # the digest of our replica of every fragment
 
 
 class Table:
@@ -22,53 +26,76 @@ class Table:
         return {r.peer_id: r for r in self.records}
 
 
-def peer(name, versions, status=Status.TRAINING):
-    return SimpleNamespace(peer_id=name, fragment_versions=versions, status=status)
+def peer(name, versions, status=Status.TRAINING, hashes=(OURS, OURS)):
+    return SimpleNamespace(peer_id=name, fragment_versions=versions, fragment_hashes=list(hashes), status=status)
 
 
-def may_merge_alone(records, version, fragment=0, settle_until=0.0, had_peers=False):
-    table = Table(records)
-    rounds = RoundProtocol(SimpleNamespace(settle_until=settle_until), peers=table, catch_up=None)
+def protocol(records, settle_until=0.0, had_peers=False, local_merge="delta"):
+    ctx = SimpleNamespace(settle_until=settle_until, cfg=SimpleNamespace(run=SimpleNamespace(local_merge=local_merge)))
+    rounds = RoundProtocol(ctx, peers=Table(records), catch_up=None)
     rounds.had_peers = lambda: had_peers
-    return asyncio.run(rounds._may_merge_alone(fragment, version)), table.ages
+    return rounds
+
+
+def refuse_alone(records, version, fragment=0, **kw):
+    """What a lone round at ``version`` of ``fragment`` (our replica ``OURS``) comes to: None (merge alone) or why
+    not, and the max ages of the table reads it made."""
+    rounds = protocol(records, **kw)
+    return asyncio.run(rounds._refuse_alone(fragment, version, OURS)), rounds.peers.ages
 
 
 def test_alone_in_the_swarm_or_ahead_of_it_merges():
-    assert may_merge_alone([], 7) == (True, [round_protocol.PEERS_MAX_AGE])
-    assert may_merge_alone([peer("a", [7, 9]), peer("b", [6, 3])], 7)[0]  # at our version or behind: not a fork
-    assert may_merge_alone([peer("a", [7, 9])], 9, fragment=1)[0]
+    assert refuse_alone([], 7) == (None, [round_protocol.PEERS_MAX_AGE])
+    assert refuse_alone([peer("b", [6, 3])], 7)[0] is None  # behind: not a fork
+    assert refuse_alone([peer("a", [7, 9], hashes=("other", OURS))], 7)[0] is None  # at our version on a fork
+    assert refuse_alone([peer("a", [7, 9])], 9, fragment=1)[0] is DEFERRED
 
 
 def test_a_live_peer_at_a_later_version_stops_a_lone_merge():
-    assert not may_merge_alone([peer("a", [8, 0])], 7)[0]
-    assert not may_merge_alone([peer("a", [7, 0]), peer("b", [7 + MAX_LONELY_LEAD, 0])], 7)[0]
+    assert refuse_alone([peer("a", [8, 0])], 7)[0] is BEHIND
+    assert refuse_alone([peer("a", [7, 0]), peer("b", [7 + MAX_LONELY_LEAD, 0])], 7)[0] is BEHIND
     # Another fragment's versions do not matter; nor do peers that are not training (joining, paused, leaving).
-    assert may_merge_alone([peer("a", [7, 50])], 7)[0]
-    assert may_merge_alone([peer("a", [9, 0], Status.PAUSED), peer("b", [9, 0], Status.JOINING)], 7)[0]
+    assert refuse_alone([peer("a", [6, 50])], 7)[0] is None
+    assert refuse_alone([peer("a", [9, 0], Status.PAUSED), peer("b", [7, 0], Status.JOINING)], 7)[0] is None
+
+
+def test_a_live_peer_holding_our_replica_defers_the_lone_merge_a_bounded_number_of_times():
+    """A peer at our version with our digest missed this round (it registered after the group closed): merging
+    alone would fork the fragment, so the work waits for the next round. A peer that claims our replica and never
+    joins can delay each version only MAX_DEFERRALS times; a new version starts the count again."""
+    rounds = protocol([peer("a", [7, 0])])
+    verdicts = [asyncio.run(rounds._refuse_alone(0, 7, OURS)) for _ in range(MAX_DEFERRALS + 1)]
+    assert verdicts == [DEFERRED] * MAX_DEFERRALS + [None]
+    rounds.peers.records = [peer("a", [8, 0])]
+    assert asyncio.run(rounds._refuse_alone(0, 8, OURS)) is DEFERRED
+    assert asyncio.run(rounds._refuse_alone(1, 0, OURS)) is DEFERRED  # each fragment counts its own
+
+
+def test_under_overwrite_a_lone_merge_is_not_deferred():
+    """Without the delta rule a deferred round's work would be overwritten by the next merge: merge alone."""
+    assert refuse_alone([peer("a", [7, 0])], 7, local_merge="overwrite")[0] is None
 
 
 def test_a_claim_too_far_ahead_is_ignored():
     """One lying peer cannot stop a lone daemon's rounds with a made-up version (the catch-up ignores it too)."""
-    assert may_merge_alone([peer("liar", [7 + MAX_LONELY_LEAD + 1, 0])], 7)[0]
+    assert refuse_alone([peer("liar", [7 + MAX_LONELY_LEAD + 1, 0])], 7)[0] is None
 
 
 def test_after_a_stall_the_table_is_read_afresh_before_a_lone_merge():
-    """The table held right after a stall is from before it: a lone merge then waits for a fresh read (max_age 0).
-    It is not refused outright: as the coordinator of a round at the others' version, refusing our group of one
-    would fail the round for them too."""
+    """The table held right after a stall is from before it: a lone merge then waits for a fresh read (max_age 0)."""
     settling = time.monotonic() + 60
-    assert may_merge_alone([], 7, settle_until=settling) == (True, [0.0])
-    assert may_merge_alone([peer("a", [8, 0])], 7, settle_until=settling) == (False, [0.0])
+    assert refuse_alone([], 7, settle_until=settling) == (None, [0.0])
+    assert refuse_alone([peer("a", [8, 0])], 7, settle_until=settling) == (BEHIND, [0.0])
 
 
 def test_after_a_stall_an_empty_table_is_our_dht_having_lost_the_others():
     """Settling, with no live peer visible although we had some: our DHT node lost them during the stall (the
     rejoin is finding them), so no round merges alone; once settled, or with a peer visible, the usual rule."""
     settling = time.monotonic() + 60
-    assert may_merge_alone([], 7, settle_until=settling, had_peers=True) == (False, [0.0])
-    assert may_merge_alone([peer("a", [9, 0], Status.LEAVING)], 7, settle_until=settling, had_peers=True)[0] is False
-    assert may_merge_alone([peer("a", [7, 0])], 7, settle_until=settling, had_peers=True)[0]
-    assert may_merge_alone([], 7, had_peers=True)[0]  # not settling: alone in the swarm merges
+    assert refuse_alone([], 7, settle_until=settling, had_peers=True) == (BEHIND, [0.0])
+    assert refuse_alone([peer("a", [9, 0], Status.LEAVING)], 7, settle_until=settling, had_peers=True)[0] is BEHIND
+    assert refuse_alone([peer("a", [6, 0])], 7, settle_until=settling, had_peers=True)[0] is None
+    assert refuse_alone([], 7, had_peers=True)[0] is None  # not settling: alone in the swarm merges
 
 
 def test_a_stall_is_noticed_and_the_daemon_comes_back_at_once(monkeypatch):
