@@ -5,6 +5,7 @@ own ``hivemind.Optimizer`` set up as OpenDiLoCo (``scripts/hivemind_opendiloco.p
 
     python scripts/bench_wan.py --calibrate                       # measure the inner step time here, print rates
     python scripts/bench_wan.py --rates 0.88 2.2 8.8 --rtts 0 100 [--algorithms ...] [--steps 800] [--ddp-steps 8]
+    python scripts/bench_wan.py --rates 2.2 --rtts 0 --seeds 0 1 2 --algorithms ddp diloco decoupled
     python scripts/bench_wan.py --replot
 
 Every point of the sweep (a link rate in Mbit/s, both directions of every region's access link, and an RTT between
@@ -20,6 +21,8 @@ lost. The target held-out loss is ``--target-ratio`` × the held-out loss of ddp
 uncapped links (measured once, ``--reference``); an algorithm's time to target is its budget's wall time when its
 final replica reaches the target, else "not reached". ddp's trajectory does not depend on the link, so over a
 capped link its time to target is EXTRAPOLATED: the measured seconds per step × ``--steps`` (labelled as such).
+Each run is keyed by (algorithm, rate, RTT, seed) and records the commit it ran (a point re-run replaces only its
+own runs); a point with several seeds is also summarised (mean and 95% interval, ``seeds`` in the JSON).
 Writes ``<out>/bench_wan.json`` (each point appended; ``--fresh`` starts over) and ``bench_wan.png``.
 """
 
@@ -41,6 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import wan  # noqa: E402
 from bars import each  # noqa: E402
+from stats import fmt, interval  # noqa: E402
 from bench_algorithms import evaluate_swarm, summaries  # noqa: E402
 from bench_parity import BATCH, make_learner  # noqa: E402
 from swarm import LocalSwarm  # noqa: E402
@@ -53,6 +57,8 @@ ALGORITHMS = ("ddp", "diloco", "streaming", "decoupled", "hivemind")
 HIVEMIND = Path(__file__).resolve().parent / "hivemind_opendiloco.py"
 # The seed's production setting: 12B parameters in bf16 (2 bytes each) over 2-5 Gbps, one inner step per second.
 PROD_PARAMS, PROD_BYTES_PER_PARAM, PROD_STEP_S, PROD_GBPS = 12e9, 2, 1.0, (2.0, 5.0)
+COMMIT = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                        cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown"
 
 
 def prod_ratios() -> dict[str, float]:
@@ -75,11 +81,13 @@ def tx_bytes(w: wan.Wan) -> dict[str, int]:
     return out
 
 
-def run_atoll(w: wan.Wan, root: Path, algorithm: str, steps: int, args: argparse.Namespace) -> dict:
+def run_atoll(w: wan.Wan, root: Path, algorithm: str, steps: int, args: argparse.Namespace,
+              seed: int | None = None) -> dict:
+    seed = args.seed if seed is None else seed
     common = ["--model", args.model, "--algorithm", algorithm, "--sync-every", str(args.sync_every),
               "--batch-size", str(BATCH), "--max-steps", str(steps), "--gather-timeout", "20",
               "--round-timeout", "20", "--threads", "1", "--quorum", str(DAEMONS if algorithm == "ddp" else 1),
-              "--seed", str(args.seed)]
+              "--seed", str(seed)]
     if algorithm != "ddp":  # hold the first step until all four train (ddp's --quorum does that already)
         common += ["--fault", f"start_together={DAEMONS}"]
     common += getattr(args, "daemon_args", [])  # bench_rounds_wan: a protocol setting under comparison
@@ -99,7 +107,7 @@ def run_atoll(w: wan.Wan, root: Path, algorithm: str, steps: int, args: argparse
         stopped = wait_daemons(swarm, args)
     seconds = time.monotonic() - start
     wire = {r: v - before[r] for r, v in tx_bytes(w).items()}
-    run = RunConfig(model=args.model, algorithm=algorithm, sync_every=args.sync_every, seed=args.seed)
+    run = RunConfig(model=args.model, algorithm=algorithm, sync_every=args.sync_every, seed=seed)
     losses = evaluate_swarm(swarm, run)
     s = summaries(swarm)
     steps_done = [x["step"] for x in s]
@@ -113,6 +121,9 @@ def run_atoll(w: wan.Wan, root: Path, algorithm: str, steps: int, args: argparse
             "blocked_s_mean": statistics.mean(x["blocked_s"] for x in s),
             "step_seconds_per_daemon": step_seconds(s),
             "tokens_total": sum(x["tokens"] for x in s), "tokens_lost": sum(x["tokens_lost"] for x in s),
+            "tokens_carried": sum(x.get("tokens_carried", 0) for x in s),
+            "in_flight_p50_per_daemon": [x.get("in_flight_p50") for x in s],
+            "in_flight_p95_per_daemon": [x.get("in_flight_p95") for x in s],
             "bytes_sent_counted": sum(x["bytes_sent"] for x in s), "wire_bytes": sum(wire.values()),
             "wire_bytes_per_region": wire, "rounds_per_daemon": [x["rounds"] for x in s],
             "outside_seconds": seconds, "stopped_by_bench": stopped}
@@ -185,7 +196,7 @@ def recover_atoll(root: Path, algorithm: str, rate: float, rtt: float, steps: in
             "rate_mbit": rate, "rtt_ms": rtt, "steps_budget": args.steps, "steps_run": steps}
 
 
-def run_hivemind(w: wan.Wan, root: Path, steps: int, args: argparse.Namespace) -> dict:
+def run_hivemind(w: wan.Wan, root: Path, steps: int, args: argparse.Namespace, seed: int) -> dict:
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     before = tx_bytes(w)
@@ -229,7 +240,7 @@ def run_hivemind(w: wan.Wan, root: Path, steps: int, args: argparse.Namespace) -
     docs = [json.loads((root / f"p{i}.json").read_text()) for i in range(DAEMONS)]
     import torch
 
-    learner, held_out = make_learner(RunConfig(model=args.model, seed=args.seed), shard=0)
+    learner, held_out = make_learner(RunConfig(model=args.model, seed=seed), shard=0)
     losses = []
     for i in range(DAEMONS):
         learner.model.load_state_dict(torch.load(root / f"p{i}.pt"))
@@ -248,20 +259,22 @@ def run_hivemind(w: wan.Wan, root: Path, steps: int, args: argparse.Namespace) -
             "stopped_by_bench": [f"p{i}" for i in stopped]}
 
 
-def one_point(rate: float, rtt: float, algorithms: list[str], args: argparse.Namespace) -> list[dict]:
+def one_point(rate: float, rtt: float, algorithms: list[str], args: argparse.Namespace, seed: int = 0) -> list[dict]:
     regions = [wan.Region(r, rate_mbit=rate, delay_ms=rtt / 4) for r in REGIONS]
     out = []
     with wan.Wan(regions, tag="bw") as w:
         for algorithm in algorithms:
             steps = args.ddp_steps if algorithm == "ddp" and rate > 0 else args.steps
-            print(f"rate {rate:g} Mbit/s, RTT {rtt:g} ms: {algorithm}, {DAEMONS} x {steps} steps ...", flush=True)
-            root = Path("runs/bench_wan") / f"{algorithm}-{rate:g}-{rtt:g}"
+            print(f"rate {rate:g} Mbit/s, RTT {rtt:g} ms, seed {seed}: {algorithm}, {DAEMONS} x {steps} steps ...",
+                  flush=True)
+            root = Path("runs/bench_wan") / (f"{algorithm}-{rate:g}-{rtt:g}" + (f"-s{seed}" if seed else ""))
             t0 = time.monotonic()
             if algorithm == "hivemind":
-                r = run_hivemind(w, root, steps, args)
+                r = run_hivemind(w, root, steps, args, seed)
             else:
-                r = run_atoll(w, root, algorithm, steps, args)
-            r.update(rate_mbit=rate, rtt_ms=rtt, steps_budget=args.steps, steps_run=steps)
+                r = run_atoll(w, root, algorithm, steps, args, seed)
+            r.update(rate_mbit=rate, rtt_ms=rtt, seed=seed, steps_budget=args.steps, steps_run=steps,
+                     commit=COMMIT)
             print(f"    held-out {r['held_out_loss_mean']:.4f}  wall {r['wall_seconds']:.1f}s  "
                   f"s/step {r['seconds_per_step']:.3f}  util {r['utilization']:.2f}  wire {r['wire_bytes'] / 1e6:.1f} MB"
                   f"  lost {r['tokens_lost']}  ({time.monotonic() - t0:.0f} s)", flush=True)
@@ -279,7 +292,7 @@ def derive(doc: dict) -> None:
     budget = doc["steps"]
     points: dict = {}
     for r in doc["runs"]:
-        points.setdefault((r["rate_mbit"], r["rtt_ms"]), []).append(r)
+        points.setdefault((r["rate_mbit"], r["rtt_ms"], r.get("seed", 0)), []).append(r)
         if r["algorithm"] == "ddp":
             if r["steps_run"] >= budget:
                 r["time_to_target_s"], r["time_to_target_kind"] = r["wall_seconds"], "measured"
@@ -296,9 +309,11 @@ def derive(doc: dict) -> None:
             if min(r["steps_per_daemon"]) < r["steps_run"]:
                 r["time_to_target_kind"] += (f"; stopped by the benchmark at steps {r['steps_per_daemon']} of "
                                              f"{r['steps_run']} after {r['wall_seconds']:.0f} s")
-    for runs in points.values():
-        ddp = next((r for r in runs if r["algorithm"] == "ddp"), None)
-        hm = next((r for r in runs if r["algorithm"] == "hivemind"), None)
+    for (rate, rtt, _), runs in points.items():
+        # ddp's steps and hivemind's run of the same seed, else of seed 0 (the sweep's single-seed points)
+        same = runs + points.get((rate, rtt, 0), [])
+        ddp = next((r for r in same if r["algorithm"] == "ddp"), None)
+        hm = next((r for r in same if r["algorithm"] == "hivemind"), None)
         for r in runs:
             t = r.get("time_to_target_s")
             if ddp and t:
@@ -310,15 +325,49 @@ def derive(doc: dict) -> None:
             if hm:
                 r["wall_over_hivemind"] = r["wall_seconds"] / hm["wall_seconds"]
                 r["wire_bytes_over_hivemind"] = r["wire_bytes"] / hm["wire_bytes"] if hm["wire_bytes"] else None
+    doc["seeds"] = seed_summary(doc)
+
+
+def seed_summary(doc: dict) -> list[dict]:
+    """Per (rate, RTT, algorithm) run with more than one seed: mean and 95% interval of what varies by seed."""
+    groups: dict = {}
+    for r in doc["runs"]:
+        groups.setdefault((r["rate_mbit"], r["rtt_ms"], r["algorithm"]), []).append(r)
+    rows = []
+    for (rate, rtt, algorithm), runs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0],
+                                                                             ALGORITHMS.index(kv[0][2]))):
+        if len({r.get("seed", 0) for r in runs}) < 2 or algorithm == "ddp":
+            continue
+        rows.append({"rate_mbit": rate, "rtt_ms": rtt, "algorithm": algorithm,
+                     "seeds": sorted(r.get("seed", 0) for r in runs),
+                     "reached": sum(bool(r.get("reaches_target")) for r in runs),
+                     "held_out_loss": interval([r["held_out_loss_mean"] for r in runs]),
+                     "wall_seconds": interval([r["wall_seconds"] for r in runs]),
+                     "speedup_over_ddp": [r.get("speedup_over_ddp") for r in runs],
+                     "utilization": interval([r["utilization"] for r in runs]),
+                     "tokens_lost_share": interval([r["tokens_lost"] / max(r["tokens_total"], 1) for r in runs])})
+    return rows
+
+
+def seed_table(doc: dict) -> str:
+    rows = ["| rate Mbit/s | RTT ms | algorithm | seeds | reached the target | held-out loss | wall s | "
+            "speedup over ddp (to target), per seed | utilization | tokens lost |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in doc.get("seeds", []):
+        sp = " / ".join("-" if x is None else f"{x:.1f}x" for x in r["speedup_over_ddp"])
+        rows.append(f"| {r['rate_mbit']:g} | {r['rtt_ms']:g} | {r['algorithm']} | {len(r['seeds'])} | "
+                    f"{r['reached']} of {len(r['seeds'])} | {fmt(r['held_out_loss'])} | {fmt(r['wall_seconds'], 1)} | "
+                    f"{sp} | {fmt(r['utilization'], 2)} | {fmt(r['tokens_lost_share'], 3)} |")
+    return "\n".join(rows)
 
 
 def table(doc: dict) -> str:
     """The runs as a markdown table (what docs/results.md quotes)."""
-    rows = ["| rate Mbit/s | RTT ms | algorithm | steps / daemon | held-out loss | wall s (budget) | time to target s | "
+    rows = ["| rate Mbit/s | RTT ms | algorithm | seed | commit | steps / daemon | held-out loss | wall s (budget) | time to target s | "
             "speedup over ddp (to target) | speedup over ddp (same steps) | utilization | wire MB | counted sent MB | "
             "tokens lost | / hivemind: time to target, budget wall |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(doc["runs"], key=lambda r: (r["rtt_ms"], r["rate_mbit"], ALGORITHMS.index(r["algorithm"]))):
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(doc["runs"], key=lambda r: (r["rtt_ms"], r["rate_mbit"], r.get("seed", 0),
+                                                ALGORITHMS.index(r["algorithm"]))):
         t = r.get("time_to_target_s")
         kind = r.get("time_to_target_kind", "")
         tt = "not reached" if t is None else f"{t:.0f}" + (" (extrapolated)" if kind.startswith("EXTRA") else "")
@@ -328,7 +377,8 @@ def table(doc: dict) -> str:
         wb = r.get("wall_speedup_over_ddp_budget")
         wh = r.get("wall_over_hivemind")
         lost = r["tokens_lost"] / r["tokens_total"] if r["tokens_total"] else 0
-        rows.append(f"| {r['rate_mbit']:g} | {r['rtt_ms']:g} | {r['algorithm']} | "
+        rows.append(f"| {r['rate_mbit']:g} | {r['rtt_ms']:g} | {r['algorithm']} | {r.get('seed', 0)} | "
+                    f"{r.get('commit', 'before #32')} | "
                     f"{'/'.join(str(x) for x in r['steps_per_daemon'])} | {r['held_out_loss_mean']:.3f} | "
                     f"{r['wall_seconds']:.1f} | {tt} | {'-' if sp is None else f'{sp:.1f}x'} | "
                     f"{'-' if r['algorithm'] == 'ddp' or wb is None else f'{wb:.1f}x'} | "
@@ -351,9 +401,14 @@ def plot(doc: dict, path: Path) -> None:
               "hivemind": "tab:purple"}
     for rtt, style in zip(rtts, ["-", "--", ":"]):
         for a in ALGORITHMS:
-            pts = sorted((r for r in runs if r["algorithm"] == a and r["rtt_ms"] == rtt), key=lambda r: r["rate_mbit"])
+            mine = [r for r in runs if r["algorithm"] == a and r["rtt_ms"] == rtt]
+            pts = sorted((r for r in mine if r.get("seed", 0) == 0), key=lambda r: r["rate_mbit"])  # lines: seed 0
             if not pts:
                 continue
+            others = [r for r in mine if r.get("seed", 0) != 0]  # further seeds: crosses
+            axes[0].plot([r["rate_mbit"] for r in others], [r.get("time_to_target_s") or r["wall_seconds"]
+                                                            for r in others], "x", color=colors[a])
+            axes[1].plot([r["rate_mbit"] for r in others], [r["utilization"] for r in others], "x", color=colors[a])
             x = [r["rate_mbit"] for r in pts]
             y = [r.get("time_to_target_s") or float("nan") for r in pts]
             label = f"{a}, RTT {rtt:g} ms" + (" (extrapolated)" if a == "ddp" else "")
@@ -390,7 +445,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=800, help="inner steps per daemon: the token budget")
     p.add_argument("--ddp-steps", type=int, default=12, help="ddp's steps over a capped link (then extrapolated)")
     p.add_argument("--sync-every", type=int, default=100)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the seed of --calibrate and --reference runs")
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds of the sweep's points (default: --seed)")
     p.add_argument("--rates", type=float, nargs="*", default=[], help="Mbit/s, each way, every region")
     p.add_argument("--rtts", type=float, nargs="*", default=[0.0], help="ms between any two regions")
     p.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
@@ -422,6 +478,8 @@ def main() -> int:
         path.write_text(json.dumps(doc, indent=1))
         plot(doc, out / "bench_wan.png")
         print(table(doc))
+        if doc.get("seeds"):
+            print(seed_table(doc))
         return 0
     doc = json.loads(path.read_text()) if path.exists() and not args.fresh else {"runs": [], "commands": []}
     doc.update(model=args.model, steps=args.steps, sync_every=args.sync_every, batch_size=BATCH, daemons=DAEMONS,
@@ -445,21 +503,22 @@ def main() -> int:
     if args.reference:
         (r,) = one_point(0.0, 0.0, ["ddp"], args)
         doc["reference"] = r
-    for rtt in each(args.rtts, "RTTs"):
-        for rate in each(args.rates, f"rates at RTT {rtt:g} ms"):
-            new = one_point(rate, rtt, args.algorithms, args)
-            keys = {(r["algorithm"], r["rate_mbit"], r["rtt_ms"]) for r in new}
-            doc["runs"] = [r for r in doc["runs"] if (r["algorithm"], r["rate_mbit"], r["rtt_ms"]) not in keys] + new
-            derive(doc)
-            out.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(doc, indent=1))  # after every point: a late failure keeps what was measured
+    key = lambda r: (r["algorithm"], r["rate_mbit"], r["rtt_ms"], r.get("seed", 0))  # noqa: E731
+    points = [(rtt, rate, seed) for rtt in args.rtts for rate in args.rates for seed in args.seeds or [args.seed]]
+    for rtt, rate, seed in each(points, "points"):
+        new = one_point(rate, rtt, args.algorithms, args, seed)
+        keys = {key(r) for r in new}
+        doc["runs"] = [r for r in doc["runs"] if key(r) not in keys] + new
+        derive(doc)
+        out.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=1))  # after every point: a late failure keeps what was measured
     derive(doc)
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1))
     if doc["runs"]:
         plot(doc, out / "bench_wan.png")
     for r in doc["runs"]:
-        print(f"{r['algorithm']:10s} {r['rate_mbit']:6g} Mbit/s RTT {r['rtt_ms']:4g}  loss {r['held_out_loss_mean']:.4f}"
+        print(f"{r['algorithm']:10s} {r['rate_mbit']:6g} Mbit/s RTT {r['rtt_ms']:4g} seed {r.get('seed', 0)}  loss {r['held_out_loss_mean']:.4f}"
               f"  t→target {r.get('time_to_target_s') or float('nan'):8.1f}s  x ddp {r.get('speedup_over_ddp', 0):5.1f}"
               f"  util {r['utilization']:.2f}  wire {r['wire_bytes'] / 1e6:7.1f} MB  lost {r['tokens_lost']}")
     return 0
