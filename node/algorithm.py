@@ -24,6 +24,18 @@ class AlgorithmName(enum.StrEnum):
     DDP = "ddp"
 
 
+class SnapshotAt(enum.StrEnum):
+    """When a decoupled round takes its snapshot of θ_p (the synchronous algorithms always take it at the due step).
+
+    - ``formation``: once the round's group has formed (the paper's syncer): the steps trained while the group formed
+      go into this contribution, and only the reduce is in flight;
+    - ``due``: at the fragment's due step, before the group forms: those steps are carried into the next one.
+    """
+
+    FORMATION = "formation"
+    DUE = "due"
+
+
 class LocalMerge(enum.StrEnum):
     """How a learner takes a round's result Θ_p,new into its own θ_p, given what it trained since the snapshot it
     contributed (``rounds.py``).

@@ -23,7 +23,7 @@ from atoll.models.registry import ModelError, check_name
 from atoll.models.robust import MERGE_RULES
 from atoll.protocols.codecs import CODECS
 
-from .algorithm import AlgorithmName, LocalMerge, algorithm
+from .algorithm import AlgorithmName, LocalMerge, SnapshotAt, algorithm
 from .faults import parse_faults
 from .pause import Mode, PolicyError, check_spec, deadline_of, parse_window
 
@@ -104,6 +104,9 @@ class RunConfig:
                                          "when it adopts a newer replica) for its next contribution; 'overwrite' "
                                          "drops them; 'mix' keeps --alpha of its own model",
                            known=tuple(LocalMerge))
+    snapshot_at: str = opt("formation", help="decoupled: when a round snapshots the fragment, 'formation' (once its "
+                                             "group has formed: only the reduce is in flight) or 'due' (at the due "
+                                             "step, before the group forms)", known=tuple(SnapshotAt))
     alpha: float = opt(0.0, help="--local-merge mix: share of the local model kept at a merge, in (0, 1): local <- "
                                  "A*local + (1-A)*merged", metavar="A")
     quorum: int = opt(1, help="minimum members before a round may close (decoupled); ddp: daemons that start "
@@ -162,6 +165,8 @@ class RunConfig:
             raise ConfigError(f"gather_timeout: at most 885 s, got {self.gather_timeout}")
         if self.local_merge not in tuple(LocalMerge):
             raise ConfigError(f"local_merge: unknown {self.local_merge!r}; known: {', '.join(LocalMerge)}")
+        if self.snapshot_at not in tuple(SnapshotAt):
+            raise ConfigError(f"snapshot_at: unknown {self.snapshot_at!r}; known: {', '.join(SnapshotAt)}")
         if self.local_merge == LocalMerge.MIX and not 0 < self.alpha < 1:
             raise ConfigError(f"alpha: --local-merge mix needs a share in (0, 1), got {self.alpha}")
         if self.local_merge != LocalMerge.MIX and self.alpha:

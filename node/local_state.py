@@ -5,7 +5,7 @@ identity) and the token/step counters of Decoupled DiLoCo's weights: the work in
 contribution carries. Under the delta rule (``LocalMerge.DELTA``) a merged round moves the base to its result and
 leaves the counters at the steps trained since the snapshot it contributed (``carry``); an adopted replica moves
 the base and keeps them (``rebase``). Overwriting restarts θ_p from the new base and drops them (``restart``).
-``fresh_steps`` counts the steps since our last snapshot of p, whatever was carried: the rounds' gates read it.
+``fresh_steps`` counts the steps since our last round of p started, whatever was carried: the rounds' gates read it.
 """
 
 from __future__ import annotations
@@ -24,15 +24,15 @@ class LocalFragmentState:
         self.base_id = base_id  # (version, digest) of the replica ``base`` was read from
         self.tokens = 0  # tokens of the work in θ_p − base (c_tokens)
         self.steps = 0
-        self.fresh_steps = 0  # steps since our last snapshot of p (or since θ_p restarted)
+        self.fresh_steps = 0  # steps since our last round of p started (or since θ_p restarted)
 
     def add_step(self, tokens: int) -> None:
         self.tokens += tokens
         self.steps += 1
         self.fresh_steps += 1
 
-    def snapshotted(self) -> None:
-        """A snapshot of θ_p was taken for a round: the gates count steps from here."""
+    def round_started(self) -> None:
+        """A round of p started (its snapshot taken now, or when its group forms): the gates count steps from here."""
         self.fresh_steps = 0
 
     def delta(self, theta: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from atoll.protocols.records import Status, open_rounds_key, parse_open_round, u
 
 from .algorithm import LocalMerge
 from .catchup import MAX_LONELY_LEAD, CatchUp
+from .contribution import Contribution
 from .context import SyncContext
 from .peers import PeerTable
 
@@ -38,6 +39,7 @@ SIBLING_ATTEMPTS = 1000  # the attempt numbers (in group ids) of a split round's
 OPEN_ROUND_POLL = 0.5  # seconds between reads of the rounds others opened (decoupled)
 PEERS_MAX_AGE = 1.0  # seconds a peer table read may be reused while forming a group (it is polled)
 MAX_DEFERRALS = 2  # lone rounds deferred at one version of a fragment before one merges alone anyway
+CONTRIBUTION_TIMEOUT = 5.0  # seconds (or three steps, if longer) the training loop has to snapshot a formed round
 
 
 class Outcome(enum.Enum):
@@ -119,9 +121,10 @@ class RoundProtocol:
                                       POLL_INTERVAL))
 
     # ---- an outer round ---------------------------------------------------------------------------------------
-    async def run(self, p: int, delta: torch.Tensor, weight: float, base: tuple[int, str]) -> RoundOutcome:
-        """An outer round of fragment ``p`` with our pseudo-gradient ``delta``, taken against the replica ``base``
-        = (version, digest)."""
+    async def run(self, p: int, contribution: Contribution, base: tuple[int, str]) -> RoundOutcome:
+        """An outer round of fragment ``p`` with our ``contribution`` (the pseudo-gradient and its weight), taken
+        against the replica ``base`` = (version, digest). A contribution not given yet is asked for once the group
+        has formed (``Contribution``): the training loop snapshots θ_p at its next step boundary."""
         ctx, run, algo = self.ctx, self.ctx.cfg.run, self.ctx.algorithm
         started = time.monotonic()
         version, digest = base
@@ -145,7 +148,7 @@ class RoundProtocol:
                 ctx.spawn(self._announce(p, version, digest))
             members = await form_group(
                 ctx.dht, run_id=ctx.namespace(), fragment=p, version=version, peer_id=ctx.peer_id,
-                subkey=ctx.subkey, weight=weight, live_peers=live_peers, gather_timeout=run.gather_timeout,
+                subkey=ctx.subkey, weight=contribution.weight, live_peers=live_peers, gather_timeout=run.gather_timeout,
                 abort=lambda: self.catch_up.behind(p), quorum=run.quorum if algo.quorum else None,
                 grace=self.grace, on_reject=ctx.reject, max_group=run.max_group, look_up=self.peers.look_up,
                 expects=lambda peer: peer not in forked,
@@ -160,11 +163,18 @@ class RoundProtocol:
                 if decided:  # left out: its members will hold the replica to catch up to
                     self.peers.follow([m for group in decided[-1] for m in group])
                 return RoundOutcome(Outcome.FAILED, version, seconds=formed - started)
-            if algo.quorum and members == [ctx.peer_id]:
+            split = bool(decided) and len(decided[-1]) > 1  # a group of one in a split round merges with its siblings
+            if algo.quorum and members == [ctx.peer_id] and not split:
                 refused = await self._refuse_alone(p, version, digest)
                 if refused is not None:
                     behind = refused is Outcome.BEHIND
                     return RoundOutcome(refused, version, members, seconds=formed - started)
+            taken = await contribution.take(max(CONTRIBUTION_TIMEOUT, 3 * ctx.counters.step_time))
+            if taken is None:
+                logger.info("round f%d v%d: no contribution from the training loop (paused, stopping, or the replica "
+                            "moved while the group formed)", p, version)
+                return RoundOutcome(Outcome.FAILED, version, members, seconds=time.monotonic() - started)
+            delta, weight = taken
             if run.quorum > 1:
                 self.quorum_time.update(formed - started)
             ctx.faults.group_formed(ctx.counters.rounds_done, version)

@@ -1,17 +1,19 @@
 """A fragment round's life on the training loop's side: snapshot, contribution, merge — and adopted replicas.
 
-At a fragment's due step (or when a peer opened its round, decoupled) θ_p is copied to host memory without
-holding up the next steps; once there, the pseudo-gradient Θ_base − θ_p goes to the syncer as a round. τ steps
-later the round's result is merged into θ_p (the synchronous algorithms wait for it; decoupled merges whenever it
-lands). By default (``LocalMerge.DELTA``) the merge keeps what the learner trained while the round was in flight:
-θ_p ← Θ_p,new + (θ_p,now − θ_p,snapshot), and those steps are carried into the next contribution, so that every
-inner step lands in exactly one merged pseudo-gradient. A replica the syncer adopted from a peer moves θ_p at the
-next step boundary, carrying the unmerged work the same way (θ_p ← Θ_p,new + θ_p − base); one nobody vouches for
-(a lonely daemon's, see ``catchup``) is first vetted on the held-out data (``vetting``). Carried work is bounded
-at ``CARRY_PERIODS`` periods (``sync_every`` steps each): beyond it, and under ``overwrite``, the work is dropped.
-Every token of work
-that no merge keeps is counted as lost (the steps a merge overwrites or the bound drops, and our part of rounds a
-fork lost); every token the carry keeps is counted as carried.
+A round of fragment p starts at its due step (or when a peer opened it, decoupled). The synchronous algorithms copy
+θ_p to host memory there, without holding up the next steps, and hand the pseudo-gradient Θ_base − θ_p to the
+syncer with the round; τ steps later they wait for its result. A decoupled round registers at once and takes its
+snapshot when its group has formed (``--snapshot-at formation``, the default; ``due`` snapshots at the due step):
+the syncer asks (``Contribution``), the loop snapshots at its next step boundary, and only the reduce is in flight;
+the result merges whenever it lands. By default (``LocalMerge.DELTA``) the merge keeps what the learner trained
+while the round was in flight: θ_p ← Θ_p,new + (θ_p,now − θ_p,snapshot), and those steps are carried into the
+next contribution, so that every inner step lands in exactly one merged pseudo-gradient. A replica the syncer
+adopted from a peer moves θ_p at the next step boundary, carrying the unmerged work the same way (θ_p ← Θ_p,new +
+θ_p − base); one nobody vouches for (a lonely daemon's, see ``catchup``) is first vetted on the held-out data
+(``vetting``). Carried work is bounded at ``CARRY_PERIODS`` periods (``sync_every`` steps each): beyond it, and
+under ``overwrite``, the work is dropped. Every token of work that no merge keeps is counted as lost (the steps a
+merge overwrites or the bound drops, and our part of rounds a fork lost); every token the carry keeps is counted as
+carried.
 
 The loop calls ``before_step`` and ``after_step``, nothing else; neither awaits the network.
 """
@@ -31,8 +33,9 @@ from atoll.models.fragments import Fragment
 from atoll.models.outer import pseudo_gradient
 from atoll.protocols.state_sync import MAX_ANCESTORS, ReplicaState
 
-from .algorithm import Algorithm, LocalMerge
+from .algorithm import Algorithm, LocalMerge, SnapshotAt
 from .config import NodeConfig
+from .contribution import Contribution
 from .local_state import LocalFragmentState
 from .metrics import SKIPPED, Counters, HeldOut, MetricsLog
 from .replica import Replica
@@ -59,10 +62,13 @@ class _Pending:
     future: concurrent.futures.Future
     merge_at: int  # schedule step at which the result is merged in (due step + τ)
     version: int
-    theta: torch.Tensor  # θ_p at the snapshot (flat fp32 host): the delta rule keeps θ_p,now − theta
-    counters: tuple[int, int]  # the tokens and steps behind our contribution (the fragment's, at the snapshot)
+    # θ_p at the snapshot (flat fp32 host): the delta rule keeps θ_p,now − theta. None until a round that snapshots
+    # at its group's formation has taken it.
+    theta: torch.Tensor | None
+    counters: tuple[int, int] | None  # the tokens and steps behind our contribution (the fragment's, at the snapshot)
     base_id: tuple[int, str]  # the replica the contribution was taken against
     delta: torch.Tensor | None = None  # our contribution (Θ_base − θ at the snapshot), kept for stale contributions
+    contribution: Contribution | None = None  # a round that asks for its snapshot once its group has formed
 
 
 @dataclass
@@ -75,6 +81,7 @@ class _Snapshot:
     weight: float
     merge_at: int
     counters: tuple[int, int]  # the fragment's tokens and steps at the snapshot
+    for_round: _Pending | None = None  # the formed round this snapshot is its contribution to
 
 
 @dataclass(eq=False)
@@ -100,6 +107,10 @@ class Rounds:
         # Unmerged work survives an adoption under the delta rule (and, as before it, with stale contributions).
         self.carry_adopted = self.local_merge is LocalMerge.DELTA or self.keep_stale
         self.carry_max_steps = CARRY_PERIODS * cfg.run.sync_every
+        # Decoupled rounds snapshot θ_p once their group has formed; the synchronous ones at the due step, where the
+        # merge waits for them.
+        self.snapshot_at_formation = (not algorithm.synchronous
+                                      and SnapshotAt(cfg.run.snapshot_at) is SnapshotAt.FORMATION)
         self.pending: dict[int, _Pending] = {}
         self.snapshots: dict[int, _Snapshot] = {}  # rounds whose θ_p snapshot is still on its way to the host
         self.merged_rounds: dict[int, list[_MergedRound]] = {}  # per fragment, newest last
@@ -119,6 +130,7 @@ class Rounds:
         if self.algorithm.joins_open_rounds:
             for p in sorted(self.syncer.take_open_rounds()):
                 self._start(p)
+        self._serve_contributions()
         self._submit_snapshots()
         return self._merge_due()
 
@@ -208,17 +220,41 @@ class Rounds:
             # An adoption is landing right now, or one just restarted this fragment: nothing of ours to merge yet.
             self.counters.round_ended(p, SKIPPED)
             return
+        merge_at = self.replica.schedule_step + self.run.overlap_steps
+        local.round_started()
+        if self.snapshot_at_formation:
+            # The round registers now and asks for the snapshot once its group has formed (``_serve_contributions``).
+            contribution = Contribution(self.algorithm.weight(local.tokens, local.steps))
+            future = self.syncer.submit_round(p, contribution, local.base_id)
+            self.pending[p] = _Pending(future, merge_at, local.base_id[0], None, None, local.base_id,
+                                       contribution=contribution)
+            return
         # θ_p as of this step, copied to host memory without holding up the next steps (on an accelerator the copy
         # lands a step or two later; the round starts then, against the base it was taken from).
-        self.snapshots[p] = _Snapshot(self.learner.snapshot(self.fragments[p].params), local.base, local.base_id,
-                                      self.algorithm.weight(local.tokens, local.steps),
-                                      self.replica.schedule_step + self.run.overlap_steps,
-                                      (local.tokens, local.steps))
-        local.snapshotted()
+        self._snapshot(p, merge_at)
         self._submit_snapshots()
 
+    def _snapshot(self, p: int, merge_at: int, for_round: _Pending | None = None) -> None:
+        local = self.local[p]
+        self.snapshots[p] = _Snapshot(self.learner.snapshot(self.fragments[p].params), local.base, local.base_id,
+                                      self.algorithm.weight(local.tokens, local.steps), merge_at,
+                                      (local.tokens, local.steps), for_round)
+
+    def _serve_contributions(self) -> None:
+        """Snapshot the fragments whose rounds formed their groups and ask for their contributions."""
+        for p, pending in self.pending.items():
+            contribution = pending.contribution
+            if contribution is None or p in self.snapshots or not contribution.wanted():
+                continue
+            if self.local[p].base_id != pending.base_id or self.local[p].steps == 0:
+                # An adoption moved θ_p's base while the group formed: no contribution against the round's replica.
+                contribution.refuse()
+                continue
+            self._snapshot(p, pending.merge_at, pending)
+
     def _submit_snapshots(self) -> None:
-        """Start the rounds whose fragment snapshots have reached host memory."""
+        """Start the rounds whose fragment snapshots have reached host memory (or hand a formed round its
+        contribution)."""
         for p, snap in list(self.snapshots.items()):
             # A synchronous round merges at a fixed step: training past it on θ_p would be overwritten, so wait.
             if not snap.theta.done() and not (self.algorithm.synchronous
@@ -227,7 +263,14 @@ class Rounds:
             del self.snapshots[p]
             theta = snap.theta.result()
             delta = pseudo_gradient(snap.base, theta)
-            future = self.syncer.submit_round(p, delta, snap.weight, snap.base_id)
+            pending = snap.for_round
+            if pending is not None:
+                if self.pending.get(p) is pending and pending.contribution is not None:  # not ended meanwhile
+                    pending.theta, pending.counters = theta, snap.counters
+                    pending.delta = delta.float() if self.keep_stale else None
+                    pending.contribution.give(delta, snap.weight)
+                continue
+            future = self.syncer.submit_round(p, Contribution.ready(delta, snap.weight), snap.base_id)
             self.pending[p] = _Pending(future, snap.merge_at, snap.base_id[0], theta, snap.counters, snap.base_id,
                                        delta.float() if self.keep_stale else None)
 
@@ -243,6 +286,8 @@ class Rounds:
         self._submit_snapshots()
         paused()
         while self.pending and not all(p.future.done() for p in self.pending.values()):
+            self._serve_contributions()  # rounds forming now still get their snapshot: θ does not move any more
+            self._submit_snapshots()
             if time.monotonic() >= deadline or self.stop.wait(0.02):
                 break
         ended = 0
@@ -337,6 +382,10 @@ class Rounds:
             logger.warning("round f%d v%d failed; continuing with local progress", p, pending.version)
             return False
         if outcome.kind is Outcome.DEFERRED:  # said why already; θ keeps the work for the next round
+            return False
+        if pending.theta is None:  # merged without our snapshot: cannot happen (the reduce needs it); keep θ as it is
+            logger.warning("round f%d v%d merged without our contribution; continuing with local progress", p,
+                           pending.version)
             return False
         self._merge(p, pending)
         # The round's own result: a heavier replica downloaded since (now in θ_p) is recorded as an adoption.

@@ -33,6 +33,7 @@ from atoll.protocols.stats import TrafficStats
 from .algorithm import algorithm
 from .catchup import CatchUp
 from .config import NodeConfig
+from .contribution import Contribution
 from .context import SyncContext
 from .faults import Faults
 from .metrics import Counters
@@ -228,11 +229,11 @@ class Syncer:
             await asyncio.sleep(0.05)
 
     # ---- the facade the training loop uses -----------------------------------------------------------------
-    def submit_round(self, p: int, delta: torch.Tensor, weight: float,
-                     base: tuple[int, str]) -> concurrent.futures.Future:
-        """Start an outer round of fragment ``p`` with this daemon's pseudo-gradient, computed against the replica
-        ``base`` = (version, digest); resolves to a ``RoundOutcome``."""
-        return self._submit(self.rounds.run(p, delta, weight, base))
+    def submit_round(self, p: int, contribution: Contribution, base: tuple[int, str]) -> concurrent.futures.Future:
+        """Start an outer round of fragment ``p`` with this daemon's contribution (its pseudo-gradient against the
+        replica ``base`` = (version, digest), given now or when the group has formed); resolves to a
+        ``RoundOutcome``."""
+        return self._submit(self.rounds.run(p, contribution, base))
 
     def submit_gradient_allreduce(self, version: int, grads: torch.Tensor, weight: float) -> concurrent.futures.Future:
         """ddp: average this step's gradients with every live peer at ``version``; resolves to the mean or None."""

@@ -121,7 +121,8 @@ def test_toml_file_with_every_key(tmp_path, access):
     token.write_bytes(b"x")
     run = dict(model="nano", algorithm="streaming", data="builtin", sync_every=25, outer_lr=0.5, outer_momentum=0.8,
                outer_period=2, inner_lr=2e-3, weight_decay=0.05, warmup_steps=10, seed=3, num_shards=8, gather_timeout=10.0,
-               round_timeout=12.5, fragments=2, overlap=1, local_merge="mix", alpha=0.25, quorum=2, max_group=8, grace_gamma=0.25,
+               round_timeout=12.5, fragments=2, overlap=1, local_merge="mix", snapshot_at="due", alpha=0.25, quorum=2,
+               max_group=8, grace_gamma=0.25,
                join_window=False, stale_contributions=True, rda=False, compression="int8", error_feedback=False,
                codec_block=128, clip_factor=3.0, robust_merge="trimmed", model_digest="0123456789abcdef",
                tokenizer="bytes", global_batch=32)

@@ -34,11 +34,13 @@ def corpus():
 
 
 class LateSyncer:
-    """One member's rounds: each lands ``delay`` steps after it was submitted, as plain averaging of one
-    contribution would (Θ_new = θ_snapshot exactly); rounds listed in ``fail`` (by submission order) fail."""
+    """One member's rounds, as plain averaging of one contribution would merge them (Θ_new = θ_snapshot exactly):
+    a round's group forms ``form`` steps after it was submitted (it then asks for the contribution, which the
+    learner gives at that step's boundary), and it lands ``delay`` steps after the snapshot. Rounds listed in
+    ``fail`` (by submission order) fail."""
 
-    def __init__(self, replica: Replica, delay: int, fail=()) -> None:
-        self.replica, self.delay, self.fail = replica, delay, set(fail)
+    def __init__(self, replica: Replica, delay: int, fail=(), form: int = 0) -> None:
+        self.replica, self.delay, self.fail, self.form = replica, delay, set(fail), form
         self.adopted, self.submitted, self.stats, self.inflight, self.merged = [], [], TrafficStats(), [], []
 
     def take_candidates(self):
@@ -55,34 +57,55 @@ class LateSyncer:
     def take_open_rounds(self):
         return set()
 
-    def submit_round(self, p, delta, weight, base):
+    def submit_round(self, p, contribution, base):
         future = concurrent.futures.Future()
-        self.inflight.append((self.replica.schedule_step + self.delay, p, delta, weight, base, future,
-                              len(self.submitted) in self.fail))
-        self.submitted.append((p, weight, base))
+        step = self.replica.schedule_step
+        self.inflight.append({"p": p, "contribution": contribution, "base": base, "future": future,
+                              "form_at": step + self.form, "land_at": None,
+                              "fails": len(self.submitted) in self.fail})
+        self.submitted.append((p, contribution, base))
+        self._form()
         return future
+
+    def _form(self) -> None:
+        for r in self.inflight:
+            if self.replica.schedule_step >= r["form_at"]:
+                r["contribution"].ask()
 
     def land(self) -> None:
         """Land the rounds due at this step (before the learner's next boundary reads them)."""
-        for item in [i for i in self.inflight if i[0] <= self.replica.schedule_step]:
-            self.inflight.remove(item)
-            _, p, delta, weight, base, future, fails = item
-            if fails:
+        step = self.replica.schedule_step
+        for r in list(self.inflight):
+            contribution = r["contribution"]
+            if r["land_at"] is None and contribution.settled():
+                r["land_at"] = r["form_at"] + self.delay  # the reduce starts once the group formed
+            if contribution.settled() and contribution.given() is None:  # refused: the replica moved meanwhile
+                self.inflight.remove(r)
+                r["future"].set_result(RoundOutcome(Outcome.FAILED, r["base"][0]))
+                continue
+            if r["land_at"] is None or r["land_at"] > step:
+                continue
+            self.inflight.remove(r)
+            p, base, future = r["p"], r["base"], r["future"]
+            if r["fails"]:
                 future.set_result(RoundOutcome(Outcome.FAILED, base[0]))
                 continue
+            delta, weight = contribution.given()
             version, total, digest = self.replica.apply_outer_step(p, base[0], delta, weight, NesterovOuter(1.0, 0.0))
             self.merged.append((p, weight))
             future.set_result(RoundOutcome(Outcome.MERGED, base[0], digest=digest, weight=total))
+        self._form()
 
 
-def island(corpus, local_merge="delta", delay=3, fail=()):
-    run = RunConfig(model="nano", sync_every=H, fragments=P, overlap=1, warmup_steps=3, local_merge=local_merge)
+def island(corpus, local_merge="delta", delay=3, fail=(), form=0, snapshot_at="formation"):
+    run = RunConfig(model="nano", sync_every=H, fragments=P, overlap=1, warmup_steps=3, local_merge=local_merge,
+                    snapshot_at=snapshot_at)
     learner = Learner(run, resolve_device("cpu"), corpus, shard=0, batch_size=2)
     fragments = make_fragments(learner.params, P, H)
     replica = Replica([learner.gather(f) for f in fragments])
     local = [LocalFragmentState(learner.gather(f), (replica.identity(p)[0], replica.identity(p)[2]))
              for p, f in enumerate(fragments)]
-    counters, syncer = Counters(), LateSyncer(replica, delay, fail)
+    counters, syncer = Counters(), LateSyncer(replica, delay, fail, form)
     rounds = Rounds(NodeConfig(run=run), algorithm("decoupled"), learner, fragments, replica, local, syncer,
                     counters, MetricsLog(None), HeldOut(1e9, counters), threading.Event())
     return learner, fragments, replica, local, counters, syncer, rounds
@@ -123,6 +146,37 @@ def test_one_member_through_the_delta_rule_is_plain_training_bit_for_bit(corpus,
     assert counters.tokens_carried > 0
 
 
+@pytest.mark.parametrize("snapshot_at", ["formation", "due"])
+def test_a_round_snapshots_when_its_group_has_formed(corpus, snapshot_at):
+    """Groups form 4 steps after a round is submitted and reduce in 2. Snapshotting at formation, those 4 steps go
+    into the round's own contribution and only the 2 of the reduce are in flight (carried); at the due step, all 6
+    are in flight. Either way one member trains exactly as plain training and every step lands in exactly one
+    merged contribution or is still unmerged."""
+    learner, fragments, replica, local, counters, syncer, rounds = island(corpus, delay=2, form=4,
+                                                                          snapshot_at=snapshot_at)
+    train(learner, replica, local, syncer, rounds, 33)
+    assert torch.equal(learner.flat_params(), plain(corpus, 33))
+    assert counters.tokens_lost == 0 and counters.in_flight_steps
+    assert set(counters.in_flight_steps) == ({2} if snapshot_at == "formation" else {6})
+    per = learner.tokens_per_step
+    for p in range(P):
+        merged_steps = sum(round(w / per**2) for q, w in syncer.merged if q == p)
+        assert merged_steps + local[p].steps == 33, p
+
+
+def test_a_round_whose_replica_moved_while_its_group_formed_contributes_nothing(corpus):
+    """An adoption lands between a round's registration and its group's formation: the round's replica is no
+    longer θ_p's base, so the contribution is refused (the round fails) and the work stays unmerged, carried."""
+    learner, fragments, replica, local, counters, syncer, rounds = island(corpus, delay=1, form=3)
+    train(learner, replica, local, syncer, rounds, H // P + 1)  # fragment 1's round submitted at 4, forms at 7
+    own = replica.identity(1)[2]
+    adopt(replica, learner, syncer, rounds, 1, 2, (own,))
+    train(learner, replica, local, syncer, rounds, 4)
+    assert replica.identity(1)[0] == 2  # the adopted version; our round did not merge
+    assert counters.tokens_lost == 0 and local[1].steps == H // P + 5
+    assert syncer.submitted[0][1].settled() and syncer.submitted[0][1].given() is None
+
+
 def test_overwriting_a_late_round_loses_the_steps_since_its_snapshot(corpus):
     learner, fragments, replica, local, counters, syncer, rounds = island(corpus, local_merge="overwrite", delay=3)
     train(learner, replica, local, syncer, rounds, 33)
@@ -137,7 +191,7 @@ def test_a_contribution_weighs_the_steps_it_carries_and_the_gates_count_from_the
     learner, fragments, replica, local, counters, syncer, rounds = island(corpus, delay=3)
     train(learner, replica, local, syncer, rounds, 2 * H + 1)
     algo, per = algorithm("decoupled"), learner.tokens_per_step
-    weights = [w for p, w, _ in syncer.submitted if p == 0]
+    weights = [c.weight for p, c, _ in syncer.submitted if p == 0]
     assert weights[:2] == [algo.weight(H * per, H)] * 2
     # 3 carried + 5 contributed at 2H (in flight) + 1 since: the gates count the 1.
     assert local[0].fresh_steps == 1 and local[0].steps == H + 1

@@ -341,12 +341,12 @@ class FakeSyncer:
     def take_open_rounds(self):
         return set()
 
-    def submit_round(self, p, delta, weight, base):
+    def submit_round(self, p, contribution, base):
         import concurrent.futures
 
         from atoll.node.round_protocol import Outcome, RoundOutcome
 
-        self.submitted.append((p, weight, base))
+        self.submitted.append((p, contribution.weight, base))
         done = concurrent.futures.Future()
         done.set_result(RoundOutcome(Outcome.FAILED, base[0]))
         return done
