@@ -13,7 +13,8 @@ start-together and timeouts) of ``decoupled``. From the daemons' own round recor
 - round sizes: the distinct groups (fragment, version, members) and the share of them with one member;
 - forks: (fragment, version) pairs the daemons ended with more than one replica of;
 - adoptions (a daemon taking a peer's heavier replica) and the tokens they discarded; tokens lost in all
-  (adoptions and the overlap's steps), as a share of the tokens trained;
+  (adoptions, forks and the carry bound), and carried by the delta rule, as shares of the tokens trained;
+- steps in flight (a merged round's snapshot to its merge), median and 95th percentile over every round;
 - compute utilization and the held-out loss of the final replicas (as ``bench_wan.py``).
 
 Runs with a ``--label`` of their own (a protocol setting passed with ``--daemon-args``, or an environment with
@@ -53,13 +54,22 @@ def analyse(root: Path) -> dict:
     for r in rounds:
         replicas[(r["fragment"], r["version"])].add(r["hash"])
     formation = sorted(r.get("formation_seconds", 0.0) for r in rounds)
+    # steps trained on the fragment between a merged round's snapshot and its merge, pooled over the daemons
+    in_flight = sorted(r["in_flight_steps"] for r in rounds if r.get("in_flight_steps") is not None)
     return {"groups": len(groups), "group_sizes": {str(k): sizes.count(k) for k in sorted(set(sizes))},
             "solo_share": sizes.count(1) / len(sizes) if sizes else None,
             "mean_group_size": statistics.mean(sizes) if sizes else None,
             "formation_s_median": statistics.median(formation) if formation else None,
             "formation_s_p90": formation[int(0.9 * (len(formation) - 1))] if formation else None,
             "forks": sum(len(h) > 1 for h in replicas.values()), "adoptions": len(adopted),
-            "adoption_lost_tokens": sum(e.get("lost_tokens", 0) for e in adopted)}
+            "adoption_lost_tokens": sum(e.get("lost_tokens", 0) for e in adopted),
+            "rounds_per_daemon": len(rounds) / max(len(list(root.glob("d*"))), 1),
+            "in_flight_p50": pct(in_flight, 0.5), "in_flight_p95": pct(in_flight, 0.95)}
+
+
+def pct(values: list[float], q: float) -> float | None:
+    """The ``q`` quantile (nearest rank) of ``values``; None if empty."""
+    return values[min(len(values) - 1, max(0, int(q * len(values) + 0.5) - 1))] if values else None
 
 
 def one(rtt: float, seed: int, args: argparse.Namespace) -> dict:
@@ -69,12 +79,13 @@ def one(rtt: float, seed: int, args: argparse.Namespace) -> dict:
     with wan.Wan(regions, tag="br") as w:
         r = bench_wan.run_atoll(w, root, "decoupled", args.steps, args)
     r.update(analyse(root), rtt_ms=rtt, seed=seed, label=args.label, rate_mbit=args.rate,
-             daemon_args=args.daemon_args, env=args.env, lost_share=r["tokens_lost"] / max(r["tokens_total"], 1))
+             daemon_args=args.daemon_args, env=args.env, lost_share=r["tokens_lost"] / max(r["tokens_total"], 1),
+             carried_share=r["tokens_carried"] / max(r["tokens_total"], 1))
     return r
 
 
-KEYS = ("solo_share", "mean_group_size", "formation_s_median", "formation_s_p90", "forks", "adoptions", "lost_share",
-        "utilization", "held_out_loss_mean")
+KEYS = ("solo_share", "mean_group_size", "formation_s_median", "formation_s_p90", "in_flight_p50", "in_flight_p95",
+        "rounds_per_daemon", "forks", "adoptions", "lost_share", "carried_share", "utilization", "held_out_loss_mean")
 
 
 def summarize(doc: dict) -> list[str]:
