@@ -104,9 +104,6 @@ class RunConfig:
                                          "when it adopts a newer replica) for its next contribution; 'overwrite' "
                                          "drops them; 'mix' keeps --alpha of its own model",
                            known=tuple(LocalMerge))
-    snapshot_at: str = opt("formation", help="decoupled: when a round snapshots the fragment, 'formation' (once its "
-                                             "group has formed: only the reduce is in flight) or 'due' (at the due "
-                                             "step, before the group forms)", known=tuple(SnapshotAt))
     alpha: float = opt(0.0, help="--local-merge mix: share of the local model kept at a merge, in (0, 1): local <- "
                                  "A*local + (1-A)*merged", metavar="A")
     quorum: int = opt(1, help="minimum members before a round may close (decoupled); ddp: daemons that start "
@@ -165,8 +162,6 @@ class RunConfig:
             raise ConfigError(f"gather_timeout: at most 885 s, got {self.gather_timeout}")
         if self.local_merge not in tuple(LocalMerge):
             raise ConfigError(f"local_merge: unknown {self.local_merge!r}; known: {', '.join(LocalMerge)}")
-        if self.snapshot_at not in tuple(SnapshotAt):
-            raise ConfigError(f"snapshot_at: unknown {self.snapshot_at!r}; known: {', '.join(SnapshotAt)}")
         if self.local_merge == LocalMerge.MIX and not 0 < self.alpha < 1:
             raise ConfigError(f"alpha: --local-merge mix needs a share in (0, 1), got {self.alpha}")
         if self.local_merge != LocalMerge.MIX and self.alpha:
@@ -238,6 +233,10 @@ class NodeConfig:
                                       "fp32 on the cpu", known=("auto", "fp32", "bf16"))
     batch_size: int = opt(8, help="sequences per inner step on this daemon", metavar="N")
     threads: int = opt(1, help="torch CPU threads", metavar="N")
+    # Local: when this daemon snapshots its part changes no replica, so daemons of one run may differ.
+    snapshot_at: str = opt("formation", help="decoupled: when a round snapshots the fragment, 'formation' (once its "
+                                             "group has formed: only the reduce is in flight) or 'due' (at the due "
+                                             "step, before the group forms)", known=tuple(SnapshotAt))
     codec_threads: int = opt(0, help="threads that one encode or decode of a large delta may use; 0: 1 on the cpu "
                                      "device (the cores train), else up to 8 (the host's cores are free)", metavar="N")
     grad_accum: int = opt(1, help="micro-batches of --batch-size per inner step on each rank (gradient "
@@ -326,6 +325,8 @@ class NodeConfig:
         self.run.validate()
         if not self.run_id.replace("-", "").replace("_", "").isalnum() or len(self.run_id) > 64:
             raise ConfigError(f"run_id: {self.run_id!r} must be 1-64 letters, digits, '-' or '_'")
+        if self.snapshot_at not in tuple(SnapshotAt):
+            raise ConfigError(f"snapshot_at: unknown {self.snapshot_at!r}; known: {', '.join(SnapshotAt)}")
         if self.device not in DEVICES:
             raise ConfigError(f"device: unknown {self.device!r}; use one of {', '.join(DEVICES)}")
         if self.precision not in ("auto", "fp32", "bf16"):

@@ -39,7 +39,6 @@ SIBLING_ATTEMPTS = 1000  # the attempt numbers (in group ids) of a split round's
 OPEN_ROUND_POLL = 0.5  # seconds between reads of the rounds others opened (decoupled)
 PEERS_MAX_AGE = 1.0  # seconds a peer table read may be reused while forming a group (it is polled)
 MAX_DEFERRALS = 2  # lone rounds deferred at one version of a fragment before one merges alone anyway
-CONTRIBUTION_TIMEOUT = 5.0  # seconds (or three steps, if longer) the training loop has to snapshot a formed round
 
 
 class Outcome(enum.Enum):
@@ -169,10 +168,12 @@ class RoundProtocol:
                 if refused is not None:
                     behind = refused is Outcome.BEHIND
                     return RoundOutcome(refused, version, members, seconds=formed - started)
-            taken = await contribution.take(max(CONTRIBUTION_TIMEOUT, 3 * ctx.counters.step_time))
+            # The others wait for our part as long as a reduce may take: so may we, for our training loop's (a step,
+            # or an evaluation or checkpoint capture in between).
+            taken = await contribution.take(max(3 * ctx.counters.step_time, run.round_timeout / 2))
             if taken is None:
-                logger.info("round f%d v%d: no contribution from the training loop (paused, stopping, or the replica "
-                            "moved while the group formed)", p, version)
+                logger.warning("round f%d v%d: no contribution from the training loop in time (paused, stopping, or "
+                               "the replica moved while the group formed): leaving the group", p, version)
                 return RoundOutcome(Outcome.FAILED, version, members, seconds=time.monotonic() - started)
             delta, weight = taken
             if run.quorum > 1:
@@ -242,11 +243,16 @@ class RoundProtocol:
             logger.info("round f%d v%d: alone while %d live peer(s) hold the fragment at v%d; merging alone would "
                         "fork it: catching up instead", p, version, len(ahead), max(ahead))
             return Outcome.BEHIND
-        same = [peer for peer in live if peer.fragment_versions[p] == version and peer.fragment_hashes[p] == digest]
+        # Peers we cool down or that were revoked are left out of our groups: they cannot meet us in the next round.
+        same = [peer for peer in live if peer.fragment_versions[p] == version and peer.fragment_hashes[p] == digest
+                and not (self.ctx.cooldown.active(peer.peer_id) or self.ctx.revoked(peer.peer_id))]
         at, deferred = self._deferred.get(p, (version, 0))
         deferred = deferred if at == version else 0
         if same and LocalMerge(self.ctx.cfg.run.local_merge) is LocalMerge.DELTA and deferred < MAX_DEFERRALS:
             self._deferred[p] = (version, deferred + 1)
+            # Our next round of p is at this version again: watch for a peer opening it, and announce ours.
+            self._last_round.pop(p, None)
+            self._announced.pop(p, None)
             logger.info("round f%d v%d: alone while %d live peer(s) hold this replica; merging alone would fork it: "
                         "the work goes into the next round", p, version, len(same))
             return Outcome.DEFERRED

@@ -110,7 +110,7 @@ class Rounds:
         # Decoupled rounds snapshot θ_p once their group has formed; the synchronous ones at the due step, where the
         # merge waits for them.
         self.snapshot_at_formation = (not algorithm.synchronous
-                                      and SnapshotAt(cfg.run.snapshot_at) is SnapshotAt.FORMATION)
+                                      and SnapshotAt(cfg.snapshot_at) is SnapshotAt.FORMATION)
         self.pending: dict[int, _Pending] = {}
         self.snapshots: dict[int, _Snapshot] = {}  # rounds whose θ_p snapshot is still on its way to the host
         self.merged_rounds: dict[int, list[_MergedRound]] = {}  # per fragment, newest last
@@ -123,16 +123,18 @@ class Rounds:
     def after_step(self) -> bool:
         """Start the rounds due at this step (or opened by peers), start those whose snapshot reached the host,
         merge those due; True when the last fragment merged (a consistent point for a checkpoint)."""
-        step = self.replica.schedule_step
+        step, merged_last = self.replica.schedule_step, False
         for fragment in self.fragments:
             if fragment.due(step, self.run.sync_every):
+                merged_last |= self._merge_landed(fragment.index)
                 self._start(fragment.index, own_schedule=True)
         if self.algorithm.joins_open_rounds:
             for p in sorted(self.syncer.take_open_rounds()):
+                merged_last |= self._merge_landed(p)
                 self._start(p)
         self._serve_contributions()
         self._submit_snapshots()
-        return self._merge_due()
+        return self._merge_due() or merged_last
 
     # ---- adopted replicas ---------------------------------------------------------------------------------
     def _apply_adopted(self) -> None:
@@ -277,8 +279,10 @@ class Rounds:
     def drain(self, timeout: float, paused: Callable[[], None] = lambda: None) -> int:
         """Before a pause: start the rounds whose snapshots are on their way, call ``paused`` (the island says so
         to its peers: no new round expects it), and merge every round in flight, waiting up to ``timeout`` for them
-        to land (not counted as blocked: the loop is about to stop anyway). A round still out at the deadline stays
-        pending and merges after the resume. Returns how many rounds ended."""
+        to land (not counted as blocked: the loop is about to stop anyway); a round whose group forms meanwhile takes
+        its snapshot here. A round still out at the deadline stays pending and merges after the resume; one whose
+        group forms during the pause fails (nothing snapshots a paused loop), its work kept. Returns how many rounds
+        ended."""
         deadline = time.monotonic() + timeout
         while self.snapshots and not all(s.theta.done() for s in self.snapshots.values()):
             if time.monotonic() >= deadline or self.stop.wait(0.02):
@@ -299,6 +303,15 @@ class Rounds:
         return ended
 
     # ---- merging ----------------------------------------------------------------------------------------------
+    def _merge_landed(self, p: int) -> bool:
+        """Merge p's round if it landed since the last boundary, before p's next round starts (a round still pending
+        would make it skip); True when that was the last fragment."""
+        pending = self.pending.get(p)
+        if pending is None or not pending.future.done() or self.replica.schedule_step < pending.merge_at:
+            return False
+        del self.pending[p]
+        return self._finish(p, pending)
+
     def _merge_due(self) -> bool:
         last_merged = False
         for p, pending in list(self.pending.items()):
@@ -383,9 +396,16 @@ class Rounds:
             return False
         if outcome.kind is Outcome.DEFERRED:  # said why already; θ keeps the work for the next round
             return False
-        if pending.theta is None:  # merged without our snapshot: cannot happen (the reduce needs it); keep θ as it is
-            logger.warning("round f%d v%d merged without our contribution; continuing with local progress", p,
+        if pending.theta is None:
+            # Merged without our snapshot: cannot happen (the reduce needs it). Should it, θ_p moves onto the result
+            # as onto an adopted replica, so that its base and the replica stay one.
+            logger.warning("round f%d v%d merged without our contribution; our work is carried onto it", p,
                            pending.version)
+            merged, base_id = self.replica.params_and_id(p)
+            fragment, local = self.fragments[p], self.local[p]
+            value = merged.double() + (learner.gather(fragment).double() - local.base.double())
+            local.rebase(merged, base_id)
+            learner.put(fragment, value.float())
             return False
         self._merge(p, pending)
         # The round's own result: a heavier replica downloaded since (now in θ_p) is recorded as an adoption.

@@ -121,7 +121,7 @@ def test_toml_file_with_every_key(tmp_path, access):
     token.write_bytes(b"x")
     run = dict(model="nano", algorithm="streaming", data="builtin", sync_every=25, outer_lr=0.5, outer_momentum=0.8,
                outer_period=2, inner_lr=2e-3, weight_decay=0.05, warmup_steps=10, seed=3, num_shards=8, gather_timeout=10.0,
-               round_timeout=12.5, fragments=2, overlap=1, local_merge="mix", snapshot_at="due", alpha=0.25, quorum=2,
+               round_timeout=12.5, fragments=2, overlap=1, local_merge="mix", alpha=0.25, quorum=2,
                max_group=8, grace_gamma=0.25,
                join_window=False, stale_contributions=True, rda=False, compression="int8", error_feedback=False,
                codec_block=128, clip_factor=3.0, robust_merge="trimmed", model_digest="0123456789abcdef",
@@ -129,7 +129,7 @@ def test_toml_file_with_every_key(tmp_path, access):
     node = dict(run_id="exp-1", initial_peers=(PEER,), host_maddrs=("/ip4/127.0.0.1/tcp/0",),
                 announce_maddrs=("/ip4/127.0.0.1/tcp/4001",), client_mode=True, identity=str(tmp_path / "identity.key"),
                 checkpoint_dir=str(tmp_path / "ckpt"), device="cpu", precision="bf16", batch_size=4, threads=2, codec_threads=2,
-                max_steps=100,
+                snapshot_at="due", max_steps=100,
                 heartbeat=1.5, eval_batches=4, eval_budget=0.05, bootstrap_retries=5, config_wait=12.0, new_run=True,
                 state_wait=60.0, restart_run=True, log_level="DEBUG", log_format="json", metrics_port=9400, metrics_host="0.0.0.0",
                 grad_accum=2, nproc_per_node=2, nnodes="1:2",

@@ -67,6 +67,11 @@ class LateSyncer:
         self._form()
         return future
 
+    def form_all(self) -> None:
+        """Every round in flight forms its group now (and asks for its contribution)."""
+        for r in self.inflight:
+            r["contribution"].ask()
+
     def _form(self) -> None:
         for r in self.inflight:
             if self.replica.schedule_step >= r["form_at"]:
@@ -98,16 +103,15 @@ class LateSyncer:
 
 
 def island(corpus, local_merge="delta", delay=3, fail=(), form=0, snapshot_at="formation"):
-    run = RunConfig(model="nano", sync_every=H, fragments=P, overlap=1, warmup_steps=3, local_merge=local_merge,
-                    snapshot_at=snapshot_at)
+    run = RunConfig(model="nano", sync_every=H, fragments=P, overlap=1, warmup_steps=3, local_merge=local_merge)
     learner = Learner(run, resolve_device("cpu"), corpus, shard=0, batch_size=2)
     fragments = make_fragments(learner.params, P, H)
     replica = Replica([learner.gather(f) for f in fragments])
     local = [LocalFragmentState(learner.gather(f), (replica.identity(p)[0], replica.identity(p)[2]))
              for p, f in enumerate(fragments)]
     counters, syncer = Counters(), LateSyncer(replica, delay, fail, form)
-    rounds = Rounds(NodeConfig(run=run), algorithm("decoupled"), learner, fragments, replica, local, syncer,
-                    counters, MetricsLog(None), HeldOut(1e9, counters), threading.Event())
+    rounds = Rounds(NodeConfig(run=run, snapshot_at=snapshot_at), algorithm("decoupled"), learner, fragments, replica,
+                    local, syncer, counters, MetricsLog(None), HeldOut(1e9, counters), threading.Event())
     return learner, fragments, replica, local, counters, syncer, rounds
 
 
@@ -175,6 +179,27 @@ def test_a_round_whose_replica_moved_while_its_group_formed_contributes_nothing(
     assert replica.identity(1)[0] == 2  # the adopted version; our round did not merge
     assert counters.tokens_lost == 0 and local[1].steps == H // P + 5
     assert syncer.submitted[0][1].settled() and syncer.submitted[0][1].given() is None
+
+
+def test_a_round_landing_as_its_fragment_falls_due_again_merges_before_the_next_one_starts(corpus):
+    """delay = H: each round lands at the very boundary where its fragment is due again. It merges there, and the
+    next round starts, instead of being skipped because the previous one was still pending."""
+    learner, fragments, replica, local, counters, syncer, rounds = island(corpus, delay=H)
+    train(learner, replica, local, syncer, rounds, 33)
+    assert counters.rounds_skipped == 0 and len(syncer.merged) >= 4
+    assert torch.equal(learner.flat_params(), plain(corpus, 33)) and counters.tokens_lost == 0
+
+
+def test_a_pause_snapshots_the_rounds_whose_groups_form_while_it_drains(corpus):
+    """A round registered before a pause whose group forms while the loop drains still gets its contribution."""
+    learner, fragments, replica, local, counters, syncer, rounds = island(corpus, delay=1, form=3)
+    train(learner, replica, local, syncer, rounds, H // P + 1)  # fragment 1's round registered at 4, forms at 7
+    ((p, contribution, _),) = syncer.submitted
+    assert not contribution.settled()
+    syncer.form_all()
+    rounds.drain(0.2)
+    delta, weight = contribution.given()
+    assert weight == algorithm("decoupled").weight(5 * learner.tokens_per_step, 5)  # the 5 steps trained so far
 
 
 def test_overwriting_a_late_round_loses_the_steps_since_its_snapshot(corpus):

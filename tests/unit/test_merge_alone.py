@@ -30,8 +30,9 @@ def peer(name, versions, status=Status.TRAINING, hashes=(OURS, OURS)):
     return SimpleNamespace(peer_id=name, fragment_versions=versions, fragment_hashes=list(hashes), status=status)
 
 
-def protocol(records, settle_until=0.0, had_peers=False, local_merge="delta"):
-    ctx = SimpleNamespace(settle_until=settle_until, cfg=SimpleNamespace(run=SimpleNamespace(local_merge=local_merge)))
+def protocol(records, settle_until=0.0, had_peers=False, local_merge="delta", cooled=()):
+    ctx = SimpleNamespace(settle_until=settle_until, cfg=SimpleNamespace(run=SimpleNamespace(local_merge=local_merge)),
+                          cooldown=SimpleNamespace(active=lambda peer: peer in cooled), revoked=lambda peer: False)
     rounds = RoundProtocol(ctx, peers=Table(records), catch_up=None)
     rounds.had_peers = lambda: had_peers
     return rounds
@@ -48,7 +49,6 @@ def test_alone_in_the_swarm_or_ahead_of_it_merges():
     assert refuse_alone([], 7) == (None, [round_protocol.PEERS_MAX_AGE])
     assert refuse_alone([peer("b", [6, 3])], 7)[0] is None  # behind: not a fork
     assert refuse_alone([peer("a", [7, 9], hashes=("other", OURS))], 7)[0] is None  # at our version on a fork
-    assert refuse_alone([peer("a", [7, 9])], 9, fragment=1)[0] is DEFERRED
 
 
 def test_a_live_peer_at_a_later_version_stops_a_lone_merge():
@@ -64,11 +64,20 @@ def test_a_live_peer_holding_our_replica_defers_the_lone_merge_a_bounded_number_
     alone would fork the fragment, so the work waits for the next round. A peer that claims our replica and never
     joins can delay each version only MAX_DEFERRALS times; a new version starts the count again."""
     rounds = protocol([peer("a", [7, 0])])
+    rounds._last_round[0], rounds._announced[0] = 7, 7
     verdicts = [asyncio.run(rounds._refuse_alone(0, 7, OURS)) for _ in range(MAX_DEFERRALS + 1)]
     assert verdicts == [DEFERRED] * MAX_DEFERRALS + [None]
+    # Deferred, the daemon watches for a peer opening the fragment's round at this version again, and announces it.
+    assert 0 not in rounds._last_round and 0 not in rounds._announced
     rounds.peers.records = [peer("a", [8, 0])]
     assert asyncio.run(rounds._refuse_alone(0, 8, OURS)) is DEFERRED
     assert asyncio.run(rounds._refuse_alone(1, 0, OURS)) is DEFERRED  # each fragment counts its own
+
+
+def test_a_peer_we_cool_down_does_not_defer_a_lone_merge():
+    """A peer in cooldown (or revoked) is left out of our groups: it cannot meet us in the next round either."""
+    assert refuse_alone([peer("a", [7, 0])], 7, cooled={"a"})[0] is None
+    assert refuse_alone([peer("a", [7, 0]), peer("b", [7, 0])], 7, cooled={"a"})[0] is DEFERRED
 
 
 def test_under_overwrite_a_lone_merge_is_not_deferred():
