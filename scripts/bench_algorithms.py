@@ -48,6 +48,20 @@ def evaluate_swarm(swarm: LocalSwarm, run: RunConfig) -> list[float]:
     return losses
 
 
+def evaluate_global(swarm: LocalSwarm, run: RunConfig) -> float:
+    """Held-out loss of the swarm's global model at the end: for every fragment, the heaviest replica any daemon's
+    final checkpoint holds (the one a joiner would download, by merged weight), on the same batches as
+    ``evaluate_swarm``. A daemon still behind, or on a fork's lighter side, when the run stopped does not count."""
+    learner, corpus = make_learner(run, shard=0)
+    held_out = corpus.held_out(EVAL_BATCHES, BATCH)
+    fragments = make_fragments(learner.params, run.num_fragments, run.sync_every, learner.model.embed.weight)
+    saved = [load_checkpoint(d.workdir) for d in swarm.daemons.values()]
+    for f in fragments:
+        tensors, _ = max(saved, key=lambda tm: (tm[1]["weights"][f.index], tm[1]["versions"][f.index]))
+        f.scatter(tensors[f"replica.{f.index}.params"], learner.params)
+    return learner.evaluate(held_out)
+
+
 def summaries(swarm: LocalSwarm) -> list[dict]:
     out = []
     for name, d in swarm.daemons.items():

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import wan  # noqa: E402
 from bars import each  # noqa: E402
 from stats import fmt, interval  # noqa: E402
-from bench_algorithms import evaluate_swarm, summaries  # noqa: E402
+from bench_algorithms import evaluate_global, evaluate_swarm, summaries  # noqa: E402
 from bench_parity import BATCH, make_learner  # noqa: E402
 from swarm import LocalSwarm  # noqa: E402
 
@@ -109,10 +109,12 @@ def run_atoll(w: wan.Wan, root: Path, algorithm: str, steps: int, args: argparse
     wire = {r: v - before[r] for r, v in tx_bytes(w).items()}
     run = RunConfig(model=args.model, algorithm=algorithm, sync_every=args.sync_every, seed=seed)
     losses = evaluate_swarm(swarm, run)
+    global_loss = evaluate_global(swarm, run) if algorithm != "ddp" else None
     s = summaries(swarm)
     steps_done = [x["step"] for x in s]
     walls = [x["wall_seconds"] for x in s]
     return {"algorithm": algorithm, "steps_per_daemon": steps_done, "held_out_loss_mean": statistics.mean(losses),
+            "held_out_loss_global": global_loss,
             "held_out_loss_per_daemon": losses, "wall_seconds": max(walls), "wall_seconds_per_daemon": walls,
             "train_seconds_per_daemon": [x["train_seconds"] for x in s],
             "seconds_per_step": statistics.mean(x["wall_seconds"] / max(x["step"], 1) for x in s),
@@ -194,6 +196,27 @@ def recover_atoll(root: Path, algorithm: str, rate: float, rtt: float, steps: in
             "wire_bytes_source": "the benchmark's printed output (MB, one decimal): the point's JSON was lost",
             "rounds_per_daemon": [x["rounds"] for x in s], "recovered_from_run_folder": True,
             "rate_mbit": rate, "rtt_ms": rtt, "steps_budget": args.steps, "steps_run": steps}
+
+
+def global_from_folders(doc: dict, args: argparse.Namespace) -> None:
+    """``held_out_loss_global`` for runs measured before it was recorded, from their run folders (atoll runs of a
+    recorded commit only: the folder of an older run has been overwritten since)."""
+    from swarm import DaemonProcess
+
+    for r in doc["runs"]:
+        if r["algorithm"] in ("ddp", "hivemind") or "commit" not in r or r.get("held_out_loss_global") is not None:
+            continue
+        seed = r.get("seed", 0)
+        root = Path("runs/bench_wan") / (f"{r['algorithm']}-{r['rate_mbit']:g}-{r['rtt_ms']:g}" +
+                                         (f"-s{seed}" if seed else ""))
+        if not root.exists():
+            continue
+        swarm = LocalSwarm(root)
+        for i in range(DAEMONS):
+            swarm.daemons[f"d{i}"] = DaemonProcess(f"d{i}", None, root / f"d{i}")  # type: ignore[arg-type]
+        run = RunConfig(model=args.model, algorithm=r["algorithm"], sync_every=args.sync_every, seed=seed)
+        r["held_out_loss_global"] = evaluate_global(swarm, run)
+        r["held_out_loss_global_source"] = "run folder, after the run (--global-from-folders)"
 
 
 def run_hivemind(w: wan.Wan, root: Path, steps: int, args: argparse.Namespace, seed: int) -> dict:
@@ -304,6 +327,8 @@ def derive(doc: dict) -> None:
             r["reaches_target"] = ref["held_out_loss_mean"] <= target
         else:
             r["reaches_target"] = r["held_out_loss_mean"] <= target
+            if r.get("held_out_loss_global") is not None:  # the heaviest replica of every fragment, as a joiner gets
+                r["global_reaches_target"] = r["held_out_loss_global"] <= target
             r["time_to_target_s"] = r["wall_seconds"] if r["reaches_target"] else None
             r["time_to_target_kind"] = "measured" if r["reaches_target"] else "not reached within the budget"
             if min(r["steps_per_daemon"]) < r["steps_run"]:
@@ -341,6 +366,8 @@ def seed_summary(doc: dict) -> list[dict]:
         rows.append({"rate_mbit": rate, "rtt_ms": rtt, "algorithm": algorithm,
                      "seeds": sorted(r.get("seed", 0) for r in runs),
                      "reached": sum(bool(r.get("reaches_target")) for r in runs),
+                     "global_reached": sum(bool(r.get("global_reaches_target")) for r in runs),
+                     "held_out_loss_global": global_interval(runs),
                      "held_out_loss": interval([r["held_out_loss_mean"] for r in runs]),
                      "wall_seconds": interval([r["wall_seconds"] for r in runs]),
                      "speedup_over_ddp": [r.get("speedup_over_ddp") for r in runs],
@@ -349,13 +376,22 @@ def seed_summary(doc: dict) -> list[dict]:
     return rows
 
 
+def global_interval(runs: list[dict]) -> dict | None:
+    values = [r.get("held_out_loss_global") for r in runs]
+    return interval(values) if all(v is not None for v in values) else None
+
+
 def seed_table(doc: dict) -> str:
-    rows = ["| rate Mbit/s | RTT ms | algorithm | seeds | reached the target | held-out loss | wall s | "
-            "speedup over ddp (to target), per seed | utilization | tokens lost |", "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| rate Mbit/s | RTT ms | algorithm | seeds | reached the target | held-out loss | global model: reached, "
+            "loss | wall s | speedup over ddp (to target), per seed | utilization | tokens lost |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc.get("seeds", []):
         sp = " / ".join("-" if x is None else f"{x:.1f}x" for x in r["speedup_over_ddp"])
         rows.append(f"| {r['rate_mbit']:g} | {r['rtt_ms']:g} | {r['algorithm']} | {len(r['seeds'])} | "
-                    f"{r['reached']} of {len(r['seeds'])} | {fmt(r['held_out_loss'])} | {fmt(r['wall_seconds'], 1)} | "
+                    f"{r['reached']} of {len(r['seeds'])} | {fmt(r['held_out_loss'])} | "
+                    f"{r.get('global_reached', 0)}, "
+                    f"{'-' if not r.get('held_out_loss_global') else fmt(r['held_out_loss_global'])} | "
+                    f"{fmt(r['wall_seconds'], 1)} | "
                     f"{sp} | {fmt(r['utilization'], 2)} | {fmt(r['tokens_lost_share'], 3)} |")
     return "\n".join(rows)
 
@@ -364,8 +400,8 @@ def table(doc: dict) -> str:
     """The runs as a markdown table (what docs/results.md quotes)."""
     rows = ["| rate Mbit/s | RTT ms | algorithm | seed | commit | steps / daemon | held-out loss | wall s (budget) | time to target s | "
             "speedup over ddp (to target) | speedup over ddp (same steps) | utilization | wire MB | counted sent MB | "
-            "tokens lost | / hivemind: time to target, budget wall |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "tokens lost | global model loss | / hivemind: time to target, budget wall |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(doc["runs"], key=lambda r: (r["rtt_ms"], r["rate_mbit"], r.get("seed", 0),
                                                 ALGORITHMS.index(r["algorithm"]))):
         t = r.get("time_to_target_s")
@@ -384,6 +420,7 @@ def table(doc: dict) -> str:
                     f"{'-' if r['algorithm'] == 'ddp' or wb is None else f'{wb:.1f}x'} | "
                     f"{r['utilization']:.2f} | {r['wire_bytes'] / 1e6:.1f} | "
                     f"{'-' if sent is None else f'{sent / 1e6:.1f}'} | {lost:.0%} | "
+                    f"{'-' if r.get('held_out_loss_global') is None else format(r['held_out_loss_global'], '.3f')} | "
                     f"{'-' if hm is None else f'{hm:.2f}'} / {'-' if wh is None else f'{wh:.2f}'} |")
     return "\n".join(rows)
 
@@ -462,6 +499,9 @@ def main() -> int:
                         "run wrote to another --out")
     p.add_argument("--recover", nargs="*", default=[], metavar="ALGORITHM:RATE:RTT:STEPS:WIRE_MB",
                    help="add an atoll run from its folder under runs/bench_wan (see recover_atoll)")
+    p.add_argument("--global-from-folders", action="store_true",
+                   help="with --replot: add the global model's held-out loss (held_out_loss_global) to every atoll run "
+                        "of this code whose folder under runs/bench_wan is still there")
     p.add_argument("--fresh", action="store_true")
     p.add_argument("--out", default="docs/results")
     p.add_argument("--replot", action="store_true")
@@ -474,6 +514,8 @@ def main() -> int:
             cal = json.loads(Path(args.import_calibration).read_text())
             doc["calibration"], doc["production_rates_mbit"] = cal["calibration"], cal["production_rates_mbit"]
             doc["commands"] = cal["commands"] + doc["commands"]
+        if args.global_from_folders:
+            global_from_folders(doc, args)
         derive(doc)
         path.write_text(json.dumps(doc, indent=1))
         plot(doc, out / "bench_wan.png")
