@@ -119,7 +119,7 @@ def plot(doc: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = doc["summary"]
-    shown = ("solo_share", "formation_s_median", "lost_share", "held_out_loss_mean")
+    shown = ("solo_share", "formation_s_median", "in_flight_p50", "lost_share", "held_out_loss_mean")
     fig, axes = plt.subplots(1, len(shown), figsize=(4 * len(shown), 3.4))
     names = [f"{r['label']}\nRTT {r['rtt_ms']:g}" for r in rows]
     for ax, k in zip(axes, shown):
