@@ -358,9 +358,7 @@ class Rounds:
             # A replica adopted while the round was in flight already moved θ_p and its base (``_apply_adopted``):
             # what θ_p holds beyond that base moves onto this result the same way.
             if delta_rule:
-                value = merged.double() + (learner.gather(fragment).double() - local.base.double())
-                local.rebase(merged, base_id)  # the adoption counted this work carried already
-                learner.put(fragment, value.float())
+                self._rebase_onto(p, merged, base_id)  # the adoption counted this work carried already
                 return
             since = (local.tokens, local.steps)
         if delta_rule:
@@ -376,6 +374,13 @@ class Rounds:
         if self.local_merge is LocalMerge.MIX:
             merged = self.run.alpha * learner.gather(fragment) + (1 - self.run.alpha) * merged
         learner.put(fragment, merged)
+
+    def _rebase_onto(self, p: int, replica: torch.Tensor, replica_id: tuple[int, str]) -> None:
+        """θ_p ← Θ_p + (θ_p − base): what θ_p holds beyond its base moves onto ``replica``, which becomes the base."""
+        fragment, local = self.fragments[p], self.local[p]
+        value = replica.double() + (self.learner.gather(fragment).double() - local.base.double())
+        local.rebase(replica, replica_id)
+        self.learner.put(fragment, value.float())
 
     def _finish(self, p: int, pending: _Pending) -> bool:
         learner, run, counters = self.learner, self.run, self.counters
@@ -401,11 +406,7 @@ class Rounds:
             # as onto an adopted replica, so that its base and the replica stay one.
             logger.warning("round f%d v%d merged without our contribution; our work is carried onto it", p,
                            pending.version)
-            merged, base_id = self.replica.params_and_id(p)
-            fragment, local = self.fragments[p], self.local[p]
-            value = merged.double() + (learner.gather(fragment).double() - local.base.double())
-            local.rebase(merged, base_id)
-            learner.put(fragment, value.float())
+            self._rebase_onto(p, *self.replica.params_and_id(p))
             return False
         self._merge(p, pending)
         # The round's own result: a heavier replica downloaded since (now in θ_p) is recorded as an adoption.

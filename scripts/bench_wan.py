@@ -169,16 +169,22 @@ def ddp_seconds_per_step(r: dict) -> float:
     return statistics.median(full or [t for t in per if t is not None])
 
 
+def swarm_in(root: Path) -> LocalSwarm:
+    """The (stopped) swarm of a run folder under runs/bench_wan, to read its summaries and checkpoints."""
+    from swarm import DaemonProcess
+
+    swarm = LocalSwarm(root)
+    for i in range(DAEMONS):
+        swarm.daemons[f"d{i}"] = DaemonProcess(f"d{i}", None, root / f"d{i}")  # type: ignore[arg-type]
+    return swarm
+
+
 def recover_atoll(root: Path, algorithm: str, rate: float, rtt: float, steps: int, printed_wire_mb: float,
                   args: argparse.Namespace) -> dict:
     """An atoll run whose point was lost before its JSON was written (a later run of the same point failed): read
     back from its folder under runs/bench_wan (the daemons' summaries and checkpoints, evaluated as usual). Its
     wire bytes are what the benchmark printed for it (MB, one decimal); the per-region counts are not kept."""
-    swarm = LocalSwarm(root)
-    from swarm import DaemonProcess
-
-    for i in range(DAEMONS):
-        swarm.daemons[f"d{i}"] = DaemonProcess(f"d{i}", None, root / f"d{i}")  # type: ignore[arg-type]
+    swarm = swarm_in(root)
     run = RunConfig(model=args.model, algorithm=algorithm, sync_every=args.sync_every, seed=args.seed)
     losses = evaluate_swarm(swarm, run)
     s = summaries(swarm)
@@ -201,8 +207,6 @@ def recover_atoll(root: Path, algorithm: str, rate: float, rtt: float, steps: in
 def global_from_folders(doc: dict, args: argparse.Namespace) -> None:
     """``held_out_loss_global`` for runs measured before it was recorded, from their run folders (atoll runs of a
     recorded commit only: the folder of an older run has been overwritten since)."""
-    from swarm import DaemonProcess
-
     for r in doc["runs"]:
         if r["algorithm"] in ("ddp", "hivemind") or "commit" not in r or r.get("held_out_loss_global") is not None:
             continue
@@ -211,9 +215,7 @@ def global_from_folders(doc: dict, args: argparse.Namespace) -> None:
                                          (f"-s{seed}" if seed else ""))
         if not root.exists():
             continue
-        swarm = LocalSwarm(root)
-        for i in range(DAEMONS):
-            swarm.daemons[f"d{i}"] = DaemonProcess(f"d{i}", None, root / f"d{i}")  # type: ignore[arg-type]
+        swarm = swarm_in(root)
         run = RunConfig(model=args.model, algorithm=r["algorithm"], sync_every=args.sync_every, seed=seed)
         r["held_out_loss_global"] = evaluate_global(swarm, run)
         r["held_out_loss_global_source"] = "run folder, after the run (--global-from-folders)"
