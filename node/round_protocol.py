@@ -25,6 +25,7 @@ from atoll.models.robust import MergeRule
 from atoll.protocols import dht_io
 from atoll.protocols.averaging import HONEST, AllreduceResult, AveragingServicer, GroupSpec, Tamper, allreduce
 from atoll.protocols.matchmaking import POLL_INTERVAL, form_group, sibling_group
+from atoll.protocols.nudges import Nudges
 from atoll.protocols.records import Status, open_rounds_key, parse_open_round, unwrap_subkeys
 
 from .algorithm import LocalMerge
@@ -36,7 +37,8 @@ from .peers import PeerTable
 logger = logging.getLogger("atoll")
 MAX_ATTEMPTS = 3
 SIBLING_ATTEMPTS = 1000  # the attempt numbers (in group ids) of a split round's merge of its groups
-OPEN_ROUND_POLL = 0.5  # seconds between reads of the rounds others opened (decoupled)
+OPEN_ROUND_POLL = 0.5  # seconds at least between reads of the rounds others opened (decoupled)
+OPEN_ROUND_FALLBACK = 3.0  # seconds at most between them: a peer that opens one tells us (``protocols/nudges.py``)
 PEERS_MAX_AGE = 1.0  # seconds a peer table read may be reused while forming a group (it is polled)
 MAX_DEFERRALS = 2  # lone rounds deferred at one version of a fragment before one merges alone anyway
 
@@ -108,6 +110,7 @@ class RoundProtocol:
         self._announced: dict[int, int] = {}  # fragment -> the version whose round a peer announced
         self.had_peers: Callable[[], bool] = lambda: False  # whether any peer was ever live (``Rejoin.seen``)
         self._deferred: dict[int, tuple[int, int]] = {}  # fragment -> (version, lone rounds deferred at it)
+        self.nudges = Nudges()  # its ``send`` is set once the event loop has started
 
     def grace(self) -> float:
         """The adaptive grace window (seconds) a decoupled round may wait for more members after quorum: the
@@ -152,7 +155,7 @@ class RoundProtocol:
                 grace=self.grace, on_reject=ctx.reject, max_group=run.max_group, look_up=self.peers.look_up,
                 expects=lambda peer: peer not in forked,
                 excluded=lambda peer: ctx.cooldown.active(peer) or ctx.revoked(peer),
-                base=digest, not_before=ctx.started_at, on_groups=decided.append,
+                base=digest, not_before=ctx.started_at, on_groups=decided.append, nudges=self.nudges,
             )
             formed = time.monotonic()
             if members is None:
@@ -342,48 +345,62 @@ class RoundProtocol:
     async def _announce(self, p: int, version: int, base: str) -> None:
         ctx = self.ctx
         record = {"peer_id": ctx.peer_id, "fragment": p, "version": version}
-        await dht_io.store(ctx.dht, open_rounds_key(ctx.namespace(), p, version, base), record,
-                           get_dht_time() + ctx.cfg.run.gather_timeout, ctx.subkey, on_timeout=ctx.reject)
+        key = open_rounds_key(ctx.namespace(), p, version, base)
+        if await dht_io.store(ctx.dht, key, record, get_dht_time() + ctx.cfg.run.gather_timeout, ctx.subkey,
+                              on_timeout=ctx.reject):
+            # Every live peer: a table a few seconds old may show one that holds this replica by now at the one
+            # before; those that cannot join it are not listening to this key and drop the nudge.
+            self.nudges.tell([peer.peer_id for peer in self.peers.everyone().values()
+                              if peer.status == Status.TRAINING], key)
 
     async def watch_open_rounds(self) -> None:
         """Daemons drift apart in their schedules (different speeds, joins, restarts). Whenever a peer opens a round
         of a fragment from the replica we hold, note it for the learner, which contributes to it at its next step
         boundary instead of at its own due step: rounds stay full without anyone waiting.
 
-        Each poll reads the announcement keys of the rounds we could join (one per fragment: our version and
-        digest), in one DHT call. A round already announced by a peer is not announced again by those who join it
+        Each read takes the announcement keys of the rounds we could join (one per fragment: our version and
+        digest), in one DHT call: when a peer that opened one tells us (``protocols/nudges.py``), at most every
+        ``OPEN_ROUND_POLL`` s, and otherwise every ``OPEN_ROUND_FALLBACK`` s. A round already announced by a peer is not announced again by those who join it
         (``_announced``), so a read returns the few daemons that opened it, whatever the swarm's size. An
         announcement is a hint to contribute early, not a membership: the round's registrations are checked as
         always, and a fragment joins at most one opened round per version."""
         ctx = self.ctx
-        while True:
-            await asyncio.sleep(OPEN_ROUND_POLL)
-            ids = [ctx.replica.identity(p) for p in range(ctx.replica.num_fragments)]
-            keys = [open_rounds_key(ctx.namespace(), p, version, digest) for p, (version, _, digest) in enumerate(ids)]
-            try:
-                t0 = time.monotonic()
-                found = await dht_io.get_many(ctx.dht, keys, on_timeout=ctx.reject)
-                self.read_time.update(time.monotonic() - t0)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # the next poll tries again
-                logger.debug("could not read open rounds: %r", e)
-                continue
-            for p, ((version, _, _), key) in enumerate(zip(ids, keys)):
-                for subkey, value in unwrap_subkeys(found.get(key)).items():
-                    parsed = parse_open_round(value) if not ctx.cooldown.active(subkey) else None
-                    if parsed is None or parsed[1:] != (p, version):
-                        if not ctx.cooldown.active(subkey):
-                            ctx.reject("open_round", subkey)
-                        continue
-                    peer = parsed[0]
-                    if peer == ctx.peer_id or ctx.cooldown.active(peer):
-                        continue
-                    self._announced[p] = version  # opened by a peer: joining it needs no announcement of ours
-                    if p in ctx.in_round or self._last_round.get(p) == version:
-                        continue
-                    with self._open_lock:
-                        self._open.add(p)
+        with self.nudges.listen(()) as told:
+            while True:
+                await told.wait(OPEN_ROUND_FALLBACK, OPEN_ROUND_POLL)
+                ids = [ctx.replica.identity(p) for p in range(ctx.replica.num_fragments)]
+                keys = [open_rounds_key(ctx.namespace(), p, version, digest)
+                        for p, (version, _, digest) in enumerate(ids)]
+                self.nudges.follow(told, keys)  # a peer that opens one of them tells us (``_announce``)
+                await self._read_open_rounds(ids, keys)
+
+    async def _read_open_rounds(self, ids: list[tuple[int, float, str]], keys: list[str]) -> None:
+        """One read of the announcement ``keys`` (one per fragment, at the version and digest of ``ids``)."""
+        ctx = self.ctx
+        try:
+            t0 = time.monotonic()
+            found = await dht_io.get_many(ctx.dht, keys, on_timeout=ctx.reject)
+            self.read_time.update(time.monotonic() - t0)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the next poll tries again
+            logger.debug("could not read open rounds: %r", e)
+            return
+        for p, ((version, _, _), key) in enumerate(zip(ids, keys)):
+            for subkey, value in unwrap_subkeys(found.get(key)).items():
+                parsed = parse_open_round(value) if not ctx.cooldown.active(subkey) else None
+                if parsed is None or parsed[1:] != (p, version):
+                    if not ctx.cooldown.active(subkey):
+                        ctx.reject("open_round", subkey)
+                    continue
+                peer = parsed[0]
+                if peer == ctx.peer_id or ctx.cooldown.active(peer):
+                    continue
+                self._announced[p] = version  # opened by a peer: joining it needs no announcement of ours
+                if p in ctx.in_round or self._last_round.get(p) == version:
+                    continue
+                with self._open_lock:
+                    self._open.add(p)
 
     def take_open_rounds(self) -> set[int]:
         """Fragments whose round at our version a peer has opened since the last call; thread-safe."""

@@ -25,6 +25,7 @@ from atoll.models.fragments import Fragment
 from atoll.models.outer import NesterovOuter
 from atoll.protocols.averaging import AveragingServicer
 from atoll.protocols.cooldown import Cooldown
+from atoll.protocols.nudges import NudgeServicer, tell
 from atoll.protocols.p2p_guard import MemberGate, StreamGuard, install as install_p2p_guard
 from atoll.protocols.records import HeadRecord, ProgressRecord, Status
 from atoll.protocols.state_sync import ReplicaState, StateServicer
@@ -117,6 +118,11 @@ class Syncer:
             past=lambda p, v: 0 <= p < replica.num_fragments and replica.identity(p)[0] > v,
             authorize=gate.is_member if gate is not None else None)
         await self.rounds.averager.add_p2p_handlers(ctx.p2p, namespace=ctx.cfg.run_id)
+        # Registrations, group decisions and open rounds are told to the peers they concern, who read them at
+        # once instead of polling the DHT for them (a thin link's control plane: docs/results.md).
+        self.rounds.nudges.send = lambda peers, key: self._spawn(tell(ctx.p2p, ctx.cfg.run_id, peers, key))
+        await NudgeServicer(self.rounds.nudges, lambda peer: known(peer) and not ctx.cooldown.active(peer)
+                            and not ctx.revoked(peer), ctx.stats).add_p2p_handlers(ctx.p2p, namespace=ctx.cfg.run_id)
         await StateServicer(replica.snapshot, replica.num_fragments, ctx.stats,
                             authorize=gate.is_member if gate is not None else None,
                             replay=replica.replay_from).add_p2p_handlers(ctx.p2p, namespace=ctx.cfg.run_id)

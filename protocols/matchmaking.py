@@ -30,6 +30,7 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time
 
 from . import dht_io
+from .nudges import Nudges
 # MAX_GROUP and parse_group_record live in records.py (the DHT's validators check group decisions on store); they
 # are re-exported here.
 from .records import MAX_CLOCK_SKEW, MAX_GROUP, parse_group_record, parse_round_record, round_key, unwrap_subkeys  # noqa: F401
@@ -39,6 +40,7 @@ DECISION_LIFETIME_FACTOR = 3  # a group decision older than this many gather tim
 POLL_INTERVAL = 0.2  # seconds between a registrant's reads of the round's decisions (and the coordinator's of its
 # registrations)
 REGISTRATIONS_REREAD = 1.0  # seconds between a registrant's reads of the registrations while it waits for a decision
+NUDGED_POLL = 1.0  # seconds between reads when registrations and decisions are told (``nudges``): the fallback
 
 
 def group_key(run_id: str, fragment: int, version: int, base: str = "") -> str:
@@ -94,6 +96,7 @@ async def form_group(
     on_groups: Callable[[list[list[str]]], None] = lambda groups: None,
     look_up: Callable[[set[str]], Awaitable[Any]] | None = None,
     expects: Callable[[str], bool] = lambda peer: True,
+    nudges: Nudges | None = None,
 ) -> list[str] | None:
     """Register for the round and return its sorted member list.
 
@@ -116,6 +119,10 @@ async def form_group(
     ``expects(peer)``: whether the coordinator waits for a live peer's registration (not for one whose record shows
     another replica at this version: it meets in another round). Its registration, under this round's key, counts
     all the same: the record may be older than the registration.
+    ``nudges``: a registrant tells the live peers at this version that it registered, and the coordinator tells
+    the registrants that it decided (``protocols/nudges.py``); each reads when told, and polls only every
+    ``NUDGED_POLL`` seconds (and at the coordinator's deadlines) instead of every ``poll_interval``. Without it,
+    everyone polls every ``poll_interval``.
     ``not_before``: the DHT time this daemon's process started. A decision made earlier was made without us:
     a daemon restarted mid-round finds its previous life's registration listed in it, and following it would
     run that round's all-reduce again, from reducers that answer with their results of the first run — a replica
@@ -131,73 +138,85 @@ async def form_group(
     if not await dht_io.store(dht, key, record, expiration, subkey, on_timeout=timed_out):
         logger.warning("round v%d: could not store registration in the DHT", version)
     quorum_since: float | None = None
-    entry, read_at, coordinating = None, -float("inf"), True
-    while True:
-        if abort():
-            return None
-        # The registrations (one per registrant: the round's biggest record) are read at every poll only by the
-        # coordinator. The others poll the decision, and read the registrations when one appears (to check it),
-        # and every ``REGISTRATIONS_REREAD`` seconds (to see a coordinator that must be bypassed).
-        loop = asyncio.get_running_loop()
-        if coordinating or loop.time() - read_at >= REGISTRATIONS_REREAD:
-            read_at = loop.time()
-            entry, group_entry = await asyncio.gather(
-                dht_io.get(dht, key, on_timeout=timed_out), dht_io.get(dht, gkey, on_timeout=timed_out))
-        else:
-            group_entry = await dht_io.get(dht, gkey, on_timeout=timed_out)
-            if unwrap_subkeys(group_entry):
+    entry, read_at, coordinating, told = None, -float("inf"), True, nudges is None
+    with (nudges or Nudges()).listen([key]) as registrations, (nudges or Nudges()).listen([gkey]) as decisions:
+        while True:
+            if abort():
+                return None
+            # The registrations (one per registrant: the round's biggest record) are read at every poll only by the
+            # coordinator. The others poll the decision, and read the registrations when one appears (to check it),
+            # and every ``REGISTRATIONS_REREAD`` seconds (to see a coordinator that must be bypassed).
+            loop = asyncio.get_running_loop()
+            if coordinating or loop.time() - read_at >= REGISTRATIONS_REREAD:
                 read_at = loop.time()
-                entry = await dht_io.get(dht, key, on_timeout=timed_out)
-        peers = await live_peers()
-        if look_up is not None:
-            unknown = {rec["peer_id"] for rec in map(parse_round_record, unwrap_subkeys(entry).values())
-                       if rec is not None and rec["peer_id"] not in peers and rec["peer_id"] != peer_id}
-            if unknown:
-                await look_up(unknown)
-                peers = await live_peers()
-        registered: dict[str, float] = {peer_id: now}
-        signers: dict[bytes, str] = {subkey: peer_id}  # whose key signed each counted registration
-        t = get_dht_time()
-        for source, value in unwrap_subkeys(entry).items():
-            rec = parse_round_record(value)
-            if rec is None:
-                on_reject("round_record", source)
-            elif not t - lifetime <= rec["time"] <= t + MAX_CLOCK_SKEW:
-                # Older than any registration still stored could be, or from the future: a forged time (one of
-                # -1e12 made its writer every round's coordinator with a deadline long past: nobody merged).
-                on_reject("round_record_time", source)
-            elif rec["peer_id"] in peers and peers[rec["peer_id"]] <= version and source != subkey:
-                registered[rec["peer_id"]] = rec["time"]
-                signers[source] = rec["peer_id"]
-        deciders = Deciders(registered, signers, peer_id, now, gather_timeout, max_group)
-        groups = _first_decision(group_entry, gather_timeout, on_reject, excluded, not_before, deciders)
-        if groups is not None:
-            on_groups(groups)
-            return next((members for members in groups if peer_id in members), [])
-        coordinator = _coordinator(registered, t, gather_timeout)
-        if coordinator is None:
-            logger.warning("round v%d: no group was decided in time", version)
-            return []
-        deadline = registered[coordinator] + gather_timeout
-        coordinating = coordinator == peer_id
-        if coordinating:
-            expected = {p for p, v in peers.items() if version - 1 <= v <= version and expects(p)}
+                entry, group_entry = await asyncio.gather(
+                    dht_io.get(dht, key, on_timeout=timed_out), dht_io.get(dht, gkey, on_timeout=timed_out))
+            else:
+                group_entry = await dht_io.get(dht, gkey, on_timeout=timed_out)
+                if unwrap_subkeys(group_entry):
+                    read_at = loop.time()
+                    entry = await dht_io.get(dht, key, on_timeout=timed_out)
+            peers = await live_peers()
+            if not told:  # whoever coordinates reads the registrations now, not at its next poll
+                told = True
+                nudges.tell(list(peers), key)
+            if look_up is not None:
+                unknown = {rec["peer_id"] for rec in map(parse_round_record, unwrap_subkeys(entry).values())
+                           if rec is not None and rec["peer_id"] not in peers and rec["peer_id"] != peer_id}
+                if unknown:
+                    await look_up(unknown)
+                    peers = await live_peers()
+            registered: dict[str, float] = {peer_id: now}
+            signers: dict[bytes, str] = {subkey: peer_id}  # whose key signed each counted registration
             t = get_dht_time()
-            close = expected <= set(registered) or t > deadline
-            if quorum is not None and len(registered) >= quorum:
-                quorum_since = t if quorum_since is None else quorum_since
-                close = close or t >= quorum_since + grace()
-            if close:
-                groups = split_groups(registered, max_group)
-                await dht_io.store(dht, gkey, {"groups": groups, "time": float(get_dht_time())}, expiration, subkey,
-                                   on_timeout=timed_out)
-                # Another registrant whose view of the DHT lacked our registration may have decided first, taking
-                # itself for the coordinator: everyone follows the earliest decision, so we do too.
-                first = _first_decision(await dht_io.get(dht, gkey, on_timeout=timed_out), gather_timeout,
-                                        on_reject, excluded, not_before, deciders)
-                on_groups(first or groups)
-                return next((members for members in (first or groups) if peer_id in members), [])
-        await asyncio.sleep(poll_interval)
+            for source, value in unwrap_subkeys(entry).items():
+                rec = parse_round_record(value)
+                if rec is None:
+                    on_reject("round_record", source)
+                elif not t - lifetime <= rec["time"] <= t + MAX_CLOCK_SKEW:
+                    # Older than any registration still stored could be, or from the future: a forged time (one of
+                    # -1e12 made its writer every round's coordinator with a deadline long past: nobody merged).
+                    on_reject("round_record_time", source)
+                elif rec["peer_id"] in peers and peers[rec["peer_id"]] <= version and source != subkey:
+                    registered[rec["peer_id"]] = rec["time"]
+                    signers[source] = rec["peer_id"]
+            deciders = Deciders(registered, signers, peer_id, now, gather_timeout, max_group)
+            groups = _first_decision(group_entry, gather_timeout, on_reject, excluded, not_before, deciders)
+            if groups is not None:
+                on_groups(groups)
+                return next((members for members in groups if peer_id in members), [])
+            coordinator = _coordinator(registered, t, gather_timeout)
+            if coordinator is None:
+                logger.warning("round v%d: no group was decided in time", version)
+                return []
+            deadline = registered[coordinator] + gather_timeout
+            coordinating = coordinator == peer_id
+            if coordinating:
+                expected = {p for p, v in peers.items() if version - 1 <= v <= version and expects(p)}
+                t = get_dht_time()
+                close = expected <= set(registered) or t > deadline
+                if quorum is not None and len(registered) >= quorum:
+                    quorum_since = t if quorum_since is None else quorum_since
+                    close = close or t >= quorum_since + grace()
+                if close:
+                    groups = split_groups(registered, max_group)
+                    await dht_io.store(dht, gkey, {"groups": groups, "time": float(get_dht_time())}, expiration, subkey,
+                                       on_timeout=timed_out)
+                    if nudges is not None:
+                        nudges.tell([p for p in registered if p != peer_id], gkey)
+                    # Another registrant whose view of the DHT lacked our registration may have decided first, taking
+                    # itself for the coordinator: everyone follows the earliest decision, so we do too.
+                    first = _first_decision(await dht_io.get(dht, gkey, on_timeout=timed_out), gather_timeout,
+                                            on_reject, excluded, not_before, deciders)
+                    on_groups(first or groups)
+                    return next((members for members in (first or groups) if peer_id in members), [])
+            if nudges is None:
+                await asyncio.sleep(poll_interval)
+            elif coordinating:  # told of registrations; its own deadlines wake it too
+                timers = [deadline] + ([quorum_since + grace()] if quorum_since is not None else [])
+                await registrations.wait(min([NUDGED_POLL] + [x - get_dht_time() for x in timers]), poll_interval)
+            else:
+                await decisions.wait(NUDGED_POLL, poll_interval)
 
 
 def _coordinator(registered: dict[str, float], now: float, gather_timeout: float) -> str | None:

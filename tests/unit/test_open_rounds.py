@@ -1,6 +1,6 @@
 """Open rounds: a daemon reads the announcement keys of the rounds it could join (one per fragment, at its version
 and digest) in one DHT call, joins a peer's round once per version, counts malformed announcements, and does not
-announce a round a peer already announced (no sockets: the DHT read is a stub, the poll's sleep is cut short)."""
+announce a round a peer already announced (no sockets: the DHT read is a stub, the poll's wait is cut short)."""
 
 import asyncio
 from types import SimpleNamespace
@@ -9,6 +9,7 @@ import pytest
 
 from atoll.node import round_protocol
 from atoll.node.round_protocol import RoundProtocol
+from atoll.protocols import nudges
 from atoll.protocols.cooldown import Cooldown
 from atoll.protocols.records import open_rounds_key
 from atoll.protocols.stats import TrafficStats
@@ -29,13 +30,14 @@ def watching(monkeypatch, announcements: dict[str, dict], polls: int = 1):
 
     left = [polls]
 
-    async def sleep(seconds):
+    async def wait(listener, timeout, min_gap=0.0):  # the poll's wait, cut short
         if left[0] == 0:
             raise asyncio.CancelledError
         left[0] -= 1
+        return False
 
     monkeypatch.setattr(round_protocol.dht_io, "get_many", get_many)
-    monkeypatch.setattr(round_protocol.asyncio, "sleep", sleep)
+    monkeypatch.setattr(nudges.Listener, "wait", wait)
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(rounds.watch_open_rounds())
     return rounds, asked, stats
