@@ -41,6 +41,11 @@ from .config import ConfigError, NodeConfig, RunConfig, reconcile_run_config
 logger = logging.getLogger("atoll")
 CONFIG_TTL = 24 * 3600.0
 NEW_RUN_LOOK = 5.0  # seconds a --new-run daemon looks for the run at its peers before it starts the run
+# hivemind's DHTNode keeps values it read fresh in the background (a read ``cache_refresh_before_expiry`` s before
+# they expire) and stores what it found on the nearest node that lacked it (``cache_nearest``). Every read atoll
+# makes asks for the latest value, which no cache answers: both are traffic atoll never uses, and on a thin link
+# the DHT's traffic is what delays rounds (docs/results.md, "The thinnest link").
+DHT_NODE_OPTIONS = {"cache_refresh_before_expiry": 0, "cache_nearest": 0}
 
 
 # go-libp2p dials TCP from its own listening port (SO_REUSEPORT) unless this says otherwise. Two daemons that dial
@@ -78,7 +83,7 @@ def start_dht(cfg: NodeConfig, validators: list, client_mode: bool = False, iden
                 host_maddrs=list(cfg.host_maddrs), announce_maddrs=list(cfg.announce_maddrs) or None,
                 identity_path=None if client_mode else (identity_path or cfg.identity_path),
                 record_validators=validators,
-                startup_timeout=30,
+                startup_timeout=30, **DHT_NODE_OPTIONS,
             )
         except Exception as e:  # hivemind raises plain Exceptions for bootstrap failures
             last_error = e
