@@ -1,0 +1,87 @@
+#!/usr/bin/env python3
+"""What the control plane puts on the wire, by kind: four regions of the emulated WAN (``scripts/wan.py``), one
+decoupled daemon each, training with rounds (``bench_wan.py``'s run), with a probe in every daemon's processes
+(``scripts/wire_probe/sitecustomize.py``, loaded through ``PYTHONPATH``) that counts the payload of every p2p
+unary call by RPC (the DHT's ``rpc_find``/``rpc_store``/``rpc_ping``, atoll's nudges) and by the kind of record
+the DHT operation was for (progress, round, group, open, summary, ...; "background" for hivemind's own).
+
+    python scripts/bench_wire_kinds.py [--rate 0.88] [--label NAME] [--out DIR]
+
+Reported against the bytes on each region's ``eth0`` (TCP/IP, libp2p's framing and encryption included) and the
+outer deltas and state the daemons counted as sent. ``--label`` names the code under test: run the script from
+another checkout (a ``git worktree``) for a before/after in one results file, ``<out>/bench_wire_kinds.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import bench_wan  # noqa: E402
+import wan  # noqa: E402
+
+
+def probe_totals(folder: Path) -> dict[str, dict[str, int]]:
+    """Every process's counts summed, by "<rpc> <kind>"."""
+    totals: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "sent": 0, "received": 0})
+    for path in folder.glob("*.json"):
+        for name, c in json.loads(path.read_text()).items():
+            for k in ("calls", "sent", "received"):
+                totals[name][k] += c[k]
+    return dict(totals)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rate", type=float, default=0.88, help="Mbit/s each way, every region")
+    p.add_argument("--rtt", type=float, default=0.0)
+    p.add_argument("--steps", type=int, default=800)
+    p.add_argument("--sync-every", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--label", default="default")
+    p.add_argument("--out", default="docs/results")
+    args = p.parse_args()
+    probe = Path(tempfile.mkdtemp(prefix="atoll-wire-probe-"))
+    os.environ["ATOLL_WIRE_PROBE"] = str(probe)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE / "wire_probe"), os.environ.get("PYTHONPATH")]))
+    run_args = argparse.Namespace(model="nano", sync_every=args.sync_every, seed=args.seed, run_timeout=600,
+                                  straggler_wait=60, daemon_args=[])
+    regions = [wan.Region(r, rate_mbit=args.rate, delay_ms=args.rtt / 4) for r in bench_wan.REGIONS]
+    with wan.Wan(regions, tag="wk") as w:
+        r = bench_wan.run_atoll(w, Path("runs/bench_wire_kinds") / args.label, "decoupled", args.steps, run_args)
+    kinds = probe_totals(probe)
+    payload = sum(c["sent"] + c["received"] for c in kinds.values())
+    seconds = r["wall_seconds"]
+    result = {
+        "label": args.label, "rate_mbit": args.rate, "rtt_ms": args.rtt, "seed": args.seed, "steps": args.steps,
+        "sync_every": args.sync_every, "wall_seconds": seconds, "wire_bytes": r["wire_bytes"],
+        "bytes_sent_counted": r["bytes_sent_counted"], "dht_and_nudge_payload_bytes": payload,
+        "by_kind": dict(sorted(kinds.items(), key=lambda kv: -(kv[1]["sent"] + kv[1]["received"]))),
+        "rounds_per_daemon": r["rounds_per_daemon"], "held_out_loss_mean": r["held_out_loss_mean"],
+        "utilization": r["utilization"], "tokens_lost": r["tokens_lost"], "tokens_total": r["tokens_total"],
+        "command": "python scripts/bench_wire_kinds.py " + shlex.join(sys.argv[1:]),
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "bench_wire_kinds.json"
+    doc = json.loads(path.read_text()) if path.exists() else {"runs": []}
+    doc["runs"] = [x for x in doc["runs"] if x["label"] != args.label] + [result]
+    path.write_text(json.dumps(doc, indent=1))
+    print(f"{args.label}: wire {r['wire_bytes'] / 1e6:.1f} MB in {seconds:.0f} s, DHT+nudge payload "
+          f"{payload / 1e6:.1f} MB, counted sent {r['bytes_sent_counted'] / 1e6:.2f} MB, rounds {r['rounds_per_daemon']}")
+    for name, c in list(result["by_kind"].items())[:14]:
+        print(f"  {name:24s} {c['calls']:6d} calls  {(c['sent'] + c['received']) / 1e3:9.1f} KB  "
+              f"{(c['sent'] + c['received']) / max(c['calls'], 1):7.0f} B/call")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
