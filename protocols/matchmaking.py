@@ -119,7 +119,7 @@ async def form_group(
     ``expects(peer)``: whether the coordinator waits for a live peer's registration (not for one whose record shows
     another replica at this version: it meets in another round). Its registration, under this round's key, counts
     all the same: the record may be older than the registration.
-    ``nudges``: a registrant tells the live peers at this version that it registered, and the coordinator tells
+    ``nudges``: a registrant tells the live peers that it registered, and the coordinator tells
     the registrants that it decided (``protocols/nudges.py``); each reads when told, and polls only every
     ``NUDGED_POLL`` seconds (and at the coordinator's deadlines) instead of every ``poll_interval``. Without it,
     everyone polls every ``poll_interval``.

@@ -48,7 +48,11 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--label", default="default")
     p.add_argument("--out", default="docs/results")
+    p.add_argument("--replot", action="store_true", help="only redraw the plot from the JSON")
     args = p.parse_args()
+    if args.replot:
+        plot(json.loads((Path(args.out) / "bench_wire_kinds.json").read_text()), Path(args.out) / "bench_wire_kinds.png")
+        return 0
     probe = Path(tempfile.mkdtemp(prefix="atoll-wire-probe-"))
     os.environ["ATOLL_WIRE_PROBE"] = str(probe)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE / "wire_probe"), os.environ.get("PYTHONPATH")]))
@@ -75,12 +79,49 @@ def main() -> int:
     doc = json.loads(path.read_text()) if path.exists() else {"runs": []}
     doc["runs"] = [x for x in doc["runs"] if x["label"] != args.label] + [result]
     path.write_text(json.dumps(doc, indent=1))
+    plot(doc, out / "bench_wire_kinds.png")
     print(f"{args.label}: wire {r['wire_bytes'] / 1e6:.1f} MB in {seconds:.0f} s, DHT+nudge payload "
           f"{payload / 1e6:.1f} MB, counted sent {r['bytes_sent_counted'] / 1e6:.2f} MB, rounds {r['rounds_per_daemon']}")
     for name, c in list(result["by_kind"].items())[:14]:
         print(f"  {name:24s} {c['calls']:6d} calls  {(c['sent'] + c['received']) / 1e3:9.1f} KB  "
               f"{(c['sent'] + c['received']) / max(c['calls'], 1):7.0f} B/call")
     return 0
+
+
+def per_kind(run: dict) -> dict[str, float]:
+    """KB/s per region of each record kind (every RPC of it, both ways)."""
+    rates: dict[str, float] = defaultdict(float)
+    for name, c in run["by_kind"].items():
+        rates[name.split(" ", 1)[1]] += (c["sent"] + c["received"]) / run["wall_seconds"] / 4 / 1e3
+    return dict(rates)
+
+
+def plot(doc: dict, path: Path) -> None:
+    """Stacked bars, one per label: the DHT's payload by kind, beside the wire and the counted payload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = doc["runs"]
+    rates = [per_kind(r) for r in runs]
+    kinds = sorted({k for r in rates for k in r}, key=lambda k: -sum(r.get(k, 0) for r in rates))
+    fig, ax = plt.subplots(figsize=(2.2 + 1.6 * len(runs), 4))
+    bottom = [0.0] * len(runs)
+    for kind in kinds:
+        values = [r.get(kind, 0.0) for r in rates]
+        ax.bar(range(len(runs)), values, bottom=bottom, label=kind, width=0.5)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    wire = [r["wire_bytes"] / r["wall_seconds"] / 4 / 1e3 for r in runs]
+    counted = [r["bytes_sent_counted"] / r["wall_seconds"] / 4 / 1e3 for r in runs]
+    ax.plot(range(len(runs)), wire, "k_", ms=40, mew=2, label="wire (eth0)")
+    ax.plot(range(len(runs)), counted, "r_", ms=40, mew=2, label="outer deltas, counted")
+    ax.set_xticks(range(len(runs)), [r["label"] for r in runs], fontsize=8)
+    ax.set_ylabel("KB/s per region")
+    ax.set_title(f"control plane by kind, {runs[0]['rate_mbit']:g} Mbit/s, decoupled, 4 regions", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
