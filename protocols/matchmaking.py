@@ -139,7 +139,8 @@ async def form_group(
         logger.warning("round v%d: could not store registration in the DHT", version)
     quorum_since: float | None = None
     entry, read_at, coordinating, told = None, -float("inf"), True, nudges is None
-    with (nudges or Nudges()).listen([key]) as registrations, (nudges or Nudges()).listen([gkey]) as decisions:
+    listening = nudges or Nudges()  # without nudges nothing wakes these listeners: the loop sleeps instead
+    with listening.listen([key]) as registrations, listening.listen([gkey]) as decisions:
         while True:
             if abort():
                 return None

@@ -12,8 +12,8 @@ Contract:
   nudge that does not arrive costs the receiver one fallback poll interval.
 - ``NudgeServicer.rpc_nudge`` accepts a nudge only from a peer ``known`` to this daemon (a member in its table, not
   cooling down): a stranger's is dropped without a lookup. A malformed message is refused and counted
-  (``nudge``). A nudge for a key nobody waits on is dropped silently: peers tell everyone at their version, and
-  most of them are not in that round.
+  (``nudge``). A nudge for a key nobody waits on is dropped silently: peers tell every live peer, and most of
+  them are not in that round.
 - A nudge can only make a waiter read one key early. Waiters bound their own reads (``Listener.wait``'s
   ``min_gap``): a peer that nudges a thousand times a second costs no more reads than the fallback poll of
   0.2 s did.
@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
+
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 

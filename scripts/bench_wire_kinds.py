@@ -51,7 +51,8 @@ def main() -> int:
     p.add_argument("--replot", action="store_true", help="only redraw the plot from the JSON")
     args = p.parse_args()
     if args.replot:
-        plot(json.loads((Path(args.out) / "bench_wire_kinds.json").read_text()), Path(args.out) / "bench_wire_kinds.png")
+        out = Path(args.out)
+        plot(json.loads((out / "bench_wire_kinds.json").read_text()), out / "bench_wire_kinds.png")
         return 0
     probe = Path(tempfile.mkdtemp(prefix="atoll-wire-probe-"))
     os.environ["ATOLL_WIRE_PROBE"] = str(probe)
@@ -81,7 +82,8 @@ def main() -> int:
     path.write_text(json.dumps(doc, indent=1))
     plot(doc, out / "bench_wire_kinds.png")
     print(f"{args.label}: wire {r['wire_bytes'] / 1e6:.1f} MB in {seconds:.0f} s, DHT+nudge payload "
-          f"{payload / 1e6:.1f} MB, counted sent {r['bytes_sent_counted'] / 1e6:.2f} MB, rounds {r['rounds_per_daemon']}")
+          f"{payload / 1e6:.1f} MB, counted sent {r['bytes_sent_counted'] / 1e6:.2f} MB, "
+          f"rounds {r['rounds_per_daemon']}")
     for name, c in list(result["by_kind"].items())[:14]:
         print(f"  {name:24s} {c['calls']:6d} calls  {(c['sent'] + c['received']) / 1e3:9.1f} KB  "
               f"{(c['sent'] + c['received']) / max(c['calls'], 1):7.0f} B/call")

@@ -144,18 +144,25 @@ def test_without_nudges_the_round_still_forms_by_polling(monkeypatch):
     """A peer whose nudges never arrive (an old daemon, a lost message): the fallback poll forms the round."""
     monkeypatch.setattr(matchmaking, "NUDGED_POLL", 0.05)
     key = round_key("run", 0, 13, "D")
-    records = {key: {b"b": {"peer_id": "b", "weight": 1.0, "time": matchmaking.get_dht_time() + 0.5}}}
+    records, reads = {}, {}
+
+    class Late(CountingDHT):
+        async def get(self, k, latest, return_future):
+            if k == key and reads.get(key) == 1:  # b registers (later than a) after a's first read, telling nobody
+                records[key][b"b"] = {"peer_id": "b", "weight": 1.0, "time": matchmaking.get_dht_time()}
+            return await super().get(k, latest, return_future)
 
     async def live_peers():
         return {"b": 13}
 
     async def main():
         return await asyncio.wait_for(form_group(
-            CountingDHT(records, {}), run_id="run", fragment=0, version=13, peer_id="a", subkey=b"a", weight=1.0,
+            Late(records, reads), run_id="run", fragment=0, version=13, peer_id="a", subkey=b"a", weight=1.0,
             live_peers=live_peers, gather_timeout=30.0, abort=lambda: False, base="D", nudges=Nudges()), 20.0)
 
-    # b registered (later than a) without telling a: a, the coordinator, finds it at a fallback read.
+    # a, the coordinator, waits for b: it finds b's registration at a fallback read, not told of it.
     assert asyncio.run(main()) == ["a", "b"]
+    assert reads[key] >= 2
 
 
 @pytest.mark.parametrize("peers", [[], ["p"]])
