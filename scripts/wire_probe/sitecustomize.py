@@ -75,9 +75,33 @@ if _OUT:
             time.sleep(2.0)
             _dump()
 
+    def _label_near_store():
+        # In the DHT's process (forked once the daemon runs, so atoll now comes from the checkout under test):
+        # atoll's small-swarm writes call the protocol directly, not through ``store_many``.
+        try:
+            from atoll.protocols import near_store
+        except ImportError:
+            return
+        original = near_store.store_near
+
+        async def store_near(key, *args, **kwargs):
+            from atoll.protocols.dht_io import key_kind
+
+            token = _kind.set(key_kind(str(key)))
+            try:
+                return await original(key, *args, **kwargs)
+            finally:
+                _kind.reset(token)
+
+        near_store.store_near = store_near
+
+    def _in_child():
+        _counts.clear()
+        _label_near_store()
+        threading.Thread(target=_loop, daemon=True).start()
+
     threading.Thread(target=_loop, daemon=True).start()
     atexit.register(_dump)
     _fork_hook = getattr(os, "register_at_fork", None)
     if _fork_hook is not None:  # hivemind's DHT runs in a forked child: start its own writer there
-        os.register_at_fork(after_in_child=lambda: (_counts.clear(),
-                                                      threading.Thread(target=_loop, daemon=True).start()))
+        os.register_at_fork(after_in_child=_in_child)

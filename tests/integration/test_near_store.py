@@ -1,0 +1,123 @@
+"""``near_store`` over real hivemind DHTs on 127.0.0.1: in a small swarm a write goes straight to the nodes without
+the lookup hivemind's store walks first, every other node reads it (signed by the writer's owner key, validated
+by each), and a node that is gone is passed over."""
+
+import asyncio
+import functools
+
+from hivemind import DHT
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils import get_dht_time
+
+from atoll.protocols import dht_io
+
+KEY = "near_test_progress"
+
+
+async def _count_finds(_dht, node) -> None:
+    # Runs in the DHT's process: count this node's outgoing find calls from now on.
+    call_find = node.protocol.call_find
+
+    async def counting(*args, **kwargs):
+        node.finds_made += 1
+        return await call_find(*args, **kwargs)
+
+    node.finds_made = 0
+    node.protocol.call_find = counting
+
+
+async def _finds(_dht, node) -> int:
+    return node.finds_made
+
+
+def _swarm(n: int) -> list[tuple[DHT, RSASignatureValidator]]:
+    nodes = []
+    for _ in range(n):
+        validator = RSASignatureValidator()
+        peers = nodes[0][0].get_visible_maddrs() if nodes else []
+        dht = DHT(initial_peers=peers, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                  record_validators=[validator])
+        nodes.append((dht, validator))
+    return nodes
+
+
+async def _known(_dht, node) -> int:
+    return len(node.protocol.routing_table.uid_to_peer_id)
+
+
+def _wait_until_known(dht: DHT, count: int, timeout: float = 20.0) -> None:
+    """Until ``dht``'s routing table holds ``count`` nodes (each joiner is added once it has called the node)."""
+    async def wait():
+        deadline = asyncio.get_running_loop().time() + timeout
+        while dht.run_coroutine(_known) < count:
+            assert asyncio.get_running_loop().time() < deadline, f"the node knows fewer than {count} others"
+            await asyncio.sleep(0.1)
+    asyncio.run(wait())
+
+
+def _read_until(dht: DHT, subkey: bytes, expect: object, timeout: float = 20.0) -> object:
+    """The value under ``subkey`` once it is ``expect`` (or what was last read when ``timeout`` runs out): a node
+    that joined last may take a moment to hear of the others."""
+    async def read():
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            found = await dht_io.get(dht, KEY)
+            value = None if found is None else found.value.get(subkey)
+            value = None if value is None else value.value
+            if value == expect or asyncio.get_running_loop().time() > deadline:
+                return value
+            await asyncio.sleep(0.2)
+    return asyncio.run(read())
+
+
+def test_a_small_swarm_writes_without_a_lookup_and_every_node_reads_it():
+    nodes = _swarm(4)
+    try:
+        (writer, validator), readers = nodes[0], nodes[1:]
+        _wait_until_known(writer, len(readers))
+        writer.run_coroutine(_count_finds)
+        subkey = validator.local_public_key
+
+        stored = asyncio.run(dht_io.store(writer, KEY, {"step": 1}, get_dht_time() + 60, subkey))
+        assert stored
+        assert writer.run_coroutine(_finds) == 0
+        for dht, _ in readers:
+            assert _read_until(dht, subkey, {"step": 1}) == {"step": 1}
+
+        # hivemind's own store, for comparison: it walks the DHT first (the test's counter does count finds).
+        assert writer.store(KEY, {"step": 2}, get_dht_time() + 61, subkey=subkey)
+        assert writer.run_coroutine(_finds) > 0
+
+        # One reader gone: the write still reaches the others (the next known node takes the gone one's place).
+        gone, _ = readers.pop()
+        gone.shutdown()
+        nodes.pop()
+        stored = asyncio.run(dht_io.store(writer, KEY, {"step": 3}, get_dht_time() + 62, subkey, timeout=30))
+        assert stored
+        for dht, _ in readers:
+            assert _read_until(dht, subkey, {"step": 3}) == {"step": 3}
+
+        # A write that expires no later than what the nodes hold is refused everywhere.
+        assert not asyncio.run(dht_io.store(writer, KEY, {"step": 0}, get_dht_time() + 1, subkey))
+    finally:
+        for dht, _ in nodes:
+            dht.shutdown()
+
+
+def test_a_node_that_knows_a_full_bucket_uses_hivemind_s_store():
+    nodes = _swarm(2)
+    try:
+        (writer, validator), (reader, _) = nodes
+        # A bucket of one: this node already knows that many others, so the write walks the DHT as hivemind's does.
+        writer.run_coroutine(functools.partial(_set_bucket_size, 1))
+        writer.run_coroutine(_count_finds)
+        assert asyncio.run(dht_io.store(writer, KEY, {"step": 1}, get_dht_time() + 60, validator.local_public_key))
+        assert writer.run_coroutine(_finds) > 0
+        assert _read_until(reader, validator.local_public_key, {"step": 1}) == {"step": 1}
+    finally:
+        for dht, _ in nodes:
+            dht.shutdown()
+
+
+async def _set_bucket_size(size: int, _dht, node) -> None:
+    node.protocol.bucket_size = size
