@@ -26,7 +26,7 @@ from typing import Any
 
 from hivemind import DHT
 
-from .near_store import store_near
+from .near import get_near, store_near
 
 logger = logging.getLogger("atoll")
 READ_TIMEOUT = 10.0  # seconds; a healthy read takes well under a second on loopback and a few on a WAN
@@ -93,11 +93,11 @@ def calls_summary() -> dict[str, dict[str, Any]]:
 
 
 async def get(dht: DHT, key: str, timeout: float | None = None, on_timeout: OnTimeout = None) -> Any:
-    """``dht.get(key, latest=True)``, or None if it did not complete within ``timeout`` seconds (default
-    ``READ_TIMEOUT``)."""
+    """The latest value under ``key`` (``near``: from the nodes nearest it in a small swarm), or None if the read
+    did not complete within ``timeout`` seconds (default ``READ_TIMEOUT``)."""
     timeout, started = READ_TIMEOUT if timeout is None else timeout, time.monotonic()
     try:
-        value = await asyncio.wait_for(_awaitable(dht.get(key, latest=True, return_future=True)), timeout)
+        value = await asyncio.wait_for(_awaitable(_get(dht, key)), timeout)
     except asyncio.TimeoutError:
         _count("get", key, started, gave_up=True)
         _gave_up("read", key, timeout, on_timeout)
@@ -108,7 +108,7 @@ async def get(dht: DHT, key: str, timeout: float | None = None, on_timeout: OnTi
 
 async def store(dht: DHT, key: str, value: Any, expiration_time: float, subkey: Any = None,
                 timeout: float | None = None, on_timeout: OnTimeout = None) -> bool:
-    """Store ``value`` under ``key`` (``near_store``: straight to the nearest known nodes in a small swarm): whether it
+    """Store ``value`` under ``key`` (``near``: straight to the nearest known nodes in a small swarm): whether it
     was stored, False if it did not complete within ``timeout`` seconds (default ``WRITE_TIMEOUT``)."""
     timeout, started = WRITE_TIMEOUT if timeout is None else timeout, time.monotonic()
     try:
@@ -122,8 +122,8 @@ async def store(dht: DHT, key: str, value: Any, expiration_time: float, subkey: 
 
 
 def _store(dht: Any, key: str, value: Any, expiration_time: float, subkey: Any) -> Any:
-    """The write's future. hivemind's DHT runs ``near_store`` in its process; another handle (the simulator's, a
-    test's) is asked for its ``store``."""
+    """The write's future. hivemind's DHT runs ``near``'s in its process; another handle (the simulator's, a
+    test's) is asked for its own ``store``."""
     if isinstance(dht, DHT):
         return dht.run_coroutine(functools.partial(store_near, key, subkey, value, expiration_time),
                                  return_future=True)
@@ -137,8 +137,7 @@ async def get_many(dht: DHT, keys: list[str], timeout: float | None = None,
     one call, of the first key's kind, with the entries of all."""
     timeout, started = READ_TIMEOUT if timeout is None else timeout, time.monotonic()
     try:
-        found = await asyncio.wait_for(_awaitable(dht.run_coroutine(functools.partial(_get_many, tuple(keys)),
-                                                                    return_future=True)), timeout)
+        found = await asyncio.wait_for(_awaitable(_get_many(dht, tuple(keys))), timeout)
     except asyncio.TimeoutError:
         _count("get", keys[0], started, gave_up=True)
         _gave_up("read", f"{keys[0]} and {len(keys) - 1} more keys", timeout, on_timeout)
@@ -152,7 +151,7 @@ def get_many_blocking(dht: DHT, keys: list[str], timeout: float | None = None,
     """``get_many`` for code outside an event loop."""
     timeout, started = READ_TIMEOUT if timeout is None else timeout, time.monotonic()
     try:
-        found = dht.run_coroutine(functools.partial(_get_many, tuple(keys)), return_future=True).result(timeout)
+        found = _get_many(dht, tuple(keys)).result(timeout)
     except (concurrent.futures.TimeoutError, TimeoutError):
         _count("get", keys[0], started, gave_up=True)
         _gave_up("read", f"{keys[0]} and {len(keys) - 1} more keys", timeout, on_timeout)
@@ -161,8 +160,25 @@ def get_many_blocking(dht: DHT, keys: list[str], timeout: float | None = None,
     return found
 
 
-async def _get_many(keys: tuple[str, ...], _dht: Any, node: Any) -> dict[str, Any]:
-    # Runs in the DHT's process (``DHT.run_coroutine``); ``latest``, as ``get`` asks.
+def _get(dht: Any, key: str) -> Any:
+    """The latest value's future (see ``_store``)."""
+    if isinstance(dht, DHT):
+        return dht.run_coroutine(functools.partial(_get_one, key), return_future=True)
+    return dht.get(key, latest=True, return_future=True)
+
+
+def _get_many(dht: Any, keys: tuple[str, ...]) -> Any:
+    """The future of the latest value of each of ``keys`` (see ``_store``)."""
+    if isinstance(dht, DHT):
+        return dht.run_coroutine(functools.partial(get_near, keys), return_future=True)
+    return dht.run_coroutine(functools.partial(_latest, keys), return_future=True)
+
+
+async def _get_one(key: str, dht: Any, node: Any) -> Any:
+    return (await get_near((key,), dht, node))[key]
+
+
+async def _latest(keys: tuple[str, ...], _dht: Any, node: Any) -> dict[str, Any]:
     return dict(await node.get_many(keys, sufficient_expiration_time=float("inf")))
 
 
@@ -170,7 +186,7 @@ def get_blocking(dht: DHT, key: str, timeout: float | None = None, on_timeout: O
     """``get`` for code outside an event loop (start-up, ``atoll status``)."""
     timeout, started = READ_TIMEOUT if timeout is None else timeout, time.monotonic()
     try:
-        value = dht.get(key, latest=True, return_future=True).result(timeout)
+        value = _get(dht, key).result(timeout)
     except (concurrent.futures.TimeoutError, TimeoutError):
         _count("get", key, started, gave_up=True)
         _gave_up("read", key, timeout, on_timeout)

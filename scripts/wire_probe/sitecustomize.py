@@ -75,14 +75,14 @@ if _OUT:
             time.sleep(2.0)
             _dump()
 
-    def _label_near_store():
+    def _label_near():
         # In the DHT's process (forked once the daemon runs, so atoll now comes from the checkout under test):
         # atoll's small-swarm writes call the protocol directly, not through ``store_many``.
         try:
-            from atoll.protocols import near_store
+            from atoll.protocols import near
         except ImportError:
             return
-        original = near_store.store_near
+        original = near.store_near
 
         async def store_near(key, *args, **kwargs):
             from atoll.protocols.dht_io import key_kind
@@ -93,11 +93,11 @@ if _OUT:
             finally:
                 _kind.reset(token)
 
-        near_store.store_near = store_near
+        near.store_near = store_near
 
     def _in_child():
         _counts.clear()
-        _label_near_store()
+        _label_near()
         threading.Thread(target=_loop, daemon=True).start()
 
     threading.Thread(target=_loop, daemon=True).start()

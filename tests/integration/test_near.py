@@ -1,6 +1,6 @@
-"""``near_store`` over real hivemind DHTs on 127.0.0.1: in a small swarm a write goes straight to the nodes without
+"""``near`` over real hivemind DHTs on 127.0.0.1: in a small swarm a write goes straight to the nodes without
 the lookup hivemind's store walks first, every other node reads it (signed by the writer's owner key, validated
-by each), and a node that is gone is passed over."""
+by each) from its own storage and ``READ_BEAM`` others, and a node that is gone is passed over."""
 
 import asyncio
 import functools
@@ -9,21 +9,23 @@ from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 
-from atoll.protocols import dht_io
+from atoll.protocols import dht_io, near
 
 KEY = "near_test_progress"
 
 
 async def _count_finds(_dht, node) -> None:
-    # Runs in the DHT's process: count this node's outgoing find calls from now on.
+    # Runs in the DHT's process: count this node's outgoing find calls from now on (from 0 again if counting).
+    node.finds_made = 0
+    if getattr(node, "counting_finds", False):
+        return
     call_find = node.protocol.call_find
 
     async def counting(*args, **kwargs):
         node.finds_made += 1
         return await call_find(*args, **kwargs)
 
-    node.finds_made = 0
-    node.protocol.call_find = counting
+    node.protocol.call_find, node.counting_finds = counting, True
 
 
 async def _finds(_dht, node) -> int:
@@ -83,6 +85,16 @@ def test_a_small_swarm_writes_without_a_lookup_and_every_node_reads_it():
         assert writer.run_coroutine(_finds) == 0
         for dht, _ in readers:
             assert _read_until(dht, subkey, {"step": 1}) == {"step": 1}
+
+        # A read asks the reader's own storage and READ_BEAM others, not every node as hivemind's latest read does.
+        reader = readers[0][0]
+        reader.run_coroutine(_count_finds)
+        found = asyncio.run(dht_io.get(reader, KEY))
+        assert found.value[subkey].value == {"step": 1}
+        assert 1 <= reader.run_coroutine(_finds) <= near.READ_BEAM
+        reader.run_coroutine(_count_finds)
+        assert reader.get(KEY, latest=True).value[subkey].value == {"step": 1}
+        assert reader.run_coroutine(_finds) == len(nodes) - 1
 
         # hivemind's own store, for comparison: it walks the DHT first (the test's counter does count finds).
         assert writer.store(KEY, {"step": 2}, get_dht_time() + 61, subkey=subkey)
