@@ -429,7 +429,8 @@ def run_once(root: Path, args: argparse.Namespace, chaos: bool, barrier: threadi
     run = RunConfig(model=args.model, algorithm=args.algorithm, sync_every=args.sync_every)
     losses = evaluate_swarm(SimpleNamespace(daemons={d.name: d for d in survivors}), run)
     times = round_times(daemons, t0, t1)
-    adopted = [m for d in daemons for m in d.metrics() if m.get("event") == "adopted" and t0 <= m["time"] <= t1]
+    adopted = [{**m, "daemon": d.name} for d in daemons for m in d.metrics()
+               if m.get("event") == "adopted" and t0 <= m["time"] <= t1]
     kinds: dict[str, int] = {}
     for f in c.log:
         kinds[f["kind"]] = kinds.get(f["kind"], 0) + 1
@@ -453,6 +454,11 @@ def run_once(root: Path, args: argparse.Namespace, chaos: bool, barrier: threadi
         "survivors": [d.name for d in survivors], "exit_codes": codes,
         "forks_healed": sum(1 for m in adopted if m.get("forked")),
         "tokens_lost_to_adoptions": lost_to_adoptions, "tokens_lost_to_crashes": lost_to_crashes,
+        # What the adoptions lost, by cause: our side of a fork, or unmerged work past the carry bound.
+        "tokens_lost_to_forks": sum(m["lost_tokens"] for m in adopted if m.get("forked")),
+        "adoptions": [{"t": round(m["time"] - t0, 2), "daemon": m["daemon"], "fragment": m.get("fragment"),
+                       "forked": bool(m.get("forked")), "lost_tokens": m["lost_tokens"],
+                       "replayed": m.get("replayed", 0)} for m in sorted(adopted, key=lambda m: m["time"])],
         "identical_after_s": identical_after, "survivors_identical": identical_after is not None,
         "survivors_on_one_history": one_history(survivors, run.num_fragments),
         "timeline": {"rounds": times, "t0": t0,
