@@ -185,7 +185,7 @@ class CatchUp:
                         f"vs {mine[1]:.4g})" if by_weight else "")
             if check:
                 self._lonely_at[p] = time.monotonic()
-            state = await self._download(p, [d.peer_id for d in donors])
+            state = await self._download(p, donors)
             loop = asyncio.get_running_loop()
             problem = await loop.run_in_executor(None, self.plausible, state) if state is not None and check else None
             if problem is not None:
@@ -216,7 +216,7 @@ class CatchUp:
                 held = replica.snapshot(p)
                 held.schedule_step, held.donor = donors[0].schedule_step, donors[0].peer_id
                 return held
-            state = await self._download(p, [d.peer_id for d in donors], blame=False)
+            state = await self._download(p, donors, blame=False)
             if state is not None and not await asyncio.get_running_loop().run_in_executor(None, replica.adopt, state):
                 # Not heavier than ours: fine if it is ours (identical), else ours moved on meanwhile.
                 return state if state.digest == replica.identity(p)[2] else None
@@ -224,9 +224,11 @@ class CatchUp:
 
         return list(await asyncio.gather(*(fetch(p) for p in fragments)))
 
-    async def _download(self, p: int, donors: list[str], blame: bool = True) -> ReplicaState | None:
+    async def _download(self, p: int, donors: list[ProgressRecord], blame: bool = True) -> ReplicaState | None:
         """Fragment ``p``'s replica from the first of ``donors`` that delivers one: by replaying the rounds from
-        ours when a donor still holds them, else (or when a replay does not check out) in full.
+        ours when a donor still holds them, else (or when a replay does not check out) in full. Each donor must
+        send exactly the replica its record claims (``download_state``'s ``claims``): copying an honest claim into
+        one's record makes a member a donor, never a source of anything but that replica.
 
         A donor counts towards ``_unbacked`` only if it refused to serve the replica it claims and no other donor
         delivered that replica: then the claim itself was not backed. One that did not answer (frozen,
@@ -235,15 +237,19 @@ class CatchUp:
         an unserved claim only delays a join, where it would abort rounds later."""
         ctx, replica = self.ctx, self.ctx.replica
         timeout = ctx.cfg.run.round_timeout
+        claims = {d.peer_id: d.fragment(p) for d in donors}
+        order = [d.peer_id for d in donors]
         failed: list[str] = []
 
         def refused(donor: str, error: BaseException) -> None:
-            if isinstance(error, DonorRefused):
+            # A donor that moved on to a heavier replica since its record (a round landed) did not fail its claim.
+            if isinstance(error, DonorRefused) and not (error.holds is not None and heavier(error.holds, claims[donor])):
                 failed.append(donor)
 
         with track(f"fragment {p}: downloading the replica", 8 * replica.numel(p)) as bar:
-            state = await download_state(self._open_stream, donors, p, replica.numel(p), timeout, ctx.stats,
-                                         have=replica.identity(p)[2], on_failure=refused, progress=bar.update)
+            state = await download_state(self._open_stream, order, p, replica.numel(p), timeout, ctx.stats,
+                                         have=replica.identity(p)[2], on_failure=refused, progress=bar.update,
+                                         claims=claims)
             bar.close(ok=state is not None)
         if isinstance(state, Replay):
             replayed = await asyncio.get_running_loop().run_in_executor(None, replica.replay, state, ctx.outer)
@@ -254,8 +260,8 @@ class CatchUp:
                 ctx.reject("replay", state.donor)
                 self._unbacked(state.donor, None)
             with track(f"fragment {p}: downloading the replica", 8 * replica.numel(p)) as bar:
-                state = await download_state(self._open_stream, donors, p, replica.numel(p), timeout, ctx.stats,
-                                             on_failure=refused, progress=bar.update)
+                state = await download_state(self._open_stream, order, p, replica.numel(p), timeout, ctx.stats,
+                                             on_failure=refused, progress=bar.update, claims=claims)
                 bar.close(ok=state is not None)
         delivered = None if state is None else (state.version, state.weight, state.digest)
         known = self.peers.everyone()

@@ -18,8 +18,9 @@ at most half the size of the full transfer.
 from __future__ import annotations
 
 import asyncio
+import math
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import AsyncIterator  # hivemind detects streaming RPCs by typing.AsyncIterator hints
 from dataclasses import dataclass
 from typing import Any
@@ -102,7 +103,9 @@ class StateServicer(ServicerBase):
 
     Request: ``fragment``, and optionally ``offset`` (bytes already received) with ``digest`` (the replica they
     belong to), or ``have`` (the digest of the replica the requester holds: answered by a replay when
-    ``replay(fragment, have)`` returns one).
+    ``replay(fragment, have)`` returns one), and ``want`` (the digest of the replica the requester chose us for,
+    as our progress record claimed it): if we hold another one now (a round moved us on), we refuse, saying what
+    we hold, rather than send what the requester did not ask for.
     """
 
     def __init__(self, snapshot: Callable[[int], ReplicaState | None], num_fragments: int,
@@ -134,14 +137,18 @@ class StateServicer(ServicerBase):
                 raise WireError(f"bad offset {offset!r}")
             if wanted is not None and not isinstance(wanted, str):
                 raise WireError("bad digest")
-            have = msg.get("have")
+            have, want = msg.get("have"), msg.get("want")
             if have is not None and not (isinstance(have, str) and len(have) <= 64):
                 raise WireError("bad 'have' digest")
+            if want is not None and not (isinstance(want, str) and len(want) <= 64):
+                raise WireError("bad 'want' digest")
         except WireError as e:
             self.stats.reject("state_request", str(context.remote_id))
             yield pack_response({"ok": False, "error": str(e)})
             return
         replay = self._replay(fragment, have) if have and self._replay is not None and not offset else None
+        if replay is not None and want is not None and replay.digest != want:
+            replay = None  # the replica we hold is not the one wanted: the refusal below says so
         if replay is not None:
             yield pack_response(
                 {"ok": True, "version": replay.version, "weight": replay.weight, "digest": replay.digest,
@@ -159,6 +166,10 @@ class StateServicer(ServicerBase):
         state = await asyncio.get_running_loop().run_in_executor(None, self._snapshot, fragment)
         if state is None:
             yield pack_response({"ok": False, "error": "no state to share yet"})
+            return
+        if want is not None and state.digest != want:
+            yield pack_response({"ok": False, "error": "moved on",
+                                 "holds": [state.version, state.weight, state.digest]})
             return
         payload = await asyncio.get_running_loop().run_in_executor(None, _payload, state)
         # Resume only the replica the receiver's bytes came from; anything else starts over.
@@ -197,8 +208,24 @@ def p2p_opener(p2p: P2P, namespace: str) -> Opener:
     return open_stream
 
 
+Claim = tuple[int, float, str]  # a replica's identity as a progress record states it: version, weight, digest
+
+
 class DonorRefused(WireError):
-    """A donor answered that it will not serve us (no state yet, or we are not a member it knows): try another."""
+    """A donor answered that it will not serve us (no state yet, or we are not a member it knows, or it no longer
+    holds the replica we chose it for: ``holds``, what it says it holds now): try another."""
+
+    def __init__(self, message: str, holds: Claim | None = None) -> None:
+        super().__init__(message)
+        self.holds = holds
+
+
+class NotTheClaim(WireError):
+    """A donor sent a replica other than the one its progress record claimed, the one we chose it for: an offence
+    (an honest donor that moved on refuses instead)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "not_the_claim")
 
 
 class _Transfer:
@@ -260,8 +287,11 @@ async def _read_replay(stream: AsyncIterator[Any], header: dict[str, Any], round
 
 async def _continue_from(open_stream: Opener, donor: str, fragment: int, t: _Transfer, part_timeout: float,
                          stats: TrafficStats, have: str | None = None,
-                         progress: Callable[[int], None] = lambda received: None) -> ReplicaState | Replay:
+                         progress: Callable[[int], None] = lambda received: None,
+                         want: Claim | None = None) -> ReplicaState | Replay:
     request: dict[str, Any] = {"fragment": fragment}
+    if want is not None:
+        request.update(want=want[2])
     if t.data:
         request.update(offset=len(t.data), digest=t.header["digest"])
     elif have:
@@ -269,8 +299,11 @@ async def _continue_from(open_stream: Opener, donor: str, fragment: int, t: _Tra
     stream = await asyncio.wait_for(open_stream(donor, request), part_timeout)
     header: dict[str, Any] = unpack(await asyncio.wait_for(anext(stream), part_timeout), {"ok": bool})
     if not header["ok"]:
-        raise DonorRefused(f"donor refused: {header.get('error')}")
+        raise DonorRefused(f"donor refused: {header.get('error')}", _claim(header.get("holds")))
     check_fields(header, _HEADER)
+    if want is not None and (header["version"], float(header["weight"]), header["digest"]) != want:
+        raise NotTheClaim(f"the donor sent v{header['version']} ({header['digest']}), not the replica its record "
+                          f"claims, v{want[0]} ({want[2]})")
     if header["numel"] != t.numel or header["fragment"] != fragment:
         raise WireError(f"donor's fragment {header['fragment']} has {header['numel']} values, ours {t.numel}")
     ancestors = header["ancestors"]
@@ -320,22 +353,36 @@ async def _continue_from(open_stream: Opener, donor: str, fragment: int, t: _Tra
                         donors=tuple(t.donors), resumed_bytes=t.resumed_bytes)
 
 
+def _claim(value: Any) -> Claim | None:
+    """A refusal's ``holds`` as a claim, or None if it is not one."""
+    if (isinstance(value, list) and len(value) == 3 and isinstance(value[0], int) and not isinstance(value[0], bool)
+            and isinstance(value[1], (int, float)) and not isinstance(value[1], bool) and math.isfinite(value[1])
+            and isinstance(value[2], str) and len(value[2]) <= 64):
+        return value[0], float(value[1]), value[2]
+    return None
+
+
 async def download_state(
     open_stream: Opener, donors: Sequence[str], fragment: int, numel: int, part_timeout: float,
     stats: TrafficStats, have: str | None = None,
     on_failure: Callable[[str, BaseException], None] = lambda donor, error: None,
     progress: Callable[[int], None] = lambda received: None,
+    claims: Mapping[str, Claim] | None = None,
 ) -> ReplicaState | Replay | None:
     """Try ``donors`` in order (best first) until one fragment replica verifies; None if all failed. A donor that
     fails mid-transfer hands over to the next one, which resumes where it stopped if it holds the same replica.
     With ``have`` (the digest of the replica we hold), a donor may answer with a ``Replay`` instead (checked for
     form here; the caller replays it and checks the digests). ``on_failure(donor, error)`` hears of every donor
     that did not deliver, a refusal included. ``progress(received)`` hears how many of the replica's ``8 * numel``
-    bytes have arrived, after each part (a resumed download goes on from where it stopped)."""
+    bytes have arrived, after each part (a resumed download goes on from where it stopped). ``claims``: the replica
+    each donor was chosen for (its progress record's claim); a donor then sends exactly that replica, or refuses
+    (``DonorRefused.holds``: it moved on), and one that sends another is refused (``NotTheClaim``, an offence).
+    Without a claim for a donor, what it sends is checked against its own header only."""
     t = _Transfer(numel)
     for donor in donors:
         try:
-            state = await _continue_from(open_stream, donor, fragment, t, part_timeout, stats, have, progress)
+            state = await _continue_from(open_stream, donor, fragment, t, part_timeout, stats, have, progress,
+                                         None if claims is None else claims.get(donor))
             if isinstance(state, Replay):
                 logger.info("fragment %d: %s sent the %d rounds to v%d (%d bytes) to replay", fragment, donor[-8:],
                             len(state.rounds), state.version, sum(r.nbytes for r in state.rounds))
@@ -345,7 +392,7 @@ async def download_state(
             return state
         except Exception as e:  # a donor can fail in many ways (dead, slow, lying); all mean: try the next
             if isinstance(e, WireError) and not isinstance(e, DonorRefused):  # a refusal is no offence
-                stats.reject("state", donor)
+                stats.reject("not_the_claim" if isinstance(e, NotTheClaim) else "state", donor)
             on_failure(donor, e)
             logger.warning("state download of fragment %d from %s failed after %d bytes: %r; trying the next donor",
                            fragment, donor[-8:], len(t.data), e)

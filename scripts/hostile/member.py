@@ -9,6 +9,9 @@ its own, and serves the run's two RPCs with answers of its choosing. Each attack
 - ``scrambled_heavier``: the same claim, serving the run's initial model Θ₀ with its values shuffled and doubled, and zero
   momentum: a replica of about the trained one's norm (the gross filter lets it through) that is no model at all,
   and none of the daemons' ancestors (Θ₀ itself is every young replica's ancestor).
+- ``copied_claim``: its progress record republishes the heaviest honest claim of every fragment (version, weight,
+  digest), so that it is one more holder of that replica and a donor of it; asked for it, it sends a made-up
+  replica (Θ₀ scrambled) under a header of its own, one version ahead and heavier, whatever the requester wants.
 - ``decoy``: its progress record claims a replica at the swarm's version that nobody holds, and that loses every
   tie (a fork nobody waits for in a round, and nobody downloads): one more live peer that holds no honest
   daemon's replica (with a second member's ``scrambled_heavier``, a daemon alone on its side of a split sees only
@@ -61,11 +64,12 @@ from atoll.protocols.records import (
     progress_key,
     progress_keys,
     progress_shard,
+    replica_key,
     round_key,
     unwrap_subkeys,
 )
 from atoll.protocols.stats import TrafficStats
-from atoll.protocols.wire import WireError, pack_response, unpack
+from atoll.protocols.wire import WireError, pack_request, pack_response, unpack
 
 
 class HostileMember:
@@ -90,6 +94,7 @@ class HostileMember:
         self.scrambled = [MAX_NORM_RATIO * t[torch.randperm(t.numel(), generator=generator)]
                           for t in (f.gather(list(gpt.parameters())) for f in frags)]
         self.mode = "serve"  # what the state servicer does: "serve" its claim, or "refuse"
+        self.copy_answers = 0  # downloads answered with a made-up replica under a copied claim (copied_claim)
         self.served = [torch.zeros(n) for n in self.numels]  # the Θ of its claim, per fragment
         self.reducer_hostile = False
         self.min_peers = 1  # fake_heavier and scrambled_heavier claim only once this many other live records are seen
@@ -136,6 +141,7 @@ class HostileMember:
             return None
         params, momentum = self.served[p], torch.zeros(self.numels[p])
         version, weight, digest = self._claim(p)
+        self.copy_answers += self.mode == "copy"
         return state_sync.ReplicaState(version, weight, digest, params.clone(), momentum, 0, fragment=p)
 
     # ---- what the honest daemons publish -------------------------------------------------------------------------
@@ -194,6 +200,28 @@ class HostileMember:
             await asyncio.sleep(1.0)
         self.mode = "serve"
         return {"claims_published": published, "digests": [self._claim(p)[2] for p in range(len(self.numels))]}
+
+    def copied_claim(self, seconds: float) -> dict[str, Any]:
+        """Republish the heaviest honest claim of every fragment and serve a made-up, heavier replica for it."""
+        return self._run(self._copied_claim(seconds), timeout=seconds + 60)
+
+    async def _copied_claim(self, seconds: float) -> dict[str, Any]:
+        self.mode, self.served = "copy", self.scrambled
+        published, end = 0, time.monotonic() + seconds
+        while time.monotonic() < end:
+            honest = await self._honest()
+            if len(honest) >= self.min_peers:
+                best = [max((r.fragment(p) for r in honest), key=lambda c: replica_key(*c))
+                        for p in range(len(self.numels))]
+                self._ahead = [(v + 1, 2.0 * w + 1.0) for v, w, _ in best]  # what it serves: heavier than the claim
+                record = self._record_like(max(honest, key=lambda r: r.version),
+                                           fragment_versions=[c[0] for c in best],
+                                           fragment_weights=[c[1] for c in best], fragment_hashes=[c[2] for c in best])
+                published += await self._publish(record)
+            await asyncio.sleep(1.0)
+        self.mode = "serve"
+        return {"claims_published": published, "answered": self.copy_answers,
+                "digests": [self._claim(p)[2] for p in range(len(self.numels))]}
 
     def decoy(self, seconds: float) -> dict[str, int]:
         """Claim a replica at the version of the honest daemon furthest behind, with the lowest digest, for
@@ -321,7 +349,21 @@ class HostileMember:
 
 
 class StateServicer(state_sync.StateServicer):
-    """The run's state RPC (same handler name), serving whatever the hostile member's snapshot returns."""
+    """The run's state RPC (same handler name), serving whatever the hostile member's snapshot returns, deaf to the
+    replica a requester wants (an honest donor that holds another one refuses)."""
+
+    async def rpc_download_state(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        try:
+            msg = unpack(request, {"fragment": int})
+        except WireError:
+            msg = None
+        if msg is not None:
+            msg.pop("want", None)
+            request = pack_request(msg)
+        async for response in super().rpc_download_state(request, context):
+            yield response
 
 
 class AveragingServicer(averaging.AveragingServicer):
@@ -368,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-peers", type=int, default=1, help="claim a heavier replica only once this many "
                                                                  "other live progress records are seen")
     parser.add_argument("attacks", nargs="+", help="junk_records, or NAME=SECONDS (fake_heavier, refuse, "
-                                                   "forged_rounds, hostile_reducer, open_rounds, scrambled_heavier, decoy)")
+                                                   "forged_rounds, hostile_reducer, open_rounds, scrambled_heavier, decoy, "
+                                                   "copied_claim)")
     args = parser.parse_args(argv)
     with HostileMember(args.run_id, args.initial_peers, args.token, args.model, args.algorithm, args.fragments,
                        args.sync_every, args.gather_timeout, args.namespace) as member:

@@ -1,5 +1,6 @@
 """State transfer over real p2p daemons on 127.0.0.1: a donor whose stream breaks off mid-transfer hands over to
-another donor holding the same replica, which resumes at the byte offset already received."""
+another donor holding the same replica, which resumes at the byte offset already received; a hostile member that
+copied an honest claim cannot get its own replica taken, and an honest donor that moved on says so."""
 
 import asyncio
 
@@ -8,7 +9,16 @@ import torch
 from hivemind.p2p import P2P
 
 from atoll.models.outer import tensor_hash
-from atoll.protocols.state_sync import ReplicaState, StateServicer, download_state, p2p_opener
+from hostile.member import StateServicer as HostileServicer
+
+from atoll.protocols.state_sync import (
+    DonorRefused,
+    NotTheClaim,
+    ReplicaState,
+    StateServicer,
+    download_state,
+    p2p_opener,
+)
 from atoll.protocols.stats import TrafficStats
 
 pytestmark = pytest.mark.integration
@@ -63,3 +73,51 @@ def test_transfer_resumes_from_another_donor_after_one_breaks_off():
     assert got.donors == tuple(ids) and got.resumed_bytes == DIE_AFTER * PART
     assert stats["dying"].bytes_sent == DIE_AFTER * PART
     assert stats["healthy"].bytes_sent == 8 * NUMEL - DIE_AFTER * PART
+
+
+def replica(seed: int, version: int) -> ReplicaState:
+    g = torch.Generator().manual_seed(seed)
+    params, momentum = torch.randn(NUMEL, generator=g), torch.randn(NUMEL, generator=g)
+    digest = tensor_hash(params, momentum)
+    return ReplicaState(version, float(version), digest, params, momentum, 120, ancestors=(digest,))
+
+
+async def download_claimed(donors):
+    """``donors``: (servicer class, the state it serves) in the order tried, each chosen for the honest claim."""
+    honest = replica(0, 9)
+    claim = (honest.version, honest.weight, honest.digest)
+    receiver = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    peers, stats, refusals = [receiver], TrafficStats(), []
+    try:
+        for servicer, state in donors:
+            p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                   initial_peers=await receiver.get_visible_maddrs())
+            peers.append(p2p)
+            served = honest if state is None else state
+            await servicer(lambda _p, s=served: s, 1, TrafficStats(), part_bytes=PART).add_p2p_handlers(
+                p2p, namespace="run")
+        ids = [p.peer_id.to_base58() for p in peers[1:]]
+        got = await download_state(p2p_opener(receiver, "run"), ids, 0, NUMEL, 10.0, stats,
+                                   on_failure=lambda donor, e: refusals.append((ids.index(donor), e)),
+                                   claims={i: claim for i in ids})
+        return honest, got, stats, refusals
+    finally:
+        for p2p in peers:
+            await p2p.shutdown()
+
+
+def test_a_member_that_copied_an_honest_claim_cannot_make_a_requester_take_its_own_replica():
+    made_up = replica(1, 10)  # heavier than the claim it copied: adopted before, for the donor's header was all
+    honest, got, stats, refusals = asyncio.run(download_claimed([(HostileServicer, made_up), (StateServicer, None)]))
+    assert got is not None and got.digest == honest.digest
+    assert [i for i, _ in refusals] == [0] and isinstance(refusals[0][1], NotTheClaim)
+    assert stats.rejected_by_kind == {"not_the_claim": 1}
+
+
+def test_an_honest_donor_that_moved_on_refuses_and_says_what_it_holds():
+    newer = replica(2, 10)
+    honest, got, stats, refusals = asyncio.run(download_claimed([(StateServicer, newer), (StateServicer, None)]))
+    assert got is not None and got.digest == honest.digest
+    (i, error), = refusals
+    assert i == 0 and isinstance(error, DonorRefused) and error.holds == (newer.version, newer.weight, newer.digest)
+    assert stats.rejected == 0

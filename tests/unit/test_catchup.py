@@ -185,7 +185,8 @@ def test_only_a_refusal_of_a_claim_nobody_delivered_counts_against_its_donor(mon
 
     def serve(delivered, error=DonorRefused("no")):
         async def download_state(open_stream, donors, p, numel, timeout, stats, have=None, on_failure=None,
-                                 progress=None):
+                                 progress=None, claims=None):
+            assert claims == {peer.peer_id: peer.fragment(p) for peer in cu.peers.everyone().values()}
             on_failure(donors[0], error)  # the first donor fails
             version, weight, digest = delivered
             return ReplicaState(version, weight, digest, torch.zeros(4), torch.zeros(4), 0, donors[1], p)
@@ -197,14 +198,14 @@ def test_only_a_refusal_of_a_claim_nobody_delivered_counts_against_its_donor(mon
     cu.peers = table([b, c])
     monkeypatch.setattr(catchup_module, "download_state", serve(b.fragment(0)))
     for _ in range(UNBACKED_OFFENCES + 1):
-        assert asyncio.run(cu._download(0, ["b", "c"])) is not None
+        assert asyncio.run(cu._download(0, [b, c])) is not None
     assert not ctx.cooldown.active("b") and "unbacked_claim" not in ctx.stats.rejected_by_kind
     # Now c holds another (lighter) replica: what b claimed was never delivered, so b's failures count.
     c = record("c", [8], ["y"])
     cu.peers = table([b, c])
     monkeypatch.setattr(catchup_module, "download_state", serve(c.fragment(0)))
     for _ in range(UNBACKED_OFFENCES):
-        asyncio.run(cu._download(0, ["b", "c"]))
+        asyncio.run(cu._download(0, [b, c]))
     assert ctx.cooldown.active("b") and ctx.stats.rejected_by_kind["unbacked_claim"] == 1
     # A donor that does not answer at all (frozen, restarting) is never blamed.
     cu, ctx = catch_up([b, c])
@@ -212,14 +213,24 @@ def test_only_a_refusal_of_a_claim_nobody_delivered_counts_against_its_donor(mon
     cu.peers = table([b, c])
     monkeypatch.setattr(catchup_module, "download_state", serve(c.fragment(0), ConnectionResetError("frozen")))
     for _ in range(UNBACKED_OFFENCES + 1):
-        asyncio.run(cu._download(0, ["b", "c"]))
+        asyncio.run(cu._download(0, [b, c]))
     assert not ctx.cooldown.active("b") and "unbacked_claim" not in ctx.stats.rejected_by_kind
+    # A donor that refuses because it moved on to a heavier replica since its record did not fail its claim; one that
+    # says it moved on to a lighter one (or says nothing) did.
+    for holds, blamed in (((10, 10.0, "z"), False), ((8, 1.0, "z"), True), (None, True)):
+        cu, ctx = catch_up([b, c])
+        ctx.cfg.run = SimpleNamespace(round_timeout=1.0)
+        cu.peers = table([b, c])
+        monkeypatch.setattr(catchup_module, "download_state", serve(c.fragment(0), DonorRefused("moved on", holds)))
+        for _ in range(UNBACKED_OFFENCES):
+            asyncio.run(cu._download(0, [b, c]))
+        assert ctx.cooldown.active("b") == blamed, holds
     # Joining or restoring: nobody is blamed, even for a claim nobody delivered.
     cu, ctx = catch_up([b, c])
     ctx.cfg.run = SimpleNamespace(round_timeout=1.0)
     cu.peers = table([b, c])
     for _ in range(UNBACKED_OFFENCES + 1):
-        asyncio.run(cu._download(0, ["b", "c"], blame=False))
+        asyncio.run(cu._download(0, [b, c], blame=False))
     assert not ctx.cooldown.active("b") and "unbacked_claim" not in ctx.stats.rejected_by_kind
 
 

@@ -156,6 +156,22 @@ def test_download_with_have_gets_a_replay_and_without_it_the_full_state():
     assert not isinstance(full, Replay) and full.digest == ahead.identity(0)[2]
 
 
+def test_a_replay_is_sent_only_to_the_replica_the_requester_chose_the_donor_for():
+    ahead, behind = pair(rounds=1)
+    for i in range(1, 4):
+        do_round(ahead, i)
+    open_stream, _ = serve(ahead)
+    wanted = asyncio.run(download_state(open_stream, ["a"], 0, NUMEL, 5.0, TrafficStats(),
+                                        have=behind.identity(0)[2], claims={"a": ahead.identity(0)}))
+    assert isinstance(wanted, Replay) and (wanted.version, wanted.weight, wanted.digest) == ahead.identity(0)
+    refusals = []
+    older = (ahead.identity(0)[0] - 1, ahead.identity(0)[1], "an older digest")
+    moved = asyncio.run(download_state(open_stream, ["a"], 0, NUMEL, 5.0, TrafficStats(),
+                                       have=behind.identity(0)[2], claims={"a": older},
+                                       on_failure=lambda donor, e: refusals.append(e)))
+    assert moved is None and refusals[0].holds == ahead.identity(0)  # it moved on, and says to what
+
+
 def test_a_malformed_replay_header_is_rejected_and_the_next_donor_asked():
     ahead, behind = pair()
     for i in range(2):

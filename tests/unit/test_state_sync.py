@@ -162,3 +162,63 @@ def test_donor_order_spreads_fragments_over_the_holders_of_the_heaviest_replica(
     peers[1] = record("p2", [5, 6, 5, 5], list("abcd"))
     assert [peer.peer_id for peer in donor_order(1, peers)] == ["p2", "p1", "p3", "old"]
     assert donor_order(0, []) == []
+
+
+def claim(state):
+    return state.version, state.weight, state.digest
+
+
+def fetch_claims(donors, order, claims):
+    stats, refused = TrafficStats(), []
+    state = asyncio.run(download_state(opener(donors), order, 0, NUMEL, 5.0, stats,
+                                       on_failure=lambda donor, e: refused.append((donor, e)), claims=claims))
+    return state, stats, refused
+
+
+class IgnoresWant(Donor):
+    """A hostile donor: it serves what it holds whatever the requester wants (a copier of an honest claim)."""
+
+    def __init__(self, state):
+        super().__init__(state)
+        inner = self.servicer.rpc_download_state
+
+        def rpc_download_state(request, context):
+            msg = unpack(request, {"fragment": int})
+            msg.pop("want", None)
+            return inner(pack_request(msg), context)
+
+        self.servicer.rpc_download_state = rpc_download_state
+
+
+def test_a_donor_that_sends_another_replica_than_its_claim_is_refused_and_the_next_one_delivers():
+    honest, made_up = replica(1), replica(2, version=9)  # the made-up one is heavier: before, it would be adopted
+    donors = {"copier": IgnoresWant(made_up), "honest": Donor(honest)}
+    state, stats, refused = fetch_claims(donors, ["copier", "honest"], {"copier": claim(honest), "honest": claim(honest)})
+    assert state.digest == honest.digest and state.donors == ("honest",)
+    assert stats.rejected_by_kind == {"not_the_claim": 1}  # an offence of the copier
+    assert [d for d, _ in refused] == ["copier"]
+    assert donors["copier"].stats.bytes_sent == 0  # refused at its header: none of its bytes were read
+
+
+def test_a_donor_that_moved_on_refuses_saying_what_it_holds_and_no_offence_is_counted():
+    old, new = replica(1), replica(2, version=4)
+    donors = {"moved": Donor(new), "still": Donor(old)}
+    state, stats, refused = fetch_claims(donors, ["moved", "still"], {"moved": claim(old), "still": claim(old)})
+    assert state.digest == old.digest and state.donors == ("still",)
+    assert donors["moved"].requests[0]["want"] == old.digest
+    (donor, error), = refused
+    assert donor == "moved" and error.holds == claim(new)
+    assert stats.rejected == 0 and donors["moved"].stats.bytes_sent == 0
+
+
+def test_a_claim_with_another_weight_or_version_is_not_the_claim():
+    state = replica(1)
+    for wrong in ((state.version + 1, state.weight, state.digest), (state.version, state.weight * 2, state.digest)):
+        got, stats, _ = fetch_claims({"a": IgnoresWant(state)}, ["a"], {"a": wrong})
+        assert got is None and stats.rejected_by_kind == {"not_the_claim": 1}
+
+
+def test_without_a_claim_a_donor_is_checked_against_its_own_header_only():
+    state = replica(1)
+    got, stats, _ = fetch_claims({"a": Donor(state)}, ["a"], {})
+    assert got.digest == state.digest and stats.rejected == 0

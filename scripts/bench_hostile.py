@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""A hostile member against a live decoupled swarm, side by side with the same swarm without it.
+
+    python scripts/bench_hostile.py --attack copied_claim [--seeds 0 1 2] [--steps 600] [--label L] [--out DIR]
+
+Per seed, two runs of three honest daemons in a private run (`decoupled`, nano, batch 4, H=10, the default round
+settings, every daemon sleeping ``--step-delay`` s a step, started together): a clean one, and one where a member
+holding a join token (``scripts/hostile/member.py``, a process of its own) runs ``--attack`` from the first merged
+round until the honest daemons stop. The order of the two alternates from seed to seed. Measured from the honest
+daemons' own metrics: the held-out loss of their final replicas (mean over a, b, c), multi-member merges a minute
+per daemon, adoptions (and any whose donors include the member, or whose replica is one the member served), and
+their refusals by kind. Goals (the hostile-internet issue): held-out within 5% of the clean run, merges a minute at
+least 80% of it. ``--label`` names the code under test (run from another checkout for a before/after); results
+accumulate in ``<out>/bench_hostile.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from stats import interval  # noqa: E402
+from swarm import LocalSwarm, peer_id, wait_for  # noqa: E402
+
+HONEST = ("a", "b", "c")
+
+
+def common(args: argparse.Namespace, seed: int) -> list[str]:
+    return ["--model", "nano", "--batch-size", "4", "--algorithm", "decoupled", "--sync-every", str(args.sync_every),
+            "--max-steps", str(args.steps), "--fault", f"step_delay={args.step_delay}",
+            "--fault", f"start_together={len(HONEST)}", "--seed", str(seed), "--eval-budget", "1"]
+
+
+def run(root: Path, args: argparse.Namespace, seed: int, attack: bool) -> dict:
+    from atoll.protocols.auth import RunKey
+
+    with LocalSwarm(root, common(args, seed)) as swarm:
+        swarm.start("a", join=False)
+        for name in HONEST[1:]:
+            swarm.start(name)
+        a = swarm.daemons["a"]
+        wait_for(lambda: any(len(r["contributors"]) > 1 for r in a.rounds()), 300, "a's first merged round")
+        member, result = None, root / "member.json"
+        if attack:
+            token = root / "member.token"
+            RunKey.load_or_create(swarm.run_key)[0].issue_token("atoll").save(token)
+            cmd = [sys.executable, str(HERE / "hostile" / "member.py"), "--initial-peers", *swarm.bootstrap,
+                   "--token", str(token), "--out", str(result), "--algorithm", "decoupled",
+                   "--sync-every", str(args.sync_every), f"{args.attack}={args.attack_seconds}"]
+            with open(root / "member.log", "wb") as log:
+                member = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            codes = {n: d.proc.wait(args.run_timeout) for n, d in swarm.daemons.items()}
+        finally:
+            if member is not None and member.poll() is None:
+                os.killpg(member.pid, signal.SIGTERM)
+                try:
+                    member.wait(30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(member.pid, signal.SIGKILL)
+        got = json.loads(result.read_text()) if result.exists() else {}
+        return measure(swarm, codes, got, attack)
+
+
+def measure(swarm: LocalSwarm, codes: dict, member: dict, attack: bool) -> dict:
+    served = {d for phase in member.values() if isinstance(phase, dict) for d in phase.get("digests", [])}
+    who = member.get("member", "")
+    out: dict = {"attack": attack, "exit_codes": codes, "member": {k: v for k, v in member.items() if k != "done"}}
+    losses, rates, adoptions, from_member, poisoned, kinds = [], [], 0, 0, 0, {}
+    for name in HONEST:
+        d = swarm.daemons[name]
+        metrics = d.metrics()
+        rounds = [m for m in metrics if m.get("event") == "round"]
+        losses.append([r["held_out_loss"] for r in rounds if r.get("held_out_loss") is not None][-1])
+        merged = [r for r in rounds if len(r["contributors"]) > 1]
+        minutes = (rounds[-1]["time"] - rounds[0]["time"]) / 60  # from the first round to the last
+        rates.append(len(merged) / minutes)
+        adopted = [m for m in metrics if m.get("event") == "adopted"]
+        adoptions += len(adopted)
+        from_member += sum(1 for m in adopted if who and who in m.get("donors", []))
+        poisoned += sum(1 for m in [*adopted, *rounds] if m.get("hash") in served)
+        summary = next((m for m in metrics if m.get("event") == "summary"), {})
+        for kind, count in summary.get("rejected_by_kind", {}).items():
+            kinds[kind] = kinds.get(kind, 0) + count
+    out.update(held_out=statistics.mean(losses), held_out_per_daemon=losses, merges_per_min=statistics.mean(rates),
+               adoptions=adoptions, adoptions_from_member=from_member, member_replicas_held=poisoned,
+               rejected_by_kind=kinds, peer_ids={n: peer_id(swarm.daemons[n]) for n in HONEST})
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--attack", required=True, help="a member.py attack, e.g. copied_claim")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--sync-every", type=int, default=10)
+    p.add_argument("--step-delay", type=float, default=0.05)
+    p.add_argument("--attack-seconds", type=float, default=600.0, help="at most; the member stops with the swarm")
+    p.add_argument("--run-timeout", type=float, default=900.0)
+    p.add_argument("--label", default="default")
+    p.add_argument("--out", default="docs/results/hostile")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "bench_hostile.json"
+    doc = json.loads(path.read_text()) if path.exists() else {"runs": []}
+    for seed in args.seeds:
+        order = (False, True) if seed % 2 == 0 else (True, False)
+        pair = {}
+        for attack in order:
+            with tempfile.TemporaryDirectory(prefix="atoll-hostile-") as root:
+                started = time.monotonic()
+                r = run(Path(root), args, seed, attack)
+            r.update(seed=seed, label=args.label, attack_name=args.attack, wall_s=time.monotonic() - started,
+                     command="python scripts/bench_hostile.py " + " ".join(sys.argv[1:]))
+            pair[attack] = r
+            doc["runs"].append(r)
+            print(f"{args.label} seed {seed} {'attacked' if attack else 'clean   '}: held-out {r['held_out']:.3f}, "
+                  f"merges/min {r['merges_per_min']:.1f}, adoptions {r['adoptions']} (from the member "
+                  f"{r['adoptions_from_member']}), member's replicas held {r['member_replicas_held']}, refused "
+                  f"{ {k: v for k, v in r['rejected_by_kind'].items() if v} }", flush=True)
+        print(f"  held-out ratio {pair[True]['held_out'] / pair[False]['held_out']:.3f}, merges ratio "
+              f"{pair[True]['merges_per_min'] / pair[False]['merges_per_min']:.2f}", flush=True)
+        path.write_text(json.dumps(summarize(doc), indent=1))
+    return 0
+
+
+def summarize(doc: dict) -> dict:
+    """Per label and attack: the attacked run over the clean one of the same seed, with 95% intervals."""
+    groups: dict = {}
+    for r in doc["runs"]:
+        groups.setdefault((r["label"], r["attack_name"]), {}).setdefault(r["seed"], {})[r["attack"]] = r
+    doc["summary"] = []
+    for (label, attack), seeds in sorted(groups.items()):
+        pairs = [s for s in seeds.values() if True in s and False in s]
+        if not pairs:
+            continue
+        held = [s[True]["held_out"] / s[False]["held_out"] for s in pairs]
+        merges = [s[True]["merges_per_min"] / s[False]["merges_per_min"] for s in pairs]
+        doc["summary"].append({"label": label, "attack": attack, "seeds": len(pairs),
+                               "held_out_ratio": interval(held), "merges_ratio": interval(merges),
+                               "held_out_within_5pct": sum(x <= 1.05 for x in held),
+                               "merges_at_least_80pct": sum(x >= 0.8 for x in merges)})
+    return doc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
