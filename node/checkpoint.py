@@ -6,6 +6,11 @@ last, so a checkpoint exists only once both are complete. Loading takes the newe
 daemon killed while writing restarts from its previous good checkpoint. The two newest pairs are kept; temporary
 files a killed writer left behind are removed by the next write. ``CheckpointWriter`` writes them on a background
 thread, so that training never waits for the disk.
+
+A checkpoint can never make things worse than the one before it: tensors holding NaN or infinity are not written
+(the newest intact checkpoint stays, where it would have been pushed out), and a checkpoint is used only if its
+tensor file is the one of its own name in the directory (a JSON naming ``../x`` reads nothing outside it), its
+bytes match their hash and every value is finite; else the next older one is tried, with one log line.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import logging
 import os
 import threading
 from pathlib import Path
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -86,9 +91,18 @@ def _sequence_numbers(directory: Path) -> list[int]:
     return sorted(out)
 
 
+def non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The name of a floating-point tensor of ``tensors`` holding NaN or infinity, or None if there is none."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return name
+    return None
+
+
 def save_checkpoint(directory: str | os.PathLike, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
                     interrupt: Callable[[Path], None] | None = None) -> Path:
-    """Atomically write a new checkpoint; returns the JSON path.
+    """Atomically write a new checkpoint; returns the JSON path. ``ValueError`` (nothing written) if a tensor holds
+    NaN or infinity: such a checkpoint would push out an intact one.
 
     ``interrupt`` (fault injection) is called with the tensors' temporary file once it is written, before it is
     fsynced and renamed: a hook that truncates it and kills the process is a crash in the middle of the write.
@@ -100,6 +114,9 @@ def save_checkpoint(directory: str | os.PathLike, tensors: dict[str, torch.Tenso
     seq = (_sequence_numbers(d) or [0])[-1] + 1
     st_path, js_path = d / f"ckpt-{seq:08d}.safetensors", d / f"ckpt-{seq:08d}.json"
     cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    bad = non_finite(cpu)
+    if bad is not None:
+        raise ValueError(f"{bad} holds NaN or infinity")
     size = max(1, sum(t.numel() * t.element_size() for t in cpu.values()))
     # Written, then read back for its hash: twice the tensors' bytes of work.
     with track(f"checkpoint {seq}: writing {st_path.name}", 2 * size) as bar:
@@ -122,23 +139,36 @@ def save_checkpoint(directory: str | os.PathLike, tensors: dict[str, torch.Tenso
     return js_path
 
 
-def load_checkpoint(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
-    """The newest checkpoint that verifies, or None. Corrupt or partial ones are logged and skipped."""
+def checkpoints(directory: str | os.PathLike) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, Any]]]:
+    """The checkpoints that verify, newest first (each read when the caller asks for it). Corrupt, partial or
+    non-finite ones are logged and skipped."""
     d = Path(directory)
     if not d.is_dir():
-        return None
+        return
     for seq in reversed(_sequence_numbers(d)):
         js_path = d / f"ckpt-{seq:08d}.json"
         try:
             meta = json.loads(js_path.read_text())
+            if not isinstance(meta, dict) or meta.get("tensors_file") != f"ckpt-{seq:08d}.safetensors":
+                raise ValueError(f"it names the tensor file {meta.get('tensors_file')!r}, not its own"
+                                 if isinstance(meta, dict) else "its metadata is not a mapping")
             st_path = d / meta["tensors_file"]
             with track(f"checkpoint {seq}: checking {st_path.name}", max(1, st_path.stat().st_size)) as bar:
                 if _sha256(st_path, bar.update) != meta["tensors_sha256"]:
                     raise ValueError("tensor file hash mismatch")
-            return load_file(str(st_path)), meta
+            tensors = load_file(str(st_path))
+            bad = non_finite(tensors)
+            if bad is not None:
+                raise ValueError(f"{bad} holds NaN or infinity")
         except (OSError, ValueError, KeyError) as e:
             logger.warning("checkpoint %s is unusable (%s); trying an older one", js_path.name, e)
-    return None
+            continue
+        yield tensors, meta
+
+
+def load_checkpoint(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+    """The newest checkpoint that verifies (``checkpoints``), or None."""
+    return next(iter(checkpoints(directory)), None)
 
 
 class CheckpointWriter:

@@ -46,7 +46,7 @@ from atoll.protocols.records import Status, make_validators
 
 from . import persist
 from .algorithm import algorithm
-from .checkpoint import CheckpointWriter, load_checkpoint
+from .checkpoint import CheckpointWriter, checkpoints, load_checkpoint
 from .config import OWN_MODEL, ConfigError, NodeConfig, RunConfig, load_config
 from .ddp import DDP
 from .device import Device
@@ -511,11 +511,21 @@ class Island:
         if not cfg.checkpoint_dir:
             return False, {}
         self.checkpointer = CheckpointWriter(cfg.checkpoint_dir, self._checkpoint_written)
-        loaded = load_checkpoint(cfg.checkpoint_dir)
-        if loaded is None:
+        misfit = None
+        for tensors, meta in checkpoints(cfg.checkpoint_dir):
+            try:
+                self.replica, error_feedback = persist.restore(cfg, tensors, meta, self.trainee, self.fragments,
+                                                               self.local)
+                break
+            except persist.Mismatch as e:
+                misfit = misfit or e
+                logger.warning("checkpoint of step %s does not fit this model (%s); trying an older one",
+                               meta.get("step"), e)
+        else:
+            if misfit is not None:  # the learner may be loaded in part: no fresh start from it
+                raise ConfigError(f"checkpoint_dir: no checkpoint in {cfg.checkpoint_dir!r} fits this model "
+                                  f"({misfit}); move them away to start afresh")
             return False, {}
-        tensors, meta = loaded
-        self.replica, error_feedback = persist.restore(cfg, tensors, meta, self.trainee, self.fragments, self.local)
         self.counters.tokens_lost = meta["tokens_lost"]
         self.counters.tokens_carried = meta.get("tokens_carried", 0)  # absent from checkpoints before the delta rule
         log_context.step = self.trainee.step

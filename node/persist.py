@@ -50,15 +50,34 @@ def capture(cfg: NodeConfig, peer_id: str, learner: Trainee, replica: Replica, l
 def restore(cfg: NodeConfig, tensors: dict[str, torch.Tensor], meta: dict[str, Any], learner: Trainee,
             fragments: list[Fragment], local: list[LocalFragmentState]) -> tuple[Replica, dict[str, torch.Tensor]]:
     """Load a checkpoint into ``learner`` and ``local``; returns the restored replica and error-feedback state.
-    ``ConfigError`` if the checkpoint belongs to another run config or does not match its own hashes."""
+    ``ConfigError`` if the checkpoint belongs to another run config; ``Mismatch`` if it does not fit this model
+    (a tensor missing or of another shape, a replica that does not match its recorded hashes): ``learner`` and
+    ``local`` may then be loaded in part, and must be loaded again from another checkpoint or not used."""
     if not cfg.run.same_run(meta.get("run")):
         raise ConfigError(f"checkpoint_dir: {cfg.checkpoint_dir!r} holds a checkpoint of a different run config")
+    try:
+        return _restore(tensors, meta, learner, fragments, local)
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+        raise Mismatch(f"{type(e).__name__}: {e}") from e
+
+
+class Mismatch(ValueError):
+    """A checkpoint that does not fit the model being restored (``restore``)."""
+
+
+def _restore(tensors: dict[str, torch.Tensor], meta: dict[str, Any], learner: Trainee, fragments: list[Fragment],
+             local: list[LocalFragmentState]) -> tuple[Replica, dict[str, torch.Tensor]]:
     n = len(fragments)
+    for p, fragment in enumerate(fragments):
+        for part in ("params", "momentum"):
+            if tensors[f"replica.{p}.{part}"].numel() != fragment.numel:
+                raise ValueError(f"replica.{p}.{part} holds {tensors[f'replica.{p}.{part}'].numel()} values, "
+                                 f"fragment {p} has {fragment.numel}")
     replica = Replica([tensors[f"replica.{p}.params"] for p in range(n)],
                       [tensors[f"replica.{p}.momentum"] for p in range(n)], meta["versions"], meta["weights"],
                       meta.get("ancestors"))
     if [d for _, _, d in replica.identities()] != meta["digests"]:
-        raise ConfigError("checkpoint_dir: the checkpoint's replica does not match its recorded hashes")
+        raise ValueError("the checkpoint's replica does not match its recorded hashes")
     learner.load_state_tensors(tensors)
     learner.step, learner.tokens, learner.position = meta["step"], meta["tokens"], meta["position"]
     replica.schedule_step = meta["schedule_step"]

@@ -1,15 +1,17 @@
 """Checkpoints are atomic, verified on load, and fall back to the previous good one; tensors on the device
-(``ATOLL_TEST_DEVICE``) are written as their host copies, and a learner's state read back continues exactly."""
+(``ATOLL_TEST_DEVICE``) are written as their host copies, and a learner's state read back continues exactly. A
+non-finite checkpoint is neither written nor used, and a checkpoint reads no file outside its directory."""
 
+import hashlib
 import json
-
-import torch
-
 import threading
+
+import pytest
+import torch
 
 from atoll.models.configs import MODELS
 from atoll.models.data import Corpus, load_corpus
-from atoll.node.checkpoint import CheckpointWriter, load_checkpoint, save_checkpoint
+from atoll.node.checkpoint import CheckpointWriter, checkpoints, load_checkpoint, save_checkpoint
 from atoll.node.config import RunConfig
 from atoll.node.device import resolve_device
 from atoll.node.learner import Learner
@@ -128,3 +130,50 @@ def test_a_learners_state_written_and_read_back_continues_bit_identically(tmp_pa
     b.step, b.tokens, b.position = meta["step"], meta["tokens"], meta["position"]
     assert [a.train_step() for _ in range(3)] == [b.train_step() for _ in range(3)]
     assert torch.equal(a.flat_params(), b.flat_params())
+
+
+def test_a_non_finite_checkpoint_is_not_written_and_the_intact_one_stays(tmp_path):
+    save_checkpoint(tmp_path, {"a": torch.zeros(4)}, {"version": 1})
+    save_checkpoint(tmp_path, {"a": torch.ones(4)}, {"version": 2})
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="a holds NaN or infinity"):
+            save_checkpoint(tmp_path, {"a": torch.tensor([0.0, bad])}, {"version": 3})
+    # Both intact checkpoints are still there: a non-finite one would have pushed the older out.
+    assert sorted(json.loads(p.read_text())["version"] for p in tmp_path.glob("ckpt-*.json")) == [1, 2]
+    writer = CheckpointWriter(tmp_path, lambda meta: None)
+    writer.submit({"a": torch.full((2,), float("nan"))}, {"version": 4})
+    writer.wait()
+    assert writer.failures == 1 and load_checkpoint(tmp_path)[1]["version"] == 2
+
+
+def _write_unchecked(directory, seq, tensors, meta):
+    """A checkpoint pair as a writer without the finiteness check (or a hand-edited JSON) would leave it."""
+    from safetensors.torch import save_file
+
+    name = f"ckpt-{seq:08d}.safetensors"
+    save_file(tensors, str(directory / name))
+    digest = hashlib.sha256((directory / name).read_bytes()).hexdigest()
+    (directory / f"ckpt-{seq:08d}.json").write_text(json.dumps({**meta, "tensors_sha256": digest,
+                                                                "tensors_file": meta.get("tensors_file", name)}))
+
+
+def test_a_checkpoint_with_nan_values_is_skipped_for_the_older_intact_one(tmp_path):
+    save_checkpoint(tmp_path, {"a": torch.zeros(4)}, {"version": 1})
+    _write_unchecked(tmp_path, 2, {"a": torch.tensor([1.0, float("nan"), 1.0, 1.0])}, {"version": 2})
+    tensors, meta = load_checkpoint(tmp_path)
+    assert meta["version"] == 1 and torch.equal(tensors["a"], torch.zeros(4))
+    assert [m["version"] for _, m in checkpoints(tmp_path)] == [1]
+
+
+def test_a_tensor_file_named_outside_the_directory_is_never_read(tmp_path):
+    inside = tmp_path / "ckpt"
+    inside.mkdir()
+    save_checkpoint(inside, {"a": torch.zeros(4)}, {"version": 1})
+    _write_unchecked(tmp_path, 9, {"a": torch.ones(4)}, {"version": 99})  # a valid pair, one level up
+    outside = "../ckpt-00000009.safetensors"
+    _write_unchecked(inside, 2, {"a": torch.ones(4)}, {"version": 2, "tensors_file": outside})
+    # The JSON's hash is the one of its own file name's bytes; point it at the outside file's instead.
+    meta = json.loads((inside / "ckpt-00000002.json").read_text())
+    meta["tensors_sha256"] = hashlib.sha256((tmp_path / "ckpt-00000009.safetensors").read_bytes()).hexdigest()
+    (inside / "ckpt-00000002.json").write_text(json.dumps(meta))
+    assert load_checkpoint(inside)[1]["version"] == 1
