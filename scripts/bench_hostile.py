@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """A hostile member against a live decoupled swarm, side by side with the same swarm without it.
 
-    python scripts/bench_hostile.py --attack copied_claim [--seeds 0 1 2] [--steps 600] [--label L] [--out DIR]
+    python scripts/bench_hostile.py --attack copied_claim [--seeds 0 1 2] [--steps 1200] [--label L] [--out DIR]
 
-Per seed, two runs of three honest daemons in a private run (`decoupled`, nano, batch 4, H=10, the default round
-settings, every daemon sleeping ``--step-delay`` s a step, started together): a clean one, and one where a member
+Per seed, two runs of three honest daemons in a private run (`decoupled`, nano, batch 4, H=50 and the default
+round settings, every daemon sleeping ``--step-delay`` s a step, started together): a clean one, and one where a member
 holding a join token (``scripts/hostile/member.py``, a process of its own) runs ``--attack`` from the first merged
 round until the honest daemons stop. The order of the two alternates from seed to seed. Measured from the honest
 daemons' own metrics: the held-out loss of their final replicas (mean over a, b, c), multi-member merges a minute
@@ -73,7 +73,8 @@ def run(root: Path, args: argparse.Namespace, seed: int, attack: bool) -> dict:
 
 
 def measure(swarm: LocalSwarm, codes: dict, member: dict, attack: bool) -> dict:
-    served = {d for phase in member.values() if isinstance(phase, dict) for d in phase.get("digests", [])}
+    served = {*member.get("zero_digests", []), *member.get("scrambled_digests", []),
+              *(d for phase in member.values() if isinstance(phase, dict) for d in phase.get("digests", []))}
     who = member.get("member", "")
     out: dict = {"attack": attack, "exit_codes": codes, "member": {k: v for k, v in member.items() if k != "done"}}
     losses, rates, adoptions, from_member, poisoned, kinds = [], [], 0, 0, 0, {}
@@ -102,9 +103,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--attack", required=True, help="a member.py attack, e.g. copied_claim")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--sync-every", type=int, default=10)
-    p.add_argument("--step-delay", type=float, default=0.05)
+    p.add_argument("--steps", type=int, default=1200)
+    p.add_argument("--sync-every", type=int, default=50)
+    p.add_argument("--step-delay", type=float, default=0.02)
     p.add_argument("--attack-seconds", type=float, default=600.0, help="at most; the member stops with the swarm")
     p.add_argument("--run-timeout", type=float, default=900.0)
     p.add_argument("--label", default="default")

@@ -155,6 +155,11 @@ class HostileMember:
         """The digests of the all-zero replica it claims, per fragment."""
         return [tensor_hash(torch.zeros(n), torch.zeros(n)) for n in self.numels]
 
+    @property
+    def scrambled_digests(self) -> list[str]:
+        """The digests of the scrambled replica it serves (scrambled_heavier, copied_claim), per fragment."""
+        return [tensor_hash(t, torch.zeros(n)) for t, n in zip(self.scrambled, self.numels)]
+
     def _claim(self, p: int) -> tuple[int, float, str]:
         version, weight = self._ahead[p]
         return version, weight, tensor_hash(self.served[p], torch.zeros(self.numels[p]))
@@ -416,7 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     with HostileMember(args.run_id, args.initial_peers, args.token, args.model, args.algorithm, args.fragments,
                        args.sync_every, args.gather_timeout, args.namespace) as member:
         member.min_peers = args.min_peers
-        out: dict[str, Any] = {"member": member.peer_id, "zero_digests": member.zero_digests, "done": []}
+        out: dict[str, Any] = {"member": member.peer_id, "zero_digests": member.zero_digests,
+                               "scrambled_digests": member.scrambled_digests, "done": []}
+        _write(args.out, out)  # who it is and what it may serve, before any attack (a run may stop it midway)
         for attack in args.attacks:
             name, _, seconds = attack.partition("=")
             if name == "junk_records":
@@ -426,11 +433,16 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 out[name] = getattr(member, name)(float(seconds))
             out["done"].append(name)
-            tmp = args.out + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(out, f)
-            os.replace(tmp, args.out)
+            _write(args.out, out)
     return 0
+
+
+def _write(path: str, doc: dict[str, Any]) -> None:
+    import json
+
+    with open(path + ".tmp", "w") as f:
+        json.dump(doc, f)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":
