@@ -243,7 +243,8 @@ class CatchUp:
 
         def refused(donor: str, error: BaseException) -> None:
             # A donor that moved on to a heavier replica since its record (a round landed) did not fail its claim.
-            if isinstance(error, DonorRefused) and not (error.holds is not None and heavier(error.holds, claims[donor])):
+            if isinstance(error, DonorRefused) and not (error.holds is not None
+                                                        and heavier(error.holds, claims[donor])):
                 failed.append(donor)
 
         with track(f"fragment {p}: downloading the replica", 8 * replica.numel(p)) as bar:

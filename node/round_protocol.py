@@ -362,8 +362,8 @@ class RoundProtocol:
         digest), in one DHT call: when a peer that opened one tells us (``protocols/nudges.py``), at most every
         ``OPEN_ROUND_POLL`` s, and otherwise every ``OPEN_ROUND_FALLBACK`` s. A round already announced by a peer
         is not announced again by those who join it (``_announced``), so a read returns the few daemons that opened
-        it, whatever the swarm's size. An announcement is a hint to contribute early, not a membership: the round's registrations are checked as
-        always, and a fragment joins at most one opened round per version."""
+        it, whatever the swarm's size. An announcement is a hint to contribute early, not a membership: the round's
+        registrations are checked as always, and a fragment joins at most one opened round per version."""
         ctx = self.ctx
         with self.nudges.listen(()) as told:
             while True:

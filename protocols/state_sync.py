@@ -18,8 +18,8 @@ at most half the size of the full transfer.
 from __future__ import annotations
 
 import asyncio
-import math
 import logging
+import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import AsyncIterator  # hivemind detects streaming RPCs by typing.AsyncIterator hints
 from dataclasses import dataclass
