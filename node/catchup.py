@@ -14,10 +14,11 @@ all hold its result, and a lone daemon that merged alone is overtaken by the oth
 heavier, adopted once a second daemon holds its replica). And a donor that does not back a claim it vouches for —
 it refuses, stalls or sends what does not check out, ``UNBACKED_OFFENCES`` times in a row — is an offender.
 
-A lone daemon's fork can also run ahead: alone, its rounds close at once, so its versions can outpace the
-others' while their merged weight grows faster. Version first, its claim stays the heaviest but nobody vouches for
-it, and it never takes theirs: the fork would never heal. So a lonely daemon (below) also takes a vouched claim
-that carries more merged weight than ours, whatever its version: the line most of the swarm's work went into.
+A lone daemon's fork can also run ahead: alone, its rounds close at once, so its versions (and even its merged
+weight) can outpace the others'. Version first, its claim stays the heaviest but nobody vouches for it, and it
+never takes theirs: the fork would never heal (the chaos run's and the xla swarm's stalemates). So a lonely daemon
+(below) takes a claim two or more live peers hold, whatever its version and weight (``fork_line``): one daemon's
+fork gives way to the swarm's line.
 
 One case needs more: when every live daemon's replica of a fragment is its own (concurrent solo rounds forked the
 swarm three ways, say), no claim is vouched for and no two daemons ever meet in a round again. So a *lonely*
@@ -40,7 +41,7 @@ from collections import Counter
 import torch
 
 from atoll.protocols.records import ProgressRecord, Status, heavier
-from atoll.protocols.state_sync import DonorRefused, Replay, ReplicaState, download_state, p2p_opener
+from atoll.protocols.state_sync import MAX_ANCESTORS, DonorRefused, Replay, ReplicaState, download_state, p2p_opener
 
 from .context import SyncContext
 from .peers import PeerTable
@@ -48,6 +49,7 @@ from .progress import track
 
 logger = logging.getLogger("atoll")
 UNBACKED_OFFENCES = 2  # failed downloads in a row from one donor (one may be bad luck: it died, or moved on)
+RECORD_GRACE = 3.0  # heartbeats: a donor's record shows what it moved on to after at most about this long
 MAX_TRACKED_DONORS = 1024
 LONELY_INTERVAL = 10.0  # seconds between adoptions of a claim nobody vouches for, per fragment
 MAX_NORM_RATIO = 2.0  # such a state's norm may differ from our replica's by at most this factor
@@ -62,7 +64,8 @@ class CatchUp:
         self._adopted: list[ReplicaState] = []
         self._lock = threading.Lock()
         self._open_stream = None
-        self._failures: dict[str, int] = {}  # donor -> failed downloads in a row
+        self._failures: dict[str, tuple] = {}  # donor -> (the claim it failed, failures in a row, since when)
+        self._clock = time.monotonic
         self._lonely_at: dict[int, float] = {}  # fragment -> when we last took a claim nobody vouched for
         self._candidates: dict[int, ReplicaState] = {}  # fragment -> a claim nobody vouched for, for the learner
 
@@ -72,19 +75,30 @@ class CatchUp:
 
     def heavier_peers(self, p: int) -> list[ProgressRecord]:
         """The live peers holding a vouched-for replica of fragment ``p`` heavier than ours; or, when no live peer
-        holds ours (``alone``), one that carries more merged weight than ours whatever its version (``outweighing``)."""
+        holds ours (``alone``), the swarm's line of a fork we are on alone (``fork_line``)."""
         mine = self.ctx.replica.identity(p)
         training = self.peers.training()
         backed = vouched(p, training, self.ctx.cfg.state_vouchers)
-        return [peer for peer in backed if heavier(peer.fragment(p), mine)] or self.outweighing(p, backed, training)
+        return [peer for peer in backed if heavier(peer.fragment(p), mine)] or self.fork_line(p, backed, training)
 
-    def outweighing(self, p: int, backed: list[ProgressRecord], training: list[ProgressRecord]
-                    ) -> list[ProgressRecord]:
-        """Of ``backed`` (vouched-for claims), those with more merged weight than our replica of fragment ``p`` at
-        a lower version, if no live peer holds ours: the others' line of a fork we ran ahead on alone."""
+    def fork_line(self, p: int, backed: list[ProgressRecord], training: list[ProgressRecord]
+                  ) -> list[ProgressRecord]:
+        """If no live peer holds our replica of fragment ``p`` (we are on a fork alone), the holders of the line to
+        take instead of ours, whatever the versions and weights: the claim at least two live peers hold (of
+        ``backed``, the vouched-for ones), the most held first, then the heaviest. Two at least: with one other
+        live daemon its claim is "vouched for" by itself, and two daemons forked apart would each take the other's
+        (the local swarm's swap: a founder took a joiner's lone fork by weight while the joiner took the founder's
+        by version). Not a claim older than the ancestry a replica keeps: it may be an ancestor of ours."""
         mine = self.ctx.replica.identity(p)
-        heavier_work = [peer for peer in backed if peer.fragment(p)[1] > mine[1] and peer.fragment(p)[0] < mine[0]]
-        return heavier_work if heavier_work and self.alone(p, training) else []
+        if not backed or not self.alone(p, training):
+            return []
+        oldest = mine[0] - MAX_ANCESTORS + 1
+        held = Counter(peer.fragment(p) for peer in backed if peer.fragment(p)[0] >= oldest)
+        lines = [claim for claim, n in held.items() if n >= 2]
+        if not lines:
+            return []
+        best = max(lines, key=lambda claim: (held[claim], claim[1], claim))
+        return [peer for peer in backed if peer.fragment(p) == best]
 
     def alone(self, p: int, training: list[ProgressRecord]) -> bool:
         """No live peer holds our replica of fragment ``p``, nor one it descends from (a peer just behind us: its
@@ -177,12 +191,13 @@ class CatchUp:
         then the learner's vetting)."""
         try:
             mine = self.ctx.replica.identity(p)
-            by_weight = not heavier(donors[0].fragment(p), mine)  # ``outweighing``: a fork we ran ahead on alone
+            # ``fork_line``: a fork we are on alone; the swarm's line replaces ours if ours is still ours then.
+            replacing = None if heavier(donors[0].fragment(p), mine) else mine[2]
             logger.info("peer %s holds a heavier replica of fragment %d (v%d vs our v%d%s); downloading it",
                         donors[0].peer_id[-8:], p, donors[0].fragment(p)[0], mine[0],
                         "; no live peer holds ours, nobody vouches for it: it will be vetted" if check else
-                        f"; no live peer holds ours, and it carries more merged weight ({donors[0].fragment(p)[1]:.4g} "
-                        f"vs {mine[1]:.4g})" if by_weight else "")
+                        f"; no live peer holds ours: it is the swarm's line (weight {donors[0].fragment(p)[1]:.4g} vs "
+                        f"our {mine[1]:.4g})" if replacing else "")
             if check:
                 self._lonely_at[p] = time.monotonic()
             state = await self._download(p, donors)
@@ -198,7 +213,7 @@ class CatchUp:
                 with self._lock:
                     self._candidates[p] = state  # the learner vets it (the module's docstring)
             elif state is not None and await loop.run_in_executor(
-                    None, lambda: self.ctx.replica.adopt(state, by_weight=by_weight)):
+                    None, lambda: self.ctx.replica.adopt(state, replacing=replacing)):
                 self._queue([state])
         finally:
             self._downloading.discard(p)
@@ -235,18 +250,58 @@ class CatchUp:
         restarting, gone: an attacker that stalls looks the same, so only vouching bounds it) merely failed. ``blame`` False (joining, restoring): no donor is blamed at all;
         a joiner's concurrent downloads of every fragment fail together while its donors do not know it yet, and
         an unserved claim only delays a join, where it would abort rounds later."""
-        ctx, replica = self.ctx, self.ctx.replica
-        timeout = ctx.cfg.run.round_timeout
         claims = {d.peer_id: d.fragment(p) for d in donors}
-        order = [d.peer_id for d in donors]
         failed: list[str] = []
+        moved: dict[str, tuple] = {}  # donor -> the heavier replica it said it holds now
 
         def refused(donor: str, error: BaseException) -> None:
             # A donor that moved on to a heavier replica since its record (a round landed) did not fail its claim.
-            if isinstance(error, DonorRefused) and not (error.holds is not None
-                                                        and heavier(error.holds, claims[donor])):
+            if not isinstance(error, DonorRefused):
+                return
+            if error.holds is not None and heavier(error.holds, claims[donor]):
+                moved[donor] = tuple(error.holds)
+            else:
                 failed.append(donor)
 
+        state = await self._fetch(p, [d.peer_id for d in donors], claims, refused)
+        if state is None and moved:
+            # Every donor moved on since its record (a fast daemon merges several rounds a heartbeat): a refusal,
+            # sent by the donor over its own authenticated stream, is as good as its next record. Its new claim
+            # is taken only if it would be vouched for (and heavier than ours) had the records said so.
+            fresher = self.fresher_donors(p, moved)
+            if fresher:
+                claims = {d.peer_id: d.fragment(p) for d in fresher}
+                logger.info("fragment %d: %s moved on to v%d since its record; asking for that", p,
+                            "+".join(d.peer_id[-8:] for d in fresher), fresher[0].fragment(p)[0])
+                state = await self._fetch(p, [d.peer_id for d in fresher], claims, refused)
+        delivered = None if state is None else (state.version, state.weight, state.digest)
+        known = self.peers.everyone()
+        for donor in dict.fromkeys(failed) if blame else ():
+            claim = known[donor].fragment(p) if donor in known else None
+            if delivered is None or claim != delivered:
+                self._unbacked(donor, claim)
+        if state is not None:
+            self._failures.pop(state.donor, None)
+        return state
+
+    def fresher_donors(self, p: int, moved: dict[str, tuple]) -> list[ProgressRecord]:
+        """The live peers' records with the claims of ``moved`` (donors that refused, saying which heavier replica
+        of fragment ``p`` they hold now) in place of their records' claims: the donors, best first, of a claim
+        that is then vouched for and heavier than ours; none if no such claim."""
+        training = self.peers.training()
+        updated = [peer.copy(update={"fragment_versions": _set(peer.fragment_versions, p, moved[peer.peer_id][0]),
+                                     "fragment_weights": _set(peer.fragment_weights, p, moved[peer.peer_id][1]),
+                                     "fragment_hashes": _set(peer.fragment_hashes, p, moved[peer.peer_id][2])})
+                   if peer.peer_id in moved else peer for peer in training]
+        mine = self.ctx.replica.identity(p)
+        backed = [peer for peer in vouched(p, updated, self.ctx.cfg.state_vouchers)
+                  if peer.peer_id in moved and heavier(peer.fragment(p), mine)]
+        return donor_order(p, backed)
+
+    async def _fetch(self, p: int, order: list[str], claims: dict[str, tuple], refused) -> ReplicaState | None:
+        """One try of ``order`` for their ``claims`` of fragment ``p`` (a replay first, then in full)."""
+        ctx, replica = self.ctx, self.ctx.replica
+        timeout = ctx.cfg.run.round_timeout
         with track(f"fragment {p}: downloading the replica", 8 * replica.numel(p)) as bar:
             state = await download_state(self._open_stream, order, p, replica.numel(p), timeout, ctx.stats,
                                          have=replica.identity(p)[2], on_failure=refused, progress=bar.update,
@@ -255,34 +310,32 @@ class CatchUp:
         if isinstance(state, Replay):
             replayed = await asyncio.get_running_loop().run_in_executor(None, replica.replay, state, ctx.outer)
             if replayed is not None:
-                self._failures.pop(state.donor, None)
                 return replayed
             if replica.identity(p)[2] == state.rounds[0].base:  # it did not check out: the donor's fault
                 ctx.reject("replay", state.donor)
-                self._unbacked(state.donor, None)
+                self._unbacked(state.donor, claims.get(state.donor))
             with track(f"fragment {p}: downloading the replica", 8 * replica.numel(p)) as bar:
                 state = await download_state(self._open_stream, order, p, replica.numel(p), timeout, ctx.stats,
                                              on_failure=refused, progress=bar.update, claims=claims)
                 bar.close(ok=state is not None)
-        delivered = None if state is None else (state.version, state.weight, state.digest)
-        known = self.peers.everyone()
-        for donor in dict.fromkeys(failed) if blame else ():
-            claim = known[donor].fragment(p) if donor in known else None
-            if delivered is None or claim != delivered:
-                self._unbacked(donor, None)
-        if state is not None:
-            self._failures.pop(state.donor, None)
         return state
 
-    def _unbacked(self, donor: str, error: BaseException | None) -> None:
-        """A donor we chose for the replica it claims did not deliver it. ``UNBACKED_OFFENCES`` in a row make it an
-        offender: a member that claims a heavier replica and never serves it would otherwise keep everyone
-        abandoning their rounds to catch up (the review's variant: merges fell from 80 to 0)."""
-        failures = self._failures.get(donor, 0) + 1
-        if failures < UNBACKED_OFFENCES:
-            if len(self._failures) >= MAX_TRACKED_DONORS:
+    def _unbacked(self, donor: str, claim: tuple | None) -> None:
+        """A donor we chose for the replica it claims (``claim``) did not deliver it. ``UNBACKED_OFFENCES`` in a row
+        for one claim, the first and the last at least ``RECORD_GRACE`` heartbeats apart, make it an offender: a
+        member that claims a heavier replica and never serves it would otherwise keep everyone abandoning their
+        rounds to catch up (the review's variant: merges fell from 80 to 0). The grace: an honest donor that moved
+        on, even to a lighter replica (it took the swarm's line over its fork), refuses the claim its record still
+        shows until its next record is published and read (the local swarm's founder, blamed within a second)."""
+        now = self._clock()
+        held, failures, since = self._failures.get(donor, (claim, 0, now))
+        if held != claim:
+            failures, since = 0, now
+        failures += 1
+        if failures < UNBACKED_OFFENCES or now - since < RECORD_GRACE * self.ctx.cfg.heartbeat:
+            if len(self._failures) >= MAX_TRACKED_DONORS and donor not in self._failures:
                 self._failures.clear()
-            self._failures[donor] = failures
+            self._failures[donor] = (claim, failures, since)
             return
         self._failures.pop(donor, None)
         self.ctx.reject("unbacked_claim", donor)  # an offence: the donor cools down
@@ -314,6 +367,12 @@ class CatchUp:
         states = [s for s in await self._download_fragments(behind, peers) if s is not None]
         self._queue(states)
         return states
+
+
+def _set(values: list, i: int, value) -> list:
+    out = list(values)
+    out[i] = value
+    return out
 
 
 def donors(peers: dict[str, ProgressRecord]) -> list[ProgressRecord]:

@@ -173,14 +173,15 @@ class Replica:
         return ReplicaState(replay.version, weight, digest, params, momentum, replay.schedule_step, replay.donor, p,
                             tuple(ancestors[-MAX_ANCESTORS:]), donors=(replay.donor,), rounds=replay.rounds)
 
-    def adopt(self, state: ReplicaState, by_weight: bool = False) -> bool:
+    def adopt(self, state: ReplicaState, replacing: str | None = None) -> bool:
         """Replace a fragment with a heavier downloaded one; False if ours became at least as heavy meanwhile.
-        ``by_weight``: heavier means more merged weight, whatever the versions (a lonely daemon's fork that merged
-        alone ahead of the others, ``catchup``)."""
+        ``replacing``: the digest of ours when the state was chosen to replace it whatever the versions and
+        weights (the swarm's line over a fork this daemon was on alone, ``catchup``); False if ours changed since
+        (a round merged it with someone: not alone any more)."""
         with self._lock:
             f = self._frags[state.fragment]
-            if by_weight:
-                if state.weight <= f.weight:
+            if replacing is not None:
+                if f.digest != replacing or state.digest == f.digest:
                     return False
             elif (state.version, state.weight, state.digest) <= (f.version, f.weight, f.digest):
                 return False

@@ -3,6 +3,7 @@
 No sockets: ``CatchUp`` runs against a stand-in context whose peer table is a fixed list of progress records.
 """
 
+import itertools
 import random
 import time
 from types import SimpleNamespace
@@ -48,11 +49,13 @@ class Table:
 def catch_up(peers, vouchers=2):
     replica = Replica([torch.zeros(4)], versions=[5], weights=[5.0])
     stats = TrafficStats()
-    ctx = SimpleNamespace(replica=replica, cfg=SimpleNamespace(state_vouchers=vouchers), stats=stats,
+    ctx = SimpleNamespace(replica=replica, cfg=SimpleNamespace(state_vouchers=vouchers, heartbeat=1.0), stats=stats,
                           cooldown=Cooldown(60.0), peer_id="me", subkey=b"me")
     stats.on_offence = lambda source, kind: ctx.cooldown.offend(source, kind)  # as the syncer wires it
     ctx.reject = stats.reject
-    return CatchUp(ctx, Table(peers)), ctx
+    cu = CatchUp(ctx, Table(peers))
+    cu._clock = itertools.count(0.0, 10.0).__next__  # each failure a record's grace after the last
+    return cu, ctx
 
 
 def test_one_peer_claiming_a_heavier_replica_is_not_believed():
@@ -77,16 +80,37 @@ def test_with_a_single_live_peer_its_replica_is_vouched_for_by_itself():
 
 def test_a_donor_that_fails_its_claim_repeatedly_is_an_offender():
     cu, ctx = catch_up([])
+    claim = (9, 9.0, "x")
     for _ in range(UNBACKED_OFFENCES - 1):
-        cu._unbacked("m", ConnectionError())
+        cu._unbacked("m", claim)
     assert not ctx.cooldown.active("m") and ctx.stats.rejected == 0
-    cu._unbacked("m", None)
+    cu._unbacked("m", claim)
     assert ctx.cooldown.active("m") and ctx.stats.rejected_by_kind == {"unbacked_claim": 1}
     # A success in between starts the count over (as ``_download`` does on a delivered state).
-    cu._unbacked("d", None)
+    cu._unbacked("d", claim)
     cu._failures.pop("d", None)
-    cu._unbacked("d", None)
+    cu._unbacked("d", claim)
     assert not ctx.cooldown.active("d")
+
+
+def test_a_donor_is_blamed_only_once_its_record_had_time_to_show_it_moved_on():
+    """The local swarm's founder: it took the swarm's line over its own fork (a lighter replica), and refused the
+    claim its record still showed twice within a second: blamed at once, it was left out of every round for two
+    minutes. A donor fails a claim only if it still refuses it ``RECORD_GRACE`` heartbeats after the first time."""
+    from atoll.node.catchup import RECORD_GRACE
+
+    cu, ctx = catch_up([])
+    now = [0.0]
+    cu._clock = lambda: now[0]
+    claim = (9, 9.0, "x")
+    for _ in range(UNBACKED_OFFENCES + 2):  # refused again and again within the grace
+        cu._unbacked("a", claim)
+        now[0] += 0.3
+    assert not ctx.cooldown.active("a")
+    cu._unbacked("a", (8, 10.0, "y"))  # its record moved on: the count starts over
+    now[0] += RECORD_GRACE * ctx.cfg.heartbeat
+    cu._unbacked("a", (8, 10.0, "y"))  # still refusing what its record claims a grace later: an offence
+    assert ctx.cooldown.active("a") and ctx.stats.rejected_by_kind == {"unbacked_claim": 1}
 
 
 def test_a_lonely_daemon_takes_a_claim_nobody_vouches_for_only_through_a_gross_filter():
@@ -237,7 +261,7 @@ def test_only_a_refusal_of_a_claim_nobody_delivered_counts_against_its_donor(mon
 def test_a_lonely_daemon_that_ran_ahead_alone_takes_the_vouched_line_with_more_merged_weight():
     """The chaos run's stalemate: a daemon alone on a fork merged rounds by itself faster than the others (v88 with
     weight 2.3e8 against their v66 with 4.3e8). Version first, its claim stayed the heaviest and nobody vouched for
-    it, so neither side ever took the other's. A lonely daemon takes a vouched line with more merged weight."""
+    it, so neither side ever took the other's. A lonely daemon takes the line two live peers hold."""
     from atoll.protocols.state_sync import ReplicaState
 
     def holder(name, version, weight, digest):
@@ -250,9 +274,11 @@ def test_a_lonely_daemon_that_ran_ahead_alone_takes_the_vouched_line_with_more_m
     line = [holder("a", 66, 434.0, "theirs"), holder("b", 66, 434.0, "theirs")]
     cu.peers = Table(line)
     assert [peer.peer_id for peer in cu.heavier_peers(0)] == ["a", "b"] and cu.behind(0)
-    # Not with less merged weight than ours (an ancestor of our line always has less), nor when unvouched, nor
-    # when a live peer holds our replica (we are not alone: a fork of two is vouched, and heavier by version).
-    cu.peers = Table([holder("a", 66, 200.0, "theirs"), holder("b", 66, 200.0, "theirs")])
+    # Not the line of one peer, even with more merged weight than ours: with one other live daemon its claim is
+    # vouched for by itself, and two forked daemons took each other's (we by weight, it by version: the local
+    # swarm's swap). Nor when unvouched, nor when a live peer holds our replica (we are not alone: a fork of two
+    # is vouched, and heavier by version).
+    cu.peers = Table([holder("a", 66, 434.0, "theirs")])
     assert cu.heavier_peers(0) == []
     cu.peers = Table([holder("a", 66, 434.0, "theirs"), holder("b", 66, 434.0, "other"),
                       holder("c", 60, 100.0, "third")])
@@ -260,10 +286,98 @@ def test_a_lonely_daemon_that_ran_ahead_alone_takes_the_vouched_line_with_more_m
     _, weight, digest = ctx.replica.identity(0)
     cu.peers = Table(line + [holder("c", 88, weight, digest)])
     assert cu.heavier_peers(0) == []
-    # The replica takes such a state only by weight, and calls it a fork it lost.
+    # The replica takes such a state only in place of the very replica it was chosen to replace, and calls it a
+    # fork it lost.
     state = ReplicaState(66, 434.0, "theirs", torch.zeros(4), torch.zeros(4), 0, "a", 0, ("theirs",))
     assert not ctx.replica.adopt(state)  # by version, ours is heavier
-    assert ctx.replica.adopt(state, by_weight=True) and state.forked
+    assert not ctx.replica.adopt(state, replacing="not ours")  # ours changed since (a round merged it)
+    assert ctx.replica.adopt(state, replacing=digest) and state.forked
     assert ctx.replica.identity(0) == (66, 434.0, "theirs")
     lighter = ReplicaState(60, 400.0, "x", torch.zeros(4), torch.zeros(4), 0, "a", 0, ("x",))
-    assert not ctx.replica.adopt(lighter, by_weight=True)
+    assert not ctx.replica.adopt(lighter, replacing=digest)
+
+
+def test_a_lonely_daemon_ahead_in_version_and_weight_takes_the_line_two_live_peers_hold():
+    """The xla swarm's stalemate: a daemon merged v15 alone while the other two merged it together, then kept
+    merging alone, and led them in version and in merged weight (v20, 300 against v17, 250). Neither rule above
+    applied: it never took their line, nor they its claim nobody vouched for; it never met them in a round again.
+    A lonely daemon takes the claim at least two live peers hold, whatever its version and weight."""
+    def holder(name, version, weight, digest):
+        r = record(name, [version], [digest])
+        r.fragment_weights = [weight]
+        return r
+
+    cu, ctx = catch_up([])
+    ctx.replica = Replica([torch.ones(4)], versions=[20], weights=[300.0])
+    _, weight, digest = ctx.replica.identity(0)
+    line = [holder("a", 17, 250.0, "theirs"), holder("b", 17, 250.0, "theirs")]
+    cu.peers = Table(line)
+    assert [peer.peer_id for peer in cu.heavier_peers(0)] == ["a", "b"] and cu.behind(0)
+    # The most held line first.
+    cu.peers = Table(line + [holder("c", 18, 260.0, "other"), holder("d", 18, 260.0, "other"),
+                             holder("e", 17, 250.0, "theirs")])
+    assert [peer.peer_id for peer in cu.heavier_peers(0)] == ["a", "b", "e"]
+    # Not a claim one peer holds (two forked daemons would swap replicas), with one live peer (the same), when a
+    # live peer holds ours (we are not alone), nor a claim older than the ancestry we keep (perhaps our ancestor).
+    cu.peers = Table([holder("a", 17, 250.0, "theirs"), holder("b", 17, 250.0, "other"),
+                      holder("c", 17, 250.0, "third")])
+    assert cu.heavier_peers(0) == []
+    cu.peers = Table([holder("a", 17, 250.0, "theirs")])
+    assert cu.heavier_peers(0) == []
+    cu.peers = Table(line + [holder("c", 20, weight, digest)])
+    assert cu.heavier_peers(0) == []
+    ctx.replica = Replica([torch.ones(4)], versions=[60], weights=[300.0])
+    cu.peers = Table([holder("a", 17, 250.0, "old"), holder("b", 17, 250.0, "old")])
+    assert cu.heavier_peers(0) == []
+
+
+def test_a_donor_that_moved_on_is_asked_for_what_it_holds_now_if_that_would_be_vouched_for(monkeypatch):
+    """The local swarm's joiner: the founder merged several rounds a heartbeat alone, so its record's claim was
+    always stale, every download of it was refused ("moved on"), and the joiner never caught up (it merged alone
+    and forked). A refusal naming a heavier replica counts as the donor's newer record: it is downloaded if it
+    would then be vouched for, and only then (one member saying it moved on makes nothing vouched for)."""
+    import asyncio
+
+    import atoll.node.catchup as catchup_module
+    from atoll.protocols.state_sync import DonorRefused, ReplicaState
+
+    asked = []
+
+    def serve(holds):
+        async def download_state(open_stream, donors, p, numel, timeout, stats, have=None, on_failure=None,
+                                 progress=None, claims=None):
+            asked.append(dict(claims))
+            for donor in donors:
+                if claims[donor] == holds.get(donor):
+                    version, weight, digest = holds[donor]
+                    return ReplicaState(version, weight, digest, torch.zeros(4), torch.zeros(4), 0, donor, p)
+                on_failure(donor, DonorRefused("moved on", holds.get(donor)))
+            return None
+        return download_state
+
+    def table(peers):
+        t = Table(peers)
+        t.everyone = lambda: {peer.peer_id: peer for peer in peers}
+        return t
+
+    a = record("a", [9], ["x"])
+    cu, ctx = catch_up([a])
+    ctx.cfg.run = SimpleNamespace(round_timeout=1.0)
+    cu.peers = table([a])
+    now = (14, 14.0, "y")
+    monkeypatch.setattr(catchup_module, "download_state", serve({"a": now}))
+    state = asyncio.run(cu._download(0, [a]))
+    assert state is not None and (state.version, state.weight, state.digest) == now
+    assert asked == [{"a": a.fragment(0)}, {"a": now}]
+    assert not ctx.cooldown.active("a")
+    # Among three live peers, one's newer claim alone is not vouched for: not asked for.
+    b, c = record("b", [9], ["x"]), record("c", [5], ["z"])
+    asked.clear()
+    cu.peers = table([a, b, c])
+    monkeypatch.setattr(catchup_module, "download_state", serve({"a": now, "b": (10, 10.0, "w")}))
+    assert asyncio.run(cu._download(0, [a, b])) is None and len(asked) == 1
+    # Two donors that moved on to the same replica vouch for it together.
+    asked.clear()
+    monkeypatch.setattr(catchup_module, "download_state", serve({"a": now, "b": now}))
+    state = asyncio.run(cu._download(0, [a, b]))
+    assert state is not None and state.digest == "y" and asked[-1] == {"a": now, "b": now}
