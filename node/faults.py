@@ -15,8 +15,9 @@ The faults, each triggered by the daemon's own step or round count (never by a c
   swarm whose halves meet again later).
 - ``byzantine=K`` (scale, nan, shape, direction) from the ``byzantine_from``-th multi-member round on (default 1):
   ``scale`` sends the delta ×1000, ``nan`` parts holding NaN, ``shape`` parts one block short, ``direction`` the
-  negated delta (the honest norm, the opposite direction: what the norm clip cannot see) (the daemon still reduces
-  its own shard honestly).
+  negated delta (the honest norm, the opposite direction: what the norm clip cannot see), ``edge`` the negated
+  delta at ``EDGE_FACTOR`` × its norm declaring ``EDGE_FACTOR`` × its token weight (each just inside the clip,
+  the second review's attack) (the daemon still reduces its own shard honestly).
 - ``start_together=N``: hold the first step until N daemons train (runs compared step for step start in lockstep).
 - ``kill_in_checkpoint=N``: SIGKILL the process group in the middle of the N-th checkpoint write (the tensors'
   temporary file half written); ``checkpoint_kill_signal=1``: SIGUSR1 arms the same crash for the next write.
@@ -51,9 +52,10 @@ KINDS: dict[str, type] = {"kill_in_round": int, "step_delay": float, "corrupt_ro
                           "split_until": int, "byzantine": str, "byzantine_from": int, "start_together": int,
                           "kill_in_checkpoint": int, "checkpoint_kill_signal": int, "kill_rank": int,
                           "kill_rank_at": int, "slow_checkpoint": float, "data_shard": int}
-BYZANTINE = ("scale", "nan", "shape", "direction")
+BYZANTINE = ("scale", "nan", "shape", "direction", "edge")
 CORRUPTIONS = ("truncated", "header", "codec", "nan")
 BYZANTINE_SCALE = 1000.0
+EDGE_FACTOR = 3.0  # below the default clip factor (4): neither the norm clip nor the weight clip alone fires
 
 
 def parse_faults(items: Sequence[str]) -> dict[str, Any]:
@@ -138,6 +140,19 @@ class Reversed(Tamper):
         return -sent  # error feedback keeps what quantization dropped of the honest delta, as for ``Scaled``
 
 
+class Edge(Tamper):
+    """A member that claims ``EDGE_FACTOR`` × the negation of its delta and ``EDGE_FACTOR`` × its token weight."""
+
+    def delta(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat * -EDGE_FACTOR
+
+    def weight(self, weight: float) -> float:
+        return weight * EDGE_FACTOR
+
+    def own(self, sent: torch.Tensor) -> torch.Tensor:
+        return sent / -EDGE_FACTOR
+
+
 class Faults:
     """The hooks through which injected faults reach a daemon; ``Faults()`` injects nothing."""
 
@@ -218,7 +233,7 @@ class Faults:
         kind = self.spec.get("byzantine")
         if kind is not None and self.rounds_attempted >= self.spec.get("byzantine_from", 1):
             logger.warning("fault injection: byzantine (%s) contribution in round %d", kind, self.rounds_attempted)
-            tamper = Scaled() if kind == "scale" else Reversed() if kind == "direction" else Hostile(kind)
+            tamper = {"scale": Scaled, "direction": Reversed, "edge": Edge}.get(kind, lambda: Hostile(kind))()
         return tamper
 
     def round_ended(self, tamper: Tamper, completed: bool) -> None:

@@ -514,12 +514,16 @@ class Tamper:
     injection (``atoll.node.faults``) subclasses it to play a buggy or hostile one, so the protocol never looks at
     which fault is injected.
 
-    ``delta`` is the delta this member claims as its own (its norm and parts are taken from it); ``part`` is the
+    ``delta`` is the delta this member claims as its own (its norm and parts are taken from it); ``weight`` the
+    token weight it declares; ``part`` is the
     encoded bytes sent to the reducer of ``flat[lo:hi]``, given what an honest member would send; ``own`` is this
     member's contribution as error feedback must see it (what quantization dropped of the honest delta)."""
 
     def delta(self, flat: torch.Tensor) -> torch.Tensor:
         return flat
+
+    def weight(self, weight: float) -> float:
+        return weight
 
     def part(self, payload: bytes, flat: torch.Tensor, lo: int, hi: int, spec: GroupSpec) -> bytes:
         return payload
@@ -549,7 +553,7 @@ async def allreduce(
     the reducers only opens streams (to every reducer) and reduces nothing."""
     bounds = spec.bounds()
     reducers = spec.reducer_list
-    flat = tamper.delta(flat)
+    flat, weight = tamper.delta(flat), tamper.weight(weight)
     norm = float(torch.linalg.vector_norm(flat.double()))
     me = reducers.index(local_peer) if local_peer in reducers else None
     solo = len(spec.members) == 1

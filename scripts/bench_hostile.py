@@ -2,11 +2,13 @@
 """A hostile member against a live decoupled swarm, side by side with the same swarm without it.
 
     python scripts/bench_hostile.py --attack copied_claim [--seeds 0 1 2] [--steps 1200] [--label L] [--out DIR]
+    python scripts/bench_hostile.py --attack byzantine=edge [--robust-merge RULE] ...
 
 Per seed, two runs of three honest daemons in a private run (`decoupled`, nano, batch 4, H=50 and the default
 round settings, every daemon sleeping ``--step-delay`` s a step, started together): a clean one, and one where a member
 holding a join token (``scripts/hostile/member.py``, a process of its own) runs ``--attack`` from the first merged
-round until the honest daemons stop. The order of the two alternates from seed to seed. Measured from the honest
+round until the honest daemons stop; or, for ``--attack byzantine=K``, a fourth daemon with a join token that trains
+and merges with ``--fault byzantine=K`` (``node/faults.py``) from that round on. The order of the two alternates from seed to seed. Measured from the honest
 daemons' own metrics: the held-out loss of their final replicas (mean over a, b, c), multi-member merges a minute
 per daemon, adoptions (and any whose donors include the member, or whose replica is one the member served), and
 their refusals by kind. Goals (the hostile-internet issue): held-out within 5% of the clean run, merges a minute at
@@ -38,7 +40,8 @@ HONEST = ("a", "b", "c")
 def common(args: argparse.Namespace, seed: int) -> list[str]:
     return ["--model", "nano", "--batch-size", "4", "--algorithm", "decoupled", "--sync-every", str(args.sync_every),
             "--max-steps", str(args.steps), "--fault", f"step_delay={args.step_delay}",
-            "--fault", f"start_together={len(HONEST)}", "--seed", str(seed), "--eval-budget", "1"]
+            "--fault", f"start_together={len(HONEST)}", "--seed", str(seed), "--eval-budget", "1",
+            *(["--robust-merge", args.robust_merge] if args.robust_merge else [])]
 
 
 def run(root: Path, args: argparse.Namespace, seed: int, attack: bool) -> dict:
@@ -51,7 +54,9 @@ def run(root: Path, args: argparse.Namespace, seed: int, attack: bool) -> dict:
         a = swarm.daemons["a"]
         wait_for(lambda: any(len(r["contributors"]) > 1 for r in a.rounds()), 300, "a's first merged round")
         member, result = None, root / "member.json"
-        if attack:
+        if attack and args.attack.startswith("byzantine="):
+            swarm.start("m", ["--fault", args.attack])  # a daemon of the run, lying in every round it merges
+        elif attack:
             token = root / "member.token"
             RunKey.load_or_create(swarm.run_key)[0].issue_token("atoll").save(token)
             cmd = [sys.executable, str(HERE / "hostile" / "member.py"), "--initial-peers", *swarm.bootstrap,
@@ -101,13 +106,14 @@ def measure(swarm: LocalSwarm, codes: dict, member: dict, attack: bool) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--attack", required=True, help="a member.py attack, e.g. copied_claim")
+    p.add_argument("--attack", required=True, help="a member.py attack, e.g. copied_claim, or byzantine=K")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=1200)
     p.add_argument("--sync-every", type=int, default=50)
     p.add_argument("--step-delay", type=float, default=0.02)
     p.add_argument("--attack-seconds", type=float, default=600.0, help="at most; the member stops with the swarm")
     p.add_argument("--run-timeout", type=float, default=900.0)
+    p.add_argument("--robust-merge", default=None, help="the run's --robust-merge (default: the daemon's)")
     p.add_argument("--label", default="default")
     p.add_argument("--out", default="docs/results/hostile")
     args = p.parse_args()
