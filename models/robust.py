@@ -6,9 +6,10 @@ median norm (its direction is kept): it then weighs like a typical member, not l
 spread up to ``factor`` × passes untouched. (Scaling outliers only down to the bound was measured too weak: a
 ×1000 member of four, cut to 4× the median, still cost the others up to 7% held-out loss, since one 4×
 contribution outweighs three typical ones in a mean.) The same rule bounds scalars that members declare
-(token weights, RDA norms). The rule is not continuous at the threshold: a member just below ``factor`` × the
-median keeps its size, so an attacker that knows the rule can still weigh up to ``factor`` typical members;
-keep ``factor`` small.
+(token weights, RDA norms), and their product (``clip_influence``: a weight and a norm each just below their
+bounds would otherwise make a member ``factor²`` typical ones). The rule is not continuous at the threshold: a
+member just below ``factor`` × the median keeps its size, so an attacker that knows the rule can still weigh up
+to ``factor`` typical members; keep ``factor`` small.
 
 The lower median is the ⌈M/2⌉-th smallest of the M positive values (the median for odd M, the lower of the two
 middle values for even M). A plain median would be no bound at all with two members: it is their mean, and
@@ -91,6 +92,20 @@ def clip_scalars(values: Sequence[float], factor: float) -> tuple[list[float], l
     """Each value above ``clip_bound(values, factor)`` replaced by the lower median; also returns their indices."""
     bound, median = clip_bound(values, factor), lower_median(values)
     return [median if v > bound else float(v) for v in values], [i for i, v in enumerate(values) if v > bound]
+
+
+def clip_influence(weights: Sequence[float], sizes: Sequence[float], factor: float) -> tuple[list[float], list[int]]:
+    """Each member's influence on a weighted mean, its declared weight × the size (norm) of what it sends, bounded
+    jointly: a member whose influence exceeds ``clip_bound`` of the influences has its weight scaled down so that
+    its influence is the lower median one; also returns their indices. Clipping weights and norms each to
+    ``factor`` × their medians still lets one member weigh ``factor²`` typical ones (the second review: a negated
+    delta at 3× the norm declaring 3× the weight passed both clips, held-out loss 264). The weight is what gets
+    scaled, not the values: the declared weight is the unverifiable part, and a weight left large would still
+    shrink everyone else's share of the mean."""
+    products = [float(w) * float(n) for w, n in zip(weights, sizes)]
+    bound, median = clip_bound(products, factor), lower_median(products)
+    out = [median / float(n) if v > bound else float(w) for w, n, v in zip(weights, sizes, products)]
+    return out, [i for i, v in enumerate(products) if v > bound]
 
 
 def clip_contributions(vectors: Sequence[torch.Tensor], factor: float) -> tuple[list[torch.Tensor], list[int]]:

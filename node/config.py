@@ -130,7 +130,8 @@ class RunConfig:
                                        "RDA norm) above F x the round's lower median to the lower median; 0 turns it "
                                        "off",
                              metavar="F")
-    # clip stays the default (docs/results/bench_robust_merge_pooled.json: what the robust rules cost and gain).
+    # trimmed is the default: with one or two members it is the weighted mean, from three on it bounds a member
+    # pointing anywhere (docs/security.md: what it costs an honest swarm and what it saves under attack).
     model_digest: str = opt("", help="digest of the model's parameter names, shapes and dtypes; set by the daemon "
                                      "that starts the run, checked by every joiner", hidden=True)
     tokenizer: str = opt("", help="how the run's data was tokenized: 'bytes', a prepared dataset's tokenizer sha256, "
@@ -139,7 +140,7 @@ class RunConfig:
     global_batch: int = opt(0, help="sequences per inner step of every island, over its ranks and micro-batches: an "
                                     "island accumulates global_batch / (batch_size x ranks) micro-batches; 0: each "
                                     "island trains batch_size x grad_accum x ranks", metavar="N")
-    robust_merge: str = opt("clip", help="how a reducer merges its shard's contributions, after the norm clip: 'clip' "
+    robust_merge: str = opt("trimmed", help="how a reducer merges its shard's contributions, after the norm clip: 'clip' "
                                          "the weighted mean; 'trimmed' a coordinate-wise trimmed mean (floor(M/4) "
                                          "values, at least 1 from 3 members on, dropped at each end); 'centered' "
                                          "centered clipping from the coordinate median. The last two also bound a "

@@ -49,7 +49,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
 from atoll.models.outer import merged_delta, weighted_norm
-from atoll.models.robust import MergeRule, clip_contributions, clip_scalars, lower_median, robust_merge
+from atoll.models.robust import MergeRule, clip_contributions, clip_influence, clip_scalars, lower_median, robust_merge
 
 from . import codecs
 from .cooldown import Cooldown
@@ -210,7 +210,10 @@ class _Reduction:
             values, cut = clip_contributions(values, self.clip_factor)
             weights, cut_w = clip_scalars(weights, self.clip_factor)
             norms, cut_n = clip_scalars(norms, self.clip_factor)
-            clipped = set(cut) | set(cut_w) | set(cut_n)
+            # And weight × size jointly: each of the two just below its bound would make a member factor² others.
+            sizes = norms if self.spec.mode == "rda" else [float(torch.linalg.vector_norm(v)) for v in values]
+            weights, cut_i = clip_influence(weights, sizes, self.clip_factor)
+            clipped = set(cut) | set(cut_w) | set(cut_n) | set(cut_i)
         # The merge itself (the run's robust_merge): the weighted mean, or a direction-robust rule that also bounds
         # a member at a typical norm pointing anywhere (coordinate-wise trimmed mean, centered clipping).
         merged = robust_merge(values, weights, self.spec.merge)  # one member: every rule returns its values

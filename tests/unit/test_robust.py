@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from atoll.models.outer import weighted_mean
-from atoll.models.robust import clip_bound, clip_contributions, clip_scalars, lower_median
+from atoll.models.robust import clip_bound, clip_contributions, clip_influence, clip_scalars, lower_median
 
 
 def naive_clip(vectors, factor):
@@ -90,3 +90,49 @@ def test_lower_median_and_scalars():
 def test_factors_below_one_are_refused(factor):
     with pytest.raises(ValueError):
         clip_bound([1.0], factor)
+
+
+def naive_clip_influence(weights, sizes, factor):
+    products = [w * n for w, n in zip(weights, sizes)]
+    positive = sorted(p for p in products if p > 0)
+    if factor == 0 or not positive:
+        return list(weights), []
+    median = positive[(len(positive) - 1) // 2]
+    out, cut = [], []
+    for i, (w, n, p) in enumerate(zip(weights, sizes, products)):
+        if p > factor * median:
+            out.append(median / n)
+            cut.append(i)
+        else:
+            out.append(w)
+    return out, cut
+
+
+def test_clip_influence_matches_naive_reference():
+    rng = random.Random(0)
+    for _ in range(500):
+        m = rng.randint(1, 7)
+        weights = [rng.choice([0.0, rng.uniform(0.1, 10.0)]) for _ in range(m)]
+        sizes = [rng.choice([0.0, rng.uniform(0.1, 10.0), rng.uniform(0.1, 10.0) * 1e3]) for _ in range(m)]
+        for factor in (0.0, 1.0, 4.0):
+            got, cut = clip_influence(weights, sizes, factor)
+            want, want_cut = naive_clip_influence(weights, sizes, factor)
+            assert cut == want_cut and got == pytest.approx(want, rel=1e-12)
+
+
+def test_weight_and_norm_each_just_inside_their_clips_weigh_one_member_jointly():
+    """The second review's attack: a negated delta at 3x the norm declaring 3x the token weight passes the norm
+    clip and the weight clip (each 4x the lower median), and weighed 9 honest members in the mean."""
+    honest = [torch.tensor([1.0, 0.5]), torch.tensor([0.9, 0.6]), torch.tensor([1.1, 0.4])]
+    attacker = -3.0 * torch.tensor([1.0, 0.5])
+    values, cut = clip_contributions(honest + [attacker], 4.0)
+    weights, cut_w = clip_scalars([1.0, 1.0, 1.0, 3.0], 4.0)
+    assert cut == [] and cut_w == []  # each alone lets it through
+    sizes = [float(torch.linalg.vector_norm(v)) for v in values]
+    weights, cut_i = clip_influence(weights, sizes, 4.0)
+    assert cut_i == [3]
+    influence = [w * n for w, n in zip(weights, sizes)]
+    assert influence[3] == pytest.approx(sorted(influence[:3])[1])  # the lower median of the four
+    before = weighted_mean(values, [1.0, 1.0, 1.0, 3.0])
+    after = weighted_mean(values, weights)
+    assert before[0] < 0 < after[0]  # the mean pointed against the honest members; now it points with them

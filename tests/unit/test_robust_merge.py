@@ -302,7 +302,7 @@ def test_byzantine_direction_sends_the_negated_delta_at_the_honest_norm():
 def test_config_validates_the_merge_rule():
     from atoll.node.config import ConfigError, RunConfig, load_config
 
-    assert RunConfig().robust_merge == "clip"
+    assert RunConfig().robust_merge == "trimmed"  # direction-robust by default (the hostile-internet issue)
     for rule in MERGE_RULES:
         cfg, explicit = load_config({"robust_merge": rule})
         assert cfg.run.robust_merge == rule and MergeRule(cfg.run.robust_merge).value == rule
