@@ -281,6 +281,37 @@ class HostileMember:
         self.reducer_hostile = False
         return counts
 
+    def squat(self, seconds: float) -> dict[str, int]:
+        """The second review's squatter: a registrant of every fragment's next round that re-registers every 0.2 s
+        with a time just before the earliest other registration (the earliest registrant coordinated), and never
+        decides."""
+        return self._run(self._squat(seconds), timeout=seconds + 60)
+
+    async def _squat(self, seconds: float) -> dict[str, int]:
+        registrations, end, published = 0, time.monotonic() + seconds, -1e9
+        lifetime = 4 * self.gather_timeout + 60
+        while time.monotonic() < end:
+            honest = await self._honest()
+            if honest:
+                top = max(honest, key=lambda r: r.version)
+                if time.monotonic() - published > 1.0:
+                    await self._publish(self._record_like(top))  # live, at the swarm's versions: a registrant
+                    published = time.monotonic()
+                now = get_dht_time()
+                for p in range(len(top.fragment_versions)):
+                    version, _, base = top.fragment(p)
+                    key = round_key(self.run_id, p, version, base)
+                    entry = await dht_io.get(self.dht, key)
+                    times = [v["time"] for v in unwrap_subkeys(entry).values()
+                             if isinstance(v, dict) and v.get("peer_id") != self.peer_id
+                             and isinstance(v.get("time"), float)]
+                    when = max(min(times, default=now) - 0.01, now - lifetime + 5)
+                    registrations += await dht_io.store(
+                        self.dht, key, {"peer_id": self.peer_id, "weight": 1.0, "time": float(when)}, now + lifetime,
+                        self.subkey)
+            await asyncio.sleep(0.2)
+        return {"registrations": registrations}
+
     def hostile_reducer(self, seconds: float) -> dict[str, int]:
         """Join every round as a member would, and answer as a reducer with impossible scalars."""
         return self._run(self._hostile_reducer(seconds), timeout=seconds + 60)
@@ -416,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                  "other live progress records are seen")
     parser.add_argument("attacks", nargs="+", help="junk_records, or NAME=SECONDS (fake_heavier, refuse, "
                                                    "forged_rounds, hostile_reducer, open_rounds, scrambled_heavier, decoy, "
-                                                   "copied_claim)")
+                                                   "copied_claim, squat)")
     args = parser.parse_args(argv)
     with HostileMember(args.run_id, args.initial_peers, args.token, args.model, args.algorithm, args.fragments,
                        args.sync_every, args.gather_timeout, args.namespace) as member:
