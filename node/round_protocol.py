@@ -24,7 +24,7 @@ from hivemind.utils import get_dht_time
 from atoll.models.robust import MergeRule
 from atoll.protocols import dht_io
 from atoll.protocols.averaging import HONEST, AllreduceResult, AveragingServicer, GroupSpec, Tamper, allreduce
-from atoll.protocols.matchmaking import POLL_INTERVAL, form_group, sibling_group
+from atoll.protocols.matchmaking import POLL_INTERVAL, SilentCoordinators, form_group, sibling_group
 from atoll.protocols.nudges import Nudges
 from atoll.protocols.records import Status, open_rounds_key, parse_open_round, unwrap_subkeys
 
@@ -111,6 +111,7 @@ class RoundProtocol:
         self.had_peers: Callable[[], bool] = lambda: False  # whether any peer was ever live (``Rejoin.seen``)
         self._deferred: dict[int, tuple[int, int]] = {}  # fragment -> (version, lone rounds deferred at it)
         self.nudges = Nudges()  # its ``send`` is set once the event loop has started
+        self.silent = SilentCoordinators()  # coordinators bypassed, rounds in a row (an offence after a few)
 
     def grace(self) -> float:
         """The adaptive grace window (seconds) a decoupled round may wait for more members after quorum: the
@@ -156,6 +157,7 @@ class RoundProtocol:
                 expects=lambda peer: peer not in forked,
                 excluded=lambda peer: ctx.cooldown.active(peer) or ctx.revoked(peer),
                 base=digest, not_before=ctx.started_at, on_groups=decided.append, nudges=self.nudges,
+                silent=self.silent,
             )
             formed = time.monotonic()
             if members is None:

@@ -4,24 +4,31 @@ A daemon ready for round (fragment, version) stores a signed registration ``{pee
 round's key. A registration counts if its owner is alive (it has a live progress record) and is not known to be
 past this version, so a stale registration left by a daemon that has since died or moved on is ignored.
 
-The earliest counted registrant (by time, then peer id) is the round's coordinator. It closes the group when
+The round's coordinator is the counted registrant whose hash of (round key, peer id) is the lowest: nothing a
+member sets steers it (the second review's squatter re-registered with a time that kept it the earliest registrant,
+and never decided: every fragment froze). It closes the group when
 every peer it expects has registered (the live peers at this version or one behind, i.e. about to arrive), or
 — with a minimum quorum K — once K members are in and the grace window since then has passed, or at its
 gather deadline; then it publishes the sorted member list under ``<round key>_group`` — several lists when more
 than the round-size cap registered (each group all-reduces apart, and then the groups' results are merged:
 ``sibling_group`` and ``RoundProtocol._merge_siblings``). Everyone else waits for a group
 record and uses it verbatim, so all members run the all-reduce with the same list. A daemon left
-out of the group (it registered too late) gets an empty list and catches up by download; a coordinator that has
-not published well after its deadline (it died, or it forged an early time) is bypassed and the next registrant
-takes over; once every registrant's deadline is past, the round is skipped and retried at the next sync point.
-Registration times are bounded by the reader's clock: older than a registration's lifetime in the DHT, or more
-than ``MAX_CLOCK_SKEW`` ahead, is rejected as forged. Decisions
+out of the group (it registered too late) gets an empty list and catches up by download. Every deadline is
+counted from the reader's own registration: the coordinator's gather deadline, then turns of ``turn_seconds``
+after which a coordinator that has not published (it died, froze, or never decides on purpose) is bypassed and
+the next in hash order takes over, at most ``MAX_TURNS`` of them; then the round is skipped and retried at the next
+sync point (``form_group`` always ends). A coordinator bypassed ``SILENT_OFFENCES`` rounds in a row is an
+offender (``SilentCoordinators``). Registration times are bounded by the reader's clock: older than a
+registration's lifetime in the DHT, or more than ``MAX_CLOCK_SKEW`` ahead, is rejected as forged; a registrant's
+time is the one the reader first saw (a later one is counted and ignored), and it only orders the dealing of
+registrants into groups. Decisions
 older than a few gather timeouts are ignored, so a round that was abandoned cannot shut anyone out for good.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -41,6 +48,8 @@ POLL_INTERVAL = 0.2  # seconds between a registrant's reads of the round's decis
 # registrations)
 REGISTRATIONS_REREAD = 1.0  # seconds between a registrant's reads of the registrations while it waits for a decision
 NUDGED_POLL = 1.0  # seconds between reads when registrations and decisions are told (``nudges``): the fallback
+MAX_TURNS = 3  # coordinators tried in one round before it is skipped
+SILENT_OFFENCES = 3  # rounds in a row a peer was bypassed as the coordinator before it is an offender
 
 
 def group_key(run_id: str, fragment: int, version: int, base: str = "") -> str:
@@ -73,7 +82,63 @@ def sibling_group(groups: list[list[str]], peer_id: str) -> list[str] | None:
     return [members[position] for members in groups]
 
 
-async def form_group(
+async def form_group(dht: DHT, *, silent: SilentCoordinators | None = None, **kwargs: Any) -> list[str] | None:
+    """Register for the round and return its sorted member list (``_form_group``'s arguments). ``silent``:
+    remembers, across rounds, the coordinators this daemon bypassed (``SilentCoordinators``)."""
+    watch = _Watch()
+    try:
+        return await _form_group(dht, watch=watch, **kwargs)
+    finally:
+        if silent is not None:
+            watch.passed.discard(kwargs["peer_id"])
+            silent.observe(watch, kwargs.get("on_reject", lambda kind, source=None: None))
+
+
+class _Watch:
+    """What one daemon saw of a round's coordinators: whose turn passed, who decided."""
+
+    def __init__(self) -> None:
+        self.passed: set[str] = set()
+        self.decided: set[str] = set()
+
+
+class SilentCoordinators:
+    """Peers this daemon bypassed as a round's coordinator (their turn passed with no decision from them), rounds
+    in a row; ``SILENT_OFFENCES`` in a row make an offence (``on_reject("silent_coordinator", peer)``). A decision
+    read from a peer starts its count over. An honest coordinator that froze is bypassed too, rarely three rounds
+    in a row; cooling it down costs nothing the bypass did not."""
+
+    MAX_TRACKED = 1024
+
+    def __init__(self) -> None:
+        self.missed: dict[str, int] = {}
+
+    def observe(self, watch: _Watch, on_reject: Callable[..., None]) -> None:
+        for peer in watch.decided:
+            self.missed.pop(peer, None)
+        for peer in sorted(watch.passed - watch.decided):
+            on_reject("silent_coordinator", None)
+            count = self.missed.get(peer, 0) + 1
+            if count >= SILENT_OFFENCES:
+                self.missed.pop(peer, None)
+                on_reject("silent_coordinator_offence", peer)
+                continue
+            if len(self.missed) >= self.MAX_TRACKED and peer not in self.missed:
+                self.missed.clear()
+            self.missed[peer] = count
+
+
+def coordinator_rank(key: str, peer_id: str) -> bytes:
+    """A registrant's place in a round's order of coordinators: a hash of the round's key and its peer id."""
+    return hashlib.sha256(f"{key}|{peer_id}".encode()).digest()
+
+
+def turn_seconds(gather_timeout: float) -> float:
+    """How long a coordinator has, past the gather deadline (or past its predecessor's turn), to publish."""
+    return gather_timeout / 2 + 2
+
+
+async def _form_group(
     dht: DHT,
     *,
     run_id: str,
@@ -97,6 +162,7 @@ async def form_group(
     look_up: Callable[[set[str]], Awaitable[Any]] | None = None,
     expects: Callable[[str], bool] = lambda peer: True,
     nudges: Nudges | None = None,
+    watch: _Watch | None = None,
 ) -> list[str] | None:
     """Register for the round and return its sorted member list.
 
@@ -139,6 +205,8 @@ async def form_group(
         logger.warning("round v%d: could not store registration in the DHT", version)
     quorum_since: float | None = None
     entry, read_at, coordinating, told = None, -float("inf"), True, nudges is None
+    watch = watch if watch is not None else _Watch()
+    first_seen: dict[str, float] = {}  # registrant -> its registration's time as we first read it
     listening = nudges or Nudges()  # without nudges nothing wakes these listeners: the loop sleeps instead
     with listening.listen([key]) as registrations, listening.listen([gkey]) as decisions:
         while True:
@@ -179,18 +247,21 @@ async def form_group(
                     # -1e12 made its writer every round's coordinator with a deadline long past: nobody merged).
                     on_reject("round_record_time", source)
                 elif rec["peer_id"] in peers and peers[rec["peer_id"]] <= version and source != subkey:
-                    registered[rec["peer_id"]] = rec["time"]
+                    first = first_seen.setdefault(rec["peer_id"], rec["time"])
+                    if rec["time"] != first:  # re-registered: its first time stands (it cannot move a deadline)
+                        on_reject("round_record_changed", None)
+                        first_seen[rec["peer_id"]] = rec["time"] = first
+                    registered[rec["peer_id"]] = first
                     signers[source] = rec["peer_id"]
-            deciders = Deciders(registered, signers, peer_id, now, gather_timeout, max_group)
+            deciders = Deciders(registered, signers, peer_id, now, gather_timeout, max_group, watch.decided)
             groups = _first_decision(group_entry, gather_timeout, on_reject, excluded, not_before, deciders)
             if groups is not None:
                 on_groups(groups)
                 return next((members for members in groups if peer_id in members), [])
-            coordinator = _coordinator(registered, t, gather_timeout)
+            coordinator, deadline = _coordinator(registered, key, t, now, gather_timeout, watch.passed)
             if coordinator is None:
                 logger.warning("round v%d: no group was decided in time", version)
                 return []
-            deadline = registered[coordinator] + gather_timeout
             coordinating = coordinator == peer_id
             if coordinating:
                 expected = {p for p, v in peers.items() if version - 1 <= v <= version and expects(p)}
@@ -220,14 +291,21 @@ async def form_group(
                 await decisions.wait(NUDGED_POLL, poll_interval)
 
 
-def _coordinator(registered: dict[str, float], now: float, gather_timeout: float) -> str | None:
-    """The round's coordinator: the earliest registrant (by time, then peer id) whose gather deadline is not long
-    past. One that has not decided by then (it died, or it lied about its time) is bypassed, and the next takes
-    over; None once every registrant's deadline is past (this daemon's own included: the round is skipped)."""
-    for p in sorted(registered, key=lambda p: (registered[p], p)):
-        if now <= registered[p] + gather_timeout + gather_timeout / 2 + 2:
-            return p
-    return None
+def _coordinator(registered: dict[str, float], key: str, now: float, start: float, gather_timeout: float,
+                 passed: set[str] | None = None) -> tuple[str | None, float]:
+    """The round's coordinator at ``now`` and its deadline to close the group, as a daemon that registered at
+    ``start`` sees it: registrants in hash order (``coordinator_rank``), the first until ``start`` + the gather
+    timeout + a turn (``turn_seconds``), each next one a turn more (its deadline already past: it closes at once),
+    at most ``MAX_TURNS``; (None, deadline) once they all had theirs: the round is skipped. The peers whose turn
+    ended are added to ``passed``."""
+    turn = turn_seconds(gather_timeout)
+    order = sorted(registered, key=lambda p: coordinator_rank(key, p))[:MAX_TURNS]
+    for i, p in enumerate(order):
+        if now <= start + gather_timeout + (i + 1) * turn:
+            return p, start + gather_timeout + i * turn
+        if passed is not None:
+            passed.add(p)
+    return None, start + gather_timeout
 
 
 class Deciders:
@@ -240,9 +318,10 @@ class Deciders:
     its writer is an offender only for what no honest coordinator writes (``HONEST_NEVER``)."""
 
     def __init__(self, registered: dict[str, float], signers: dict[bytes, str], peer_id: str, since: float,
-                 gather_timeout: float, max_group: int = MAX_GROUP) -> None:
+                 gather_timeout: float, max_group: int = MAX_GROUP, decided: set[str] | None = None) -> None:
         self.registered, self.signers, self.peer_id, self.since = registered, signers, peer_id, since
         self.gather_timeout, self.max_group = gather_timeout, max_group
+        self.decided = decided if decided is not None else set()  # writers of the decisions that counted
 
     def problem(self, source: bytes, groups: list[list[str]], decided_at: float) -> str | None:
         """Why the decision signed by ``source`` does not count; None if it does."""
@@ -259,7 +338,8 @@ class Deciders:
         registered_at = self.registered[writer]
         # A coordinator decides by its gather deadline, or (taking over from one that did not) by the end of its
         # turn in ``_coordinator``; the rest is slack for slow reads.
-        if not registered_at - MAX_CLOCK_SKEW <= decided_at <= registered_at + 2.5 * self.gather_timeout + 5:
+        latest = registered_at + self.gather_timeout + MAX_TURNS * turn_seconds(self.gather_timeout) + 5
+        if not registered_at - MAX_CLOCK_SKEW <= decided_at <= latest:
             return "group_record_time"
         if (decided_at > self.since + OMISSION_GRACE
                 and not any(self.peer_id in members for members in groups)):
@@ -290,6 +370,8 @@ def _first_decision(group_entry: Any, gather_timeout: float, on_reject: Callable
             problem = deciders.problem(source, groups, value["time"]) if deciders is not None else None
             if problem is None:
                 decisions.append((value["time"], groups))
+                if deciders is not None and source in deciders.signers:
+                    deciders.decided.add(deciders.signers[source])
             elif problem != "group_record_signer":  # a registration we do not see yet is no offence
                 # A late decision or one that missed us is counted, not held against its writer: an honest
                 # coordinator that was frozen, or read the registrations slowly, writes one too.

@@ -128,7 +128,7 @@ def test_a_restarted_daemon_does_not_follow_the_decision_its_previous_life_was_i
     assert shared[gkey][b"c"]["groups"] == [["a", "c"]]
 
 
-def _form(shared, peer, monkeypatch, start, live_versions, gather_timeout=5.0):
+def _form(shared, peer, monkeypatch, start, live_versions, gather_timeout=5.0, dht=None):
     from atoll.protocols.matchmaking import form_group
 
     clock = iter(range(start, start + 1000))  # DHT time: one second per reading
@@ -139,7 +139,7 @@ def _form(shared, peer, monkeypatch, start, live_versions, gather_timeout=5.0):
         return live_versions
 
     members = asyncio.run(asyncio.wait_for(form_group(
-        FakeDHT(shared), run_id="run", fragment=0, version=13, peer_id=peer, subkey=peer.encode(), weight=1.0,
+        (dht or FakeDHT)(shared), run_id="run", fragment=0, version=13, peer_id=peer, subkey=peer.encode(), weight=1.0,
         live_peers=live, gather_timeout=gather_timeout, abort=lambda: False, base="D", poll_interval=0.0,
         on_reject=lambda kind, src: rejected.append((kind, src))), timeout=30))
     return members, rejected
@@ -173,13 +173,99 @@ def test_a_coordinator_that_never_decides_is_bypassed(monkeypatch):
     assert shared[gkey] == {b"a": {"groups": [["a", "b", "mute"]], "time": shared[gkey][b"a"]["time"]}}
 
 
-def test_the_coordinator_rule_takes_the_earliest_registrant_whose_deadline_is_not_long_past():
-    from atoll.protocols.matchmaking import _coordinator
+def test_the_coordinator_is_the_first_registrant_in_hash_order_for_a_turn_each_counted_from_our_registration():
+    """The second review's squatter re-registered with a time that kept it the earliest registrant, and never
+    decided: every fragment froze. The order of coordinators is a hash of the round key and the peer id, and
+    every deadline is counted from the reader's own registration (``start``), so no registration time steers it."""
+    from atoll.protocols.matchmaking import MAX_TURNS, _coordinator, coordinator_rank, turn_seconds
 
-    registered = {"old": 90.0, "b": 98.0, "a": 98.0, "c": 99.0}
-    assert _coordinator(registered, now=100.0, gather_timeout=10.0) == "old"  # 90 + 10 + 5 + 2 = 107
-    assert _coordinator(registered, now=108.0, gather_timeout=10.0) == "a"  # old bypassed; ties by peer id
-    assert _coordinator(registered, now=200.0, gather_timeout=10.0) is None
+    key = "run_f0_v13"
+    registered = {"old": -1e6, "b": 98.0, "a": 98.0, "c": 99.0, "d": 1e6}
+    order = sorted(registered, key=lambda p: coordinator_rank(key, p))
+    assert order != sorted(registered, key=lambda p: (registered[p], p))  # not by time
+    start, gather, turn = 100.0, 10.0, turn_seconds(10.0)
+    passed = set()
+    assert _coordinator(registered, key, 100.0, start, gather, passed) == (order[0], start + gather)
+    assert _coordinator(registered, key, start + gather + turn, start, gather, passed)[0] == order[0]
+    assert passed == set()
+    assert _coordinator(registered, key, start + gather + turn + 0.1, start, gather, passed) == (
+        order[1], start + gather + turn)
+    assert passed == {order[0]}
+    assert _coordinator(registered, key, start + gather + MAX_TURNS * turn + 0.1, start, gather, passed)[0] is None
+    assert passed == set(order[:MAX_TURNS])  # at most MAX_TURNS tried: the round always ends
+    # Whatever the times, the same order.
+    assert _coordinator({p: 0.0 for p in registered}, key, 100.0, start, gather)[0] == order[0]
+
+
+def test_a_registrant_that_re_registers_with_another_time_keeps_its_first(monkeypatch):
+    """A registrant's later registration under another time is counted and ignored: the time it was first read
+    with stands (it cannot move a deadline or its place in the dealing of groups)."""
+    from atoll.protocols.matchmaking import coordinator_rank, round_key
+
+    key = round_key("run", 0, 13, "D")
+    shared = {key: {b"x": {"peer_id": "x", "weight": 1.0, "time": 4999.0}}}
+
+    class Moving(FakeDHT):
+        async def get(self, k, latest, return_future):
+            if k == key:
+                shared[key][b"x"] = {"peer_id": "x", "weight": 1.0, "time": float(4990 + len(seen))}
+                seen.append(1)
+            return await super().get(k, latest, return_future)
+
+    seen = []
+    # a coordinates (first in hash order of a and x) and waits for z, which never registers: it reads the
+    # registrations at every poll until its deadline.
+    assert coordinator_rank(key, "a") < coordinator_rank(key, "x")
+    members, rejected = _form(shared, "a", monkeypatch, 5000, {"x": 13, "z": 13}, dht=Moving)
+    assert members == ["a", "x"] and len(seen) >= 2
+    assert ("round_record_changed", None) in rejected
+
+
+def test_a_round_ends_after_max_turns_whatever_its_registrants_do(monkeypatch):
+    """Registrants that never decide, however many, and however they re-register: the round is skipped after
+    ``MAX_TURNS`` coordinators had their turn, counted from our own registration."""
+    from atoll.protocols.matchmaking import MAX_TURNS, coordinator_rank, round_key, turn_seconds
+
+    key = round_key("run", 0, 13, "D")
+    mutes = [f"m{i}" for i in range(40)]
+    ahead = [p for p in mutes if coordinator_rank(key, p) < coordinator_rank(key, "a")][:MAX_TURNS + 2]
+    assert len(ahead) == MAX_TURNS + 2
+    shared = {key: {p.encode(): {"peer_id": p, "weight": 1.0, "time": 5000.0} for p in ahead}}
+    times = []
+
+    class Timed(FakeDHT):
+        async def get(self, k, latest, return_future):
+            times.append(1)
+            return await super().get(k, latest, return_future)
+
+    members, rejected = _form(shared, "a", monkeypatch, 5000, {p: 13 for p in ahead}, dht=Timed)
+    assert members == []  # nobody decided: skipped, not waited on forever
+    # One second of DHT time a reading: it ended within the turns (plus a reading or two of slack).
+    assert len(times) <= 5.0 + MAX_TURNS * turn_seconds(5.0) + 4
+
+
+def test_a_coordinator_bypassed_rounds_in_a_row_is_an_offender():
+    from atoll.protocols.matchmaking import SILENT_OFFENCES, SilentCoordinators, _Watch
+
+    silent, rejected = SilentCoordinators(), []
+
+    def round_where(passed=(), decided=()):
+        watch = _Watch()
+        watch.passed, watch.decided = set(passed), set(decided)
+        silent.observe(watch, lambda kind, source=None: rejected.append((kind, source)))
+
+    for _ in range(SILENT_OFFENCES - 1):
+        round_where(passed=["mute"])
+    round_where(decided=["mute"])  # it decided one: the count starts over
+    for _ in range(SILENT_OFFENCES - 1):
+        round_where(passed=["mute"])
+    assert ("silent_coordinator_offence", "mute") not in rejected
+    round_where(passed=["mute"])
+    assert rejected.count(("silent_coordinator_offence", "mute")) == 1
+    assert rejected.count(("silent_coordinator", None)) == 2 * (SILENT_OFFENCES - 1) + 1
+    # A coordinator bypassed whose decision we read after all is no silent one.
+    round_where(passed=["late"], decided=["late"])
+    assert "late" not in silent.missed
 
 
 def test_a_decision_by_a_key_that_did_not_register_is_ignored(monkeypatch):
@@ -217,7 +303,7 @@ def test_a_registrant_cannot_impose_a_forged_decision(monkeypatch, groups, time,
 
 
 def test_a_registrant_waiting_for_the_decision_reads_the_registrations_rarely_and_when_it_lands(monkeypatch):
-    """The registrations (one per registrant) are the round's biggest record: b, not the coordinator, polls the
+    """The registrations (one per registrant) are the round's biggest record: a, not the coordinator, polls the
     decision and reads them only every ``REGISTRATIONS_REREAD`` seconds and once the decision appears (to check
     it). Loop time is stepped by each poll's sleep, not slept."""
     from atoll.protocols import matchmaking
@@ -225,7 +311,7 @@ def test_a_registrant_waiting_for_the_decision_reads_the_registrations_rarely_an
 
     key, gkey = round_key("run", 0, 13, "D"), group_key("run", 0, 13, "D")
     monkeypatch.setattr(matchmaking, "get_dht_time", lambda: 1001.0)
-    shared = {key: {b"a": {"peer_id": "a", "weight": 1.0, "time": 1000.0}}}  # a registered first: it coordinates
+    shared = {key: {b"b": {"peer_id": "b", "weight": 1.0, "time": 1000.0}}}  # first in hash order: it coordinates
     reads = {key: 0, gkey: 0}
     polls = int(3 * REGISTRATIONS_REREAD / 0.2)
 
@@ -233,7 +319,7 @@ def test_a_registrant_waiting_for_the_decision_reads_the_registrations_rarely_an
         async def get(self, k, latest, return_future):
             reads[k] += 1
             if k == gkey and reads[gkey] == polls:  # a decides after ``polls`` polls
-                shared[gkey] = {b"a": {"groups": [["a", "b"]], "time": 1000.9}}
+                shared[gkey] = {b"b": {"groups": [["a", "b"]], "time": 1000.9}}
             return await super().get(k, latest, return_future)
 
     loop = asyncio.new_event_loop()
@@ -244,12 +330,12 @@ def test_a_registrant_waiting_for_the_decision_reads_the_registrations_rarely_an
         now[0] += seconds
 
     async def live():
-        return {"a": 13}
+        return {"b": 13}
 
     monkeypatch.setattr(matchmaking.asyncio, "sleep", sleep)
     try:
         members = loop.run_until_complete(form_group(
-            Counting(shared), run_id="run", fragment=0, version=13, peer_id="b", subkey=b"b", weight=1.0,
+            Counting(shared), run_id="run", fragment=0, version=13, peer_id="a", subkey=b"a", weight=1.0,
             live_peers=live, gather_timeout=30.0, abort=lambda: False, base="D"))
     finally:
         loop.close()

@@ -101,11 +101,11 @@ class CountingDHT:
 
 
 def test_a_round_forms_from_nudges_with_a_few_reads_instead_of_a_poll(monkeypatch):
-    """a registers first and coordinates, expecting b; b registers later. The fallback poll is set to a minute:
-    the round can only form in time because b's registration is told to a and a's decision is told to b. Each
-    reads the round's keys a few times, not five times a second."""
+    """a registers first and coordinates (first in hash order at v14), expecting b; b registers later. The fallback
+    poll is set to a minute: the round can only form in time because b's registration is told to a and a's
+    decision is told to b. Each reads the round's keys a few times, not five times a second."""
     monkeypatch.setattr(matchmaking, "NUDGED_POLL", 60.0)
-    key, gkey = round_key("run", 0, 13, "D"), group_key("run", 0, 13, "D")
+    key, gkey = round_key("run", 0, 14, "D"), group_key("run", 0, 14, "D")
     records, reads = {}, {"a": {}, "b": {}}
     nudges = {"a": Nudges(), "b": Nudges()}
     told = []
@@ -120,16 +120,16 @@ def test_a_round_forms_from_nudges_with_a_few_reads_instead_of_a_poll(monkeypatc
         async def live_peers():
             return live
 
-        return form_group(CountingDHT(records, reads[me]), run_id="run", fragment=0, version=13, peer_id=me,
+        return form_group(CountingDHT(records, reads[me]), run_id="run", fragment=0, version=14, peer_id=me,
                           subkey=me.encode(), weight=1.0, live_peers=live_peers, gather_timeout=30.0,
                           abort=lambda: False, base="D", nudges=nudges[me])
 
     async def main():
-        a = asyncio.create_task(form("a", {"b": 13}))
+        a = asyncio.create_task(form("a", {"b": 14}))
         while reads["a"].get(gkey, 0) < 1:  # a registered and read the round once: now it waits
             await asyncio.sleep(0.01)
         started = time.monotonic()
-        b = await asyncio.wait_for(form("b", {"a": 13}), 20.0)
+        b = await asyncio.wait_for(form("b", {"a": 14}), 20.0)
         return await asyncio.wait_for(a, 20.0), b, time.monotonic() - started
 
     members_a, members_b, took = asyncio.run(main())
@@ -143,7 +143,7 @@ def test_a_round_forms_from_nudges_with_a_few_reads_instead_of_a_poll(monkeypatc
 def test_without_nudges_the_round_still_forms_by_polling(monkeypatch):
     """A peer whose nudges never arrive (an old daemon, a lost message): the fallback poll forms the round."""
     monkeypatch.setattr(matchmaking, "NUDGED_POLL", 0.05)
-    key = round_key("run", 0, 13, "D")
+    key = round_key("run", 0, 14, "D")
     records, reads = {}, {}
 
     class Late(CountingDHT):
@@ -153,11 +153,11 @@ def test_without_nudges_the_round_still_forms_by_polling(monkeypatch):
             return await super().get(k, latest, return_future)
 
     async def live_peers():
-        return {"b": 13}
+        return {"b": 14}
 
     async def main():
         return await asyncio.wait_for(form_group(
-            Late(records, reads), run_id="run", fragment=0, version=13, peer_id="a", subkey=b"a", weight=1.0,
+            Late(records, reads), run_id="run", fragment=0, version=14, peer_id="a", subkey=b"a", weight=1.0,
             live_peers=live_peers, gather_timeout=30.0, abort=lambda: False, base="D", nudges=Nudges()), 20.0)
 
     # a, the coordinator, waits for b: it finds b's registration at a fallback read, not told of it.
