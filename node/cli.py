@@ -107,6 +107,13 @@ def _status_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--watch", nargs="?", type=float, const=5.0, default=None, metavar="SECONDS",
                    help="read the run again every SECONDS (default 5) and show it in place, with the run's rates, "
                         "until Ctrl-C; with --json, one JSON document a line")
+    _verify_args(p)
+
+
+def _verify_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--join-token", default=None, metavar="PATH",
+                   help="a private run's join token: read only records whose certificates its run key signed")
+    p.add_argument("--run-key", default=None, metavar="PATH", help="the run key: the same check, for its holder")
 
 
 def _dashboard_parser(sub: argparse._SubParsersAction) -> None:
@@ -123,6 +130,7 @@ def _dashboard_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--history", type=int, default=HISTORY_POINTS, metavar="POINTS",
                    help=f"points kept per curve (and its newest); past it, every second one is dropped and only "
                         f"every second new one kept (default {HISTORY_POINTS})")
+    _verify_args(p)
 
 
 def _token_parser(sub: argparse._SubParsersAction) -> None:
@@ -337,10 +345,11 @@ def main(argv: list[str] | None = None) -> int:
             from .dashboard import run_dashboard
 
             return run_dashboard(list(args.initial_peers), args.run_id, args.host, args.port, args.interval,
-                                 args.history)
+                                 args.history, args.join_token, args.run_key)
         from .status import run_status
 
-        return run_status(list(args.initial_peers), args.run_id, args.json, args.peers, args.watch)
+        return run_status(list(args.initial_peers), args.run_id, args.json, args.peers, args.watch, args.join_token,
+                          args.run_key)
     except ConfigError as e:
         print(f"atoll: error: {e}", file=sys.stderr)
         return 2

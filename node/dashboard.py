@@ -125,14 +125,12 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 
 def run_dashboard(initial_peers: list[str], run_id: str, host: str, port: int, interval: float = POLL_EVERY,
-                  points: int = HISTORY_POINTS) -> int:
+                  points: int = HISTORY_POINTS, join_token: str | None = None, run_key: str | None = None) -> int:
     """``atoll dashboard``: serve the page on ``host:port`` and read the run every ``interval`` seconds through one
     DHT client, until Ctrl-C (exit 0)."""
-    from atoll.protocols.records import make_validators
-
     from .config import NodeConfig
     from .join import start_dht
-    from .status import collect_status
+    from .status import collect_status, reader_validators
 
     if not interval > 0:
         raise ConfigError(f"interval: must be positive, got {interval}")
@@ -143,14 +141,15 @@ def run_dashboard(initial_peers: list[str], run_id: str, host: str, port: int, i
     logging.getLogger("hivemind").setLevel(logging.ERROR)
     cfg = NodeConfig(run_id=run_id, initial_peers=tuple(initial_peers), host_maddrs=("/ip4/127.0.0.1/tcp/0",))
     cfg.validate()
+    validators, verified = reader_validators(run_id, join_token, run_key)  # a bad token: exit 2 before serving
     history = History(points)
     server = serve(host, port, history, interval)  # before the DHT: a taken port fails at once
     signal.signal(signal.SIGTERM, _interrupt)  # a service manager's stop ends it as Ctrl-C does: DHT children too
     dht = None
     try:
-        dht = start_dht(cfg, list(make_validators(run_id)), client_mode=True)
+        dht = start_dht(cfg, validators, client_mode=True)
         print(f"dashboard of run {run_id!r} at http://{host}:{server.server_port}/ (Ctrl-C ends it)", flush=True)
-        poll(lambda: collect_status(dht, run_id), history, interval, threading.Event())
+        poll(lambda: collect_status(dht, run_id, verified=verified), history, interval, threading.Event())
     except KeyboardInterrupt:  # while joining, too: a dead bootstrap peer must not make Ctrl-C a traceback
         pass
     finally:

@@ -214,8 +214,12 @@ function render(s) {
                             ["forks_healed", "forks healed", COLORS[4], null, "5,3"]], false);
   document.getElementById("foot").textContent =
     s.polls + " reads since " + (s.first_poll ? clock(s.first_poll) : "-") + ". The curves hold what this dashboard " +
-    "read since it started; run totals count every island it has seen, at its newest figures. It reads what any " +
-    "reader of the run's DHT may read, and holds no join token.";
+    "read since it started; run totals count every island it has seen, at its newest figures. " +
+    (s.verified ? "It shows only records whose certificates the run key signed (--join-token or --run-key)."
+                : "Unverified: it shows any signed record of the run's DHT (--join-token or --run-key checks " +
+                  "certificates).") +
+    (s.summary && s.summary.implausible ? " " + s.summary.implausible + " record(s) with impossible figures " +
+                                          "left out." : "");
   document.body.dataset.polls = s.polls;
 }
 

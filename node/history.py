@@ -169,7 +169,8 @@ class History:
             return json_safe({
                 "run_id": doc.get("run_id"), "time": doc.get("time"), "now": now, "polls": self.polls,
                 "first_poll": self.first_poll, "error": self.error, "config": doc.get("config"),
-                "totals": doc.get("totals"), "summary": doc.get("summary"), "islands": islands, "seen": seen,
+                "totals": doc.get("totals"), "summary": doc.get("summary"), "verified": doc.get("verified", False),
+                "islands": islands, "seen": seen,
                 "loss": [{"peer_id": pid, "t": [p[0] for p in pts], "step": [p[1] for p in pts],
                           "raw": [p[2] for p in pts], "smooth": smoothed([p[2] for p in pts], SMOOTHING)}
                          for pid, pts in loss.items()],

@@ -207,3 +207,58 @@ def test_the_watched_table_shows_the_rates_under_the_totals(monkeypatch, capsys)
     out = capsys.readouterr().out
     assert "since the last read: 1,234 tokens/s, 2.5 versions/min, 3.00 MB/s sent" in out
     assert all(r.peer_id[-8:] in out for r in _records(3, seed=1))
+
+
+def test_strangers_strings_are_shown_as_plain_text_and_impossible_figures_left_out(monkeypatch, capsys):
+    """The second review: a ``device`` of ``[/]`` made ``atoll status`` exit 1 (rich markup); terminal escapes and
+    1.7e308 figures went into the table. Strings from the network are plain text without control characters, and
+    a record or summary with figures no honest daemon writes is left out (and counted)."""
+    from rich.console import Console
+
+    stub = _run(monkeypatch, 3, [_summary("a", peers=3), _summary("huge", peers=3, tokens=10**300)])
+    shared = stub.held[progress_key("run", ALL_SHARDS)]
+    first, second = stub.records[0], stub.records[1]
+    shared[first.peer_id.encode()] = dict(first.dict(), device="[/]\x1b[2J\x1b]0;owned\x07\u202egpu")
+    shared[second.peer_id.encode()] = dict(second.dict(), tokens_per_s=1.7e308)
+    doc = collect_status(None, "run")
+    assert second.peer_id not in [p["peer_id"] for p in doc["peers"]]
+    assert doc["summary"]["implausible"] == 2 and doc["summary"]["summarizers"] == ["a"]
+    assert doc["verified"] is False
+    Console(width=300).print(status_module.status_view(doc))
+    out = capsys.readouterr().out
+    assert "[/]" in out and "\x1b" not in out and "\u202e" not in out and "\x07" not in out
+    assert "unverified" in out and "1 record(s)" not in out and "2 record(s) with impossible figures" in out
+    assert status_module.plain("x" * 100).endswith("…") and len(status_module.plain("x" * 100)) == 64
+
+
+def test_plausible_matches_the_bounds():
+    from atoll.node.status import MAX_FIGURE, MAX_LOSS, plausible
+
+    rec = _records(1, seed=3)[0].dict()
+    assert plausible(rec)
+    for key, value in (("tokens", int(MAX_FIGURE) + 1), ("held_out_loss", MAX_LOSS * 2),
+                       ("fragment_weights", [1.0, MAX_FIGURE * 10]), ("rejected_by_kind", {"x": 10**19})):
+        assert not plausible(dict(rec, **{key: value})), key
+    assert plausible(dict(rec, held_out_loss=None, device="[/]"))
+
+
+def test_a_reader_given_a_token_or_the_run_key_verifies_certificates(tmp_path):
+    from atoll.node.config import ConfigError
+    from atoll.node.status import reader_validators
+    from atoll.protocols.auth import RunKey
+    from atoll.protocols.auth import MembershipValidator
+
+    key, _ = RunKey.load_or_create(tmp_path / "run.key")
+    key.issue_token("run").save(tmp_path / "member.token")
+    validators, verified = reader_validators("run")
+    assert not verified
+    for kwargs in ({"join_token": str(tmp_path / "member.token")}, {"run_key": str(tmp_path / "run.key")}):
+        validators, verified = reader_validators("run", **kwargs)
+        membership = next(v for v in validators if isinstance(v, MembershipValidator))
+        assert verified and membership.run_public_key == key.public_bytes
+    with pytest.raises(ConfigError, match="not both"):
+        reader_validators("run", str(tmp_path / "member.token"), str(tmp_path / "run.key"))
+    with pytest.raises(ConfigError, match="^join_token: "):
+        reader_validators("run", join_token=str(tmp_path / "missing.token"))
+    with pytest.raises(ConfigError, match="for run 'run', not 'other'"):
+        reader_validators("other", join_token=str(tmp_path / "member.token"))
