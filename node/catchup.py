@@ -41,7 +41,15 @@ from collections import Counter
 import torch
 
 from atoll.protocols.records import ProgressRecord, Status, heavier
-from atoll.protocols.state_sync import MAX_ANCESTORS, DonorRefused, Replay, ReplicaState, download_state, p2p_opener
+from atoll.protocols.state_sync import (
+    MAX_ANCESTORS,
+    MAX_TRANSFERS_PER_PEER,
+    DonorRefused,
+    Replay,
+    ReplicaState,
+    download_state,
+    p2p_opener,
+)
 
 from .context import SyncContext
 from .peers import PeerTable
@@ -68,10 +76,21 @@ class CatchUp:
         self._clock = time.monotonic
         self._lonely_at: dict[int, float] = {}  # fragment -> when we last took a claim nobody vouched for
         self._candidates: dict[int, ReplicaState] = {}  # fragment -> a claim nobody vouched for, for the learner
+        self._slots: dict[str, asyncio.Semaphore] = {}  # donor -> our transfers from it in flight (at most 2)
 
     def start(self) -> None:
         """On the event loop, once the P2P is up."""
         self._open_stream = p2p_opener(self.ctx.p2p, self.ctx.cfg.run_id)
+
+    def _slot(self, donor: str) -> asyncio.Semaphore:
+        """The semaphore our downloads from ``donor`` share: a donor serves a peer ``MAX_TRANSFERS_PER_PEER`` at once
+        (a joiner downloads every fragment at once, perhaps all from one donor)."""
+        slot = self._slots.get(donor)
+        if slot is None:
+            if len(self._slots) >= MAX_TRACKED_DONORS:
+                self._slots = {d: s for d, s in self._slots.items() if s.locked()}
+            slot = self._slots[donor] = asyncio.Semaphore(MAX_TRANSFERS_PER_PEER)
+        return slot
 
     def heavier_peers(self, p: int) -> list[ProgressRecord]:
         """The live peers holding a vouched-for replica of fragment ``p`` heavier than ours; or, when no live peer
@@ -305,7 +324,7 @@ class CatchUp:
         with track(f"fragment {p}: downloading the replica", 8 * replica.numel(p)) as bar:
             state = await download_state(self._open_stream, order, p, replica.numel(p), timeout, ctx.stats,
                                          have=replica.identity(p)[2], on_failure=refused, progress=bar.update,
-                                         claims=claims)
+                                         claims=claims, slots=self._slot)
             bar.close(ok=state is not None)
         if isinstance(state, Replay):
             replayed = await asyncio.get_running_loop().run_in_executor(None, replica.replay, state, ctx.outer)
@@ -316,7 +335,8 @@ class CatchUp:
                 self._unbacked(state.donor, claims.get(state.donor))
             with track(f"fragment {p}: downloading the replica", 8 * replica.numel(p)) as bar:
                 state = await download_state(self._open_stream, order, p, replica.numel(p), timeout, ctx.stats,
-                                             on_failure=refused, progress=bar.update, claims=claims)
+                                             on_failure=refused, progress=bar.update, claims=claims,
+                                             slots=self._slot)
                 bar.close(ok=state is not None)
         return state
 

@@ -125,7 +125,8 @@ class Syncer:
                             and not ctx.revoked(peer), ctx.stats).add_p2p_handlers(ctx.p2p, namespace=ctx.cfg.run_id)
         await StateServicer(replica.snapshot, replica.num_fragments, ctx.stats,
                             authorize=gate.is_member if gate is not None else None,
-                            replay=replica.replay_from).add_p2p_handlers(ctx.p2p, namespace=ctx.cfg.run_id)
+                            replay=replica.replay_from, identity=replica.identity,
+                            ).add_p2p_handlers(ctx.p2p, namespace=ctx.cfg.run_id)
         self.catch_up.start()
         self._spawn(self._heartbeat())
         self._spawn(self._watch_stalls())

@@ -18,6 +18,7 @@ at most half the size of the full transfer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -95,6 +96,7 @@ _HEADER = {"version": int, "weight": float, "digest": str, "numel": int, "schedu
 MAX_ANCESTORS = 32
 MAX_REPLAY_ROUNDS = 32  # also the most rounds a replica keeps for replays
 MAX_REPLAY_SHARDS = 1024  # shards per round (one per group member)
+MAX_TRANSFERS_PER_PEER = 2  # full transfers one peer may have in flight from a donor; more are refused ("busy")
 _ROUND = {"version": int, "base": str, "result": str, "weight": float, "norm": float, "numels": list, "sizes": list}
 
 
@@ -111,13 +113,17 @@ class StateServicer(ServicerBase):
     def __init__(self, snapshot: Callable[[int], ReplicaState | None], num_fragments: int,
                  stats: TrafficStats, part_bytes: int = PART_BYTES,
                  authorize: Callable[[str], Awaitable[bool]] | None = None,
-                 replay: Callable[[int, str], Replay | None] | None = None) -> None:
+                 replay: Callable[[int, str], Replay | None] | None = None,
+                 identity: Callable[[int], Claim] | None = None) -> None:
         assert part_bytes > 0 and part_bytes % 4 == 0
         self._snapshot, self.num_fragments, self.stats = snapshot, num_fragments, stats
         self.part_bytes = part_bytes
         self._authorize = authorize  # private runs: serve members only
         self._replay = replay
+        self._identity = identity  # the replica held now, without a copy: a transfer in flight may be shared
         self._log = RateLimitedLog()
+        self._shared: dict[tuple[int, str], _Shared] = {}  # (fragment, digest) -> the bytes transfers read
+        self._active: dict[str, int] = {}  # peer -> its transfers in flight
 
     async def rpc_download_state(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
@@ -162,31 +168,84 @@ class StateServicer(ServicerBase):
             for n, at in enumerate(range(0, len(data), self.part_bytes)):
                 yield self._send_part(n, data[at : at + self.part_bytes])
             return
+        peer = str(context.remote_id)
+        if self._active.get(peer, 0) >= MAX_TRANSFERS_PER_PEER:
+            # Each transfer in flight holds its stream, and its bytes if no other transfer shares them.
+            self.stats.reject("busy")
+            yield pack_response({"ok": False, "error": "busy"})
+            return
+        self._active[peer] = self._active.get(peer, 0) + 1
+        shared = None
+        try:
+            shared = await self._acquire(fragment)
+            if shared is None:
+                yield pack_response({"ok": False, "error": "no state to share yet"})
+                return
+            header = shared.header
+            if want is not None and header["digest"] != want:
+                yield pack_response({"ok": False, "error": "moved on",
+                                     "holds": [header["version"], header["weight"], header["digest"]]})
+                return
+            payload = shared.payload
+            # Resume only the replica the receiver's bytes came from; anything else starts over.
+            start = offset if wanted == header["digest"] and offset <= len(payload) else 0
+            yield pack_response({"ok": True, **header, "fragment": fragment, "offset": start})
+            for n, at in enumerate(range(start, len(payload), self.part_bytes)):
+                yield self._send_part(n, payload[at : at + self.part_bytes])
+        finally:
+            self._active[peer] -= 1
+            if not self._active[peer]:
+                del self._active[peer]
+            if shared is not None:
+                self._release(shared)
+
+    async def _acquire(self, fragment: int) -> _Shared | None:
+        """The bytes of fragment ``fragment``'s replica as held now, shared by every transfer of that very replica
+        in flight (one copy, however many streams read it: 32 downloads of one fragment held 32 copies); None if
+        there is none yet. Each ``_acquire`` is paired with a ``_release``."""
+        loop = asyncio.get_running_loop()
+        if self._identity is not None:
+            held = self._shared.get((fragment, self._identity(fragment)[2]))
+            if held is not None:
+                held.users += 1
+                return held
         # Copying Θ_p and its momentum is tensor work: keep it off the event loop.
-        state = await asyncio.get_running_loop().run_in_executor(None, self._snapshot, fragment)
+        state = await loop.run_in_executor(None, self._snapshot, fragment)
         if state is None:
-            yield pack_response({"ok": False, "error": "no state to share yet"})
-            return
-        if want is not None and state.digest != want:
-            yield pack_response({"ok": False, "error": "moved on",
-                                 "holds": [state.version, state.weight, state.digest]})
-            return
-        payload = await asyncio.get_running_loop().run_in_executor(None, _payload, state)
-        # Resume only the replica the receiver's bytes came from; anything else starts over.
-        start = offset if wanted == state.digest and offset <= len(payload) else 0
-        yield pack_response(
-            {"ok": True, "version": state.version, "weight": state.weight, "digest": state.digest,
-             "numel": state.params.numel(), "schedule_step": state.schedule_step, "fragment": fragment,
-             "ancestors": list(state.ancestors), "offset": start}
-        )
-        for n, at in enumerate(range(start, len(payload), self.part_bytes)):
-            yield self._send_part(n, payload[at : at + self.part_bytes])
+            return None
+        key = (fragment, state.digest)
+        held = self._shared.get(key)  # another transfer made it meanwhile
+        if held is None:
+            payload = await loop.run_in_executor(None, _payload, state)
+            held = self._shared.get(key)
+            if held is None:
+                header = {"version": state.version, "weight": state.weight, "digest": state.digest,
+                          "numel": state.params.numel(), "schedule_step": state.schedule_step,
+                          "ancestors": list(state.ancestors)}
+                held = self._shared[key] = _Shared(key, header, payload)
+        held.users += 1
+        return held
+
+    def _release(self, shared: _Shared) -> None:
+        shared.users -= 1
+        if shared.users <= 0 and self._shared.get(shared.key) is shared:
+            del self._shared[shared.key]
 
     def _send_part(self, n: int, part: bytes) -> runtime_pb2.ExpertResponse:
         """The message that carries ``part``, the ``n``-th part of this answer (counted from where the transfer
         starts), counted as sent. Every part of every answer goes through here."""
         self.stats.bytes_sent += len(part)
         return pack_response({"data": part})
+
+
+@dataclass
+class _Shared:
+    """One replica's transfer bytes, and how many transfers in flight read them."""
+
+    key: tuple[int, str]
+    header: dict[str, Any]
+    payload: bytes
+    users: int = 0
 
 
 def _payload(state: ReplicaState) -> bytes:
@@ -368,6 +427,7 @@ async def download_state(
     on_failure: Callable[[str, BaseException], None] = lambda donor, error: None,
     progress: Callable[[int], None] = lambda received: None,
     claims: Mapping[str, Claim] | None = None,
+    slots: Callable[[str], asyncio.Semaphore] | None = None,
 ) -> ReplicaState | Replay | None:
     """Try ``donors`` in order (best first) until one fragment replica verifies; None if all failed. A donor that
     fails mid-transfer hands over to the next one, which resumes where it stopped if it holds the same replica.
@@ -377,12 +437,15 @@ async def download_state(
     bytes have arrived, after each part (a resumed download goes on from where it stopped). ``claims``: the replica
     each donor was chosen for (its progress record's claim); a donor then sends exactly that replica, or refuses
     (``DonorRefused.holds``: it moved on), and one that sends another is refused (``NotTheClaim``, an offence).
-    Without a claim for a donor, what it sends is checked against its own header only."""
+    Without a claim for a donor, what it sends is checked against its own header only. ``slots(donor)``: a
+    semaphore of ``MAX_TRANSFERS_PER_PEER`` per donor, shared by the caller's concurrent downloads, so that it
+    never asks one donor for more at once than the donor serves (``StateServicer``)."""
     t = _Transfer(numel)
     for donor in donors:
         try:
-            state = await _continue_from(open_stream, donor, fragment, t, part_timeout, stats, have, progress,
-                                         None if claims is None else claims.get(donor))
+            async with slots(donor) if slots is not None else contextlib.nullcontext():
+                state = await _continue_from(open_stream, donor, fragment, t, part_timeout, stats, have, progress,
+                                             None if claims is None else claims.get(donor))
             if isinstance(state, Replay):
                 logger.info("fragment %d: %s sent the %d rounds to v%d (%d bytes) to replay", fragment, donor[-8:],
                             len(state.rounds), state.version, sum(r.nbytes for r in state.rounds))

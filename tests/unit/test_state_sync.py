@@ -222,3 +222,75 @@ def test_without_a_claim_a_donor_is_checked_against_its_own_header_only():
     state = replica(1)
     got, stats, _ = fetch_claims({"a": Donor(state)}, ["a"], {})
     assert got.digest == state.digest and stats.rejected == 0
+
+
+def test_transfers_in_flight_share_one_copy_and_a_peer_gets_two_at_once():
+    """The second review: 32 downloads of the largest fragment, never read, each held its own copy of the replica
+    (+160 MiB on tiny). Transfers of one replica share one copy of its bytes, released with the last of them; a
+    peer has at most ``MAX_TRANSFERS_PER_PEER`` transfers in flight, more are refused ("busy")."""
+    from atoll.protocols.state_sync import MAX_TRANSFERS_PER_PEER
+
+    state = replica(1)
+    snapshots = []
+
+    def snapshot(_p):
+        snapshots.append(1)
+        return state
+
+    stats = TrafficStats()
+    servicer = StateServicer(snapshot, 1, stats, part_bytes=PART,
+                             identity=lambda _p: (state.version, state.weight, state.digest))
+
+    async def main():
+        streams, headers = [], []
+        for i in range(6):  # three peers, two transfers each, none read past the header
+            ctx = SimpleNamespace(remote_id=f"Qm{i // 2}")
+            stream = servicer.rpc_download_state(pack_request({"fragment": 0}), ctx)
+            headers.append(unpack(await anext(stream), {"ok": bool}))
+            streams.append(stream)
+        assert all(h["ok"] for h in headers)
+        assert len(servicer._shared) == 1 and next(iter(servicer._shared.values())).users == 6
+        assert len(snapshots) == 1  # one copy for six transfers
+        extra = servicer.rpc_download_state(pack_request({"fragment": 0}), SimpleNamespace(remote_id="Qm0"))
+        refused = unpack(await anext(extra), {"ok": bool})
+        assert refused == {"ok": False, "error": "busy"} and stats.rejected_by_kind == {"busy": 1}
+        assert MAX_TRANSFERS_PER_PEER == 2
+        for stream in streams:
+            await stream.aclose()  # the requesters went away
+        assert servicer._shared == {} and servicer._active == {}
+
+    asyncio.run(main())
+
+
+def test_a_requester_never_asks_one_donor_for_more_than_it_serves():
+    """A joiner downloads every fragment at once, perhaps all from one donor: ``slots`` keeps its transfers from
+    one donor to ``MAX_TRANSFERS_PER_PEER`` at a time, so none is refused as busy."""
+    from atoll.protocols.state_sync import MAX_TRANSFERS_PER_PEER
+
+    donor = Donor(replica(1))
+    at_once, most = [0], [0]
+    inner = donor.servicer.rpc_download_state
+
+    async def counting(request, context):
+        at_once[0] += 1
+        most[0] = max(most[0], at_once[0])
+        try:
+            async for message in inner(request, context):
+                await asyncio.sleep(0)
+                yield message
+        finally:
+            at_once[0] -= 1
+
+    donor.servicer.rpc_download_state = counting
+
+    async def main():
+        slots = {}
+
+        def slot(name):
+            return slots.setdefault(name, asyncio.Semaphore(MAX_TRANSFERS_PER_PEER))
+
+        return await asyncio.gather(*(download_state(opener({"a": donor}), ["a"], 0, NUMEL, 5.0, TrafficStats(),
+                                                     slots=slot) for _ in range(5)))
+
+    states = asyncio.run(main())
+    assert all(s is not None for s in states) and most[0] == MAX_TRANSFERS_PER_PEER
