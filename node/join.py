@@ -20,7 +20,7 @@ from typing import Any
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
-from atoll.protocols import dht_io
+from atoll.protocols import dht_guard, dht_io
 from atoll.protocols.auth import (
     AuthError,
     JoinToken,
@@ -73,6 +73,7 @@ def start_dht(cfg: NodeConfig, validators: list, client_mode: bool = False, iden
     ``cfg.client_mode`` (behind NAT) runs a client DHT node too, but keeps its identity (its peer id is its member
     key's in a private run, and it picks its data shard)."""
     apply_p2pd_environment()
+    dht_guard.install()  # before the DHT's process forks from ours: it inherits the bounded handlers
     last_error: Exception | None = None
     for attempt in range(cfg.bootstrap_retries):
         try:
