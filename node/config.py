@@ -140,11 +140,12 @@ class RunConfig:
     global_batch: int = opt(0, help="sequences per inner step of every island, over its ranks and micro-batches: an "
                                     "island accumulates global_batch / (batch_size x ranks) micro-batches; 0: each "
                                     "island trains batch_size x grad_accum x ranks", metavar="N")
-    robust_merge: str = opt("trimmed", help="how a reducer merges its shard's contributions, after the norm clip: 'clip' "
-                                         "the weighted mean; 'trimmed' a coordinate-wise trimmed mean (floor(M/4) "
-                                         "values, at least 1 from 3 members on, dropped at each end); 'centered' "
-                                         "centered clipping from the coordinate median. The last two also bound a "
-                                         "member at a typical norm pointing anywhere", known=MERGE_RULES)
+    robust_merge: str = opt(
+        "trimmed", help="how a reducer merges its shard's contributions, after the clips: 'clip' the weighted mean; "
+                        "'trimmed' (default) a coordinate-wise trimmed mean (floor(M/4) values, at least 1 from 3 "
+                        "members on, dropped at each end; the weighted mean with 1 or 2 members); 'centered' "
+                        "centered clipping from the coordinate median. The last two also bound a member at a typical "
+                        "norm pointing anywhere", known=MERGE_RULES)
 
     def validate(self) -> None:
         try:
