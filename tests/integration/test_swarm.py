@@ -153,6 +153,19 @@ def test_status_json_lists_all_daemons(swarm):
     summarized = json.loads(out.stdout)
     assert summarized["peers"] is None and summarized["summary"]["source"] == "summaries"
     assert summarized["totals"]["peers"] >= 2 and summarized["totals"]["tokens"] > 0
+    # Without credentials what it read is unverified; with the run key it reads only records whose certificates
+    # the run key signed, and the run's daemons' records are among them.
+    assert doc["verified"] is False
+    out = subprocess.run(
+        [sys.executable, "-m", "atoll.node.cli", "status", "--initial-peers", *swarm.bootstrap, "--json",
+         "--run-key", str(swarm.run_key)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    verified = json.loads(out.stdout)
+    assert verified["verified"] is True and verified["config"]["model"] == "nano"
+    alive = {peer_id(swarm.daemons[n]) for n in "abc" if swarm.daemons[n].alive()}
+    assert alive <= {p["peer_id"] for p in verified["peers"]}, (alive, verified["peers"])
 
 
 def scrape(url):
