@@ -209,7 +209,7 @@ def test_only_a_refusal_of_a_claim_nobody_delivered_counts_against_its_donor(mon
 
     def serve(delivered, error=DonorRefused("no")):
         async def download_state(open_stream, donors, p, numel, timeout, stats, have=None, on_failure=None,
-                                 progress=None, claims=None):
+                                 progress=None, claims=None, slots=None):
             assert claims == {peer.peer_id: peer.fragment(p) for peer in cu.peers.everyone().values()}
             on_failure(donors[0], error)  # the first donor fails
             version, weight, digest = delivered
@@ -345,7 +345,7 @@ def test_a_donor_that_moved_on_is_asked_for_what_it_holds_now_if_that_would_be_v
 
     def serve(holds):
         async def download_state(open_stream, donors, p, numel, timeout, stats, have=None, on_failure=None,
-                                 progress=None, claims=None):
+                                 progress=None, claims=None, slots=None):
             asked.append(dict(claims))
             for donor in donors:
                 if claims[donor] == holds.get(donor):
