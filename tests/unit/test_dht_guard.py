@@ -56,3 +56,36 @@ def test_a_peer_has_a_bounded_number_of_calls_in_flight(monkeypatch):
     assert calls.count("Qm1") == dht_guard.MAX_CALLS_PER_PEER and calls.count("Qm2") == 1  # others unaffected
     assert sum(1 for r in results if len(r.results) == 1) == dht_guard.MAX_CALLS_PER_PEER + 1
     assert dht_guard._in_flight == {}
+
+
+def test_a_peer_writes_a_bounded_number_of_bytes_a_second():
+    """The second review's member wrote 64 KB values under ever new keys: a node's storage grew from 695 to
+    2,004 MiB in 100 s. A peer's value bytes into one node come out of a token bucket: a burst of
+    ``STORE_BURST_BYTES``, then ``STORE_BYTES_PER_S``; others are unaffected."""
+    now = [0.0]
+    budgets = dht_guard._Budgets(clock=lambda: now[0])
+    value = 64 * 1024
+    burst = dht_guard.STORE_BURST_BYTES // value
+    assert all(budgets.take("m", value) for _ in range(burst))
+    assert not budgets.take("m", value)  # the burst is spent
+    assert budgets.take("honest", 2048)
+    now[0] += 1.0  # a second refills STORE_BYTES_PER_S: two more values of 64 KB
+    assert sum(budgets.take("m", value) for _ in range(10)) == dht_guard.STORE_BYTES_PER_S // value
+    # Over 100 s the member writes at most the burst and 100 s of refill (the review's: 1.3 GB).
+    written = 0
+    for _ in range(1000):
+        now[0] += 0.1
+        written += sum(value for _ in range(10) if budgets.take("m", value))
+    assert written <= 100 * dht_guard.STORE_BYTES_PER_S + value
+
+
+def test_a_store_past_the_budget_is_answered_with_nothing(monkeypatch):
+    dht_guard.install()
+    now = [0.0]
+    monkeypatch.setattr(dht_guard, "BUDGETS", dht_guard._Budgets(clock=lambda: now[0]))
+    me = SimpleNamespace(node_info=dht_pb2.NodeInfo())
+    big = dht_pb2.StoreRequest(keys=[b"k"], subkeys=[b"s"], values=[b"x" * (dht_guard.STORE_BURST_BYTES + 1)],
+                               expiration_time=[1.0], in_cache=[False])
+    before = dht_guard.REFUSED["dht_store_bytes"]
+    assert list(asyncio.run(DHTProtocol.rpc_store(me, big, SimpleNamespace(remote_id="QmWriter"))).store_ok) == []
+    assert dht_guard.REFUSED["dht_store_bytes"] == before + 1
