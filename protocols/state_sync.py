@@ -168,6 +168,10 @@ class StateServicer(ServicerBase):
             for n, at in enumerate(range(0, len(data), self.part_bytes)):
                 yield self._send_part(n, data[at : at + self.part_bytes])
             return
+        if want is not None and self._identity is not None and self._identity(fragment)[2] != want:
+            # Moved on: say so before copying a replica nobody asked for (the check below stays for a race).
+            yield pack_response({"ok": False, "error": "moved on", "holds": list(self._identity(fragment))})
+            return
         peer = str(context.remote_id)
         if self._active.get(peer, 0) >= MAX_TRANSFERS_PER_PEER:
             # Each transfer in flight holds its stream, and its bytes if no other transfer shares them.

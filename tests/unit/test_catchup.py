@@ -46,6 +46,13 @@ class Table:
         return list(self._peers)
 
 
+def holder(name, version, weight, digest):
+    """A peer's record holding fragment 0 at ``version`` with merged ``weight`` and ``digest``."""
+    r = record(name, [version], [digest])
+    r.fragment_weights = [weight]
+    return r
+
+
 def catch_up(peers, vouchers=2):
     replica = Replica([torch.zeros(4)], versions=[5], weights=[5.0])
     stats = TrafficStats()
@@ -264,11 +271,6 @@ def test_a_lonely_daemon_that_ran_ahead_alone_takes_the_vouched_line_with_more_m
     it, so neither side ever took the other's. A lonely daemon takes the line two live peers hold."""
     from atoll.protocols.state_sync import ReplicaState
 
-    def holder(name, version, weight, digest):
-        r = record(name, [version], [digest])
-        r.fragment_weights = [weight]
-        return r
-
     cu, ctx = catch_up([])
     ctx.replica = Replica([torch.ones(4)], versions=[88], weights=[234.0])
     line = [holder("a", 66, 434.0, "theirs"), holder("b", 66, 434.0, "theirs")]
@@ -302,11 +304,6 @@ def test_a_lonely_daemon_ahead_in_version_and_weight_takes_the_line_two_live_pee
     merging alone, and led them in version and in merged weight (v20, 300 against v17, 250). Neither rule above
     applied: it never took their line, nor they its claim nobody vouched for; it never met them in a round again.
     A lonely daemon takes the claim at least two live peers hold, whatever its version and weight."""
-    def holder(name, version, weight, digest):
-        r = record(name, [version], [digest])
-        r.fragment_weights = [weight]
-        return r
-
     cu, ctx = catch_up([])
     ctx.replica = Replica([torch.ones(4)], versions=[20], weights=[300.0])
     _, weight, digest = ctx.replica.identity(0)

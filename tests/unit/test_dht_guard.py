@@ -30,7 +30,7 @@ def test_a_find_of_too_many_keys_or_a_store_of_too_many_records_is_answered_with
 
 
 def test_a_peer_has_a_bounded_number_of_calls_in_flight(monkeypatch):
-    calls, release = [], asyncio.Event
+    calls = []
 
     async def slow(self, request, context):
         calls.append(context.remote_id)
@@ -41,7 +41,7 @@ def test_a_peer_has_a_bounded_number_of_calls_in_flight(monkeypatch):
                                lambda self: dht_pb2.FindResponse(results=[]))
 
     async def main():
-        me = SimpleNamespace(gate=release())
+        me = SimpleNamespace(gate=asyncio.Event())
         flood = [asyncio.ensure_future(guarded(me, dht_pb2.FindRequest(keys=[b"k"]), SimpleNamespace(remote_id="Qm1")))
                  for _ in range(dht_guard.MAX_CALLS_PER_PEER + 3)]
         other = asyncio.ensure_future(guarded(me, dht_pb2.FindRequest(keys=[b"k"]), SimpleNamespace(remote_id="Qm2")))

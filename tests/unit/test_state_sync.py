@@ -258,6 +258,10 @@ def test_transfers_in_flight_share_one_copy_and_a_peer_gets_two_at_once():
         for stream in streams:
             await stream.aclose()  # the requesters went away
         assert servicer._shared == {} and servicer._active == {}
+        # A request for a replica we no longer hold is refused without a copy of the one we hold.
+        elsewhere = servicer.rpc_download_state(pack_request({"fragment": 0, "want": "other"}), CONTEXT)
+        moved = unpack(await anext(elsewhere), {"ok": bool})
+        assert moved["error"] == "moved on" and moved["holds"][2] == state.digest and len(snapshots) == 1
 
     asyncio.run(main())
 
