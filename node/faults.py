@@ -18,6 +18,9 @@ The faults, each triggered by the daemon's own step or round count (never by a c
   negated delta (the honest norm, the opposite direction: what the norm clip cannot see), ``edge`` the negated
   delta at ``EDGE_FACTOR`` × its norm declaring ``EDGE_FACTOR`` × its token weight (each just inside the clip,
   the second review's attack) (the daemon still reduces its own shard honestly).
+- ``reducer=K`` (scale, silent): the shards this daemon reduces leave it hostile (it merges honestly itself):
+  ``scale`` answers every member with the reduced shard ×``REDUCER_SCALE`` under honest scalars, ``silent`` holds
+  every member's stream open without an answer (the second review's reducer attacks).
 - ``start_together=N``: hold the first step until N daemons train (runs compared step for step start in lockstep).
 - ``kill_in_checkpoint=N``: SIGKILL the process group in the middle of the N-th checkpoint write (the tensors'
   temporary file half written); ``checkpoint_kill_signal=1``: SIGUSR1 arms the same crash for the next write.
@@ -32,6 +35,7 @@ The faults, each triggered by the daemon's own step or round count (never by a c
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -44,15 +48,17 @@ from typing import Any
 import torch
 
 from atoll.protocols import codecs
-from atoll.protocols.averaging import HONEST, GroupSpec, Tamper
+from atoll.protocols.averaging import HONEST, Answer, GroupSpec, Tamper
 
 logger = logging.getLogger("atoll")
 
 KINDS: dict[str, type] = {"kill_in_round": int, "step_delay": float, "corrupt_round": int, "split_side": int,
                           "split_until": int, "byzantine": str, "byzantine_from": int, "start_together": int,
                           "kill_in_checkpoint": int, "checkpoint_kill_signal": int, "kill_rank": int,
-                          "kill_rank_at": int, "slow_checkpoint": float, "data_shard": int}
+                          "kill_rank_at": int, "slow_checkpoint": float, "data_shard": int, "reducer": str}
 BYZANTINE = ("scale", "nan", "shape", "direction", "edge")
+REDUCERS = ("scale", "silent")
+REDUCER_SCALE = -5.0
 CORRUPTIONS = ("truncated", "header", "codec", "nan")
 BYZANTINE_SCALE = 1000.0
 EDGE_FACTOR = 3.0  # below the default clip factor (4): neither the norm clip nor the weight clip alone fires
@@ -71,6 +77,8 @@ def parse_faults(items: Sequence[str]) -> dict[str, Any]:
             raise ValueError(f"bad value in {item!r}") from None
         if name == "byzantine" and value not in BYZANTINE:
             raise ValueError(f"unknown byzantine kind {value!r}; known: {', '.join(BYZANTINE)}")
+        if name == "reducer" and value not in REDUCERS:
+            raise ValueError(f"unknown reducer kind {value!r}; known: {', '.join(REDUCERS)}")
     return out
 
 
@@ -151,6 +159,25 @@ class Edge(Tamper):
 
     def own(self, sent: torch.Tensor) -> torch.Tensor:
         return sent / -EDGE_FACTOR
+
+
+class ScaledAnswer(Answer):
+    """A reducer that answers with its reduced shard ×``REDUCER_SCALE`` (the scalars it sends stay honest)."""
+
+    async def payload(self, payload: bytes, spec: GroupSpec, timeout: float) -> bytes | None:
+        logger.warning("fault injection: answering round f%d v%d with the reduced shard x%g", spec.fragment,
+                       spec.version, REDUCER_SCALE)
+        values = codecs.decode(payload) * REDUCER_SCALE
+        return codecs.encode(values, spec.codec, spec.block)
+
+
+class SilentAnswer(Answer):
+    """A reducer that never answers: each member's stream is held open until it gives up."""
+
+    async def payload(self, payload: bytes, spec: GroupSpec, timeout: float) -> bytes | None:
+        logger.warning("fault injection: holding round f%d v%d's answer", spec.fragment, spec.version)
+        await asyncio.sleep(3 * timeout + 10)  # longer than any member waits for it
+        return None
 
 
 class Faults:
@@ -235,6 +262,11 @@ class Faults:
             logger.warning("fault injection: byzantine (%s) contribution in round %d", kind, self.rounds_attempted)
             tamper = {"scale": Scaled, "direction": Reversed, "edge": Edge}.get(kind, lambda: Hostile(kind))()
         return tamper
+
+    def answer(self) -> Answer:
+        """How the shards this daemon reduces leave it."""
+        kind = self.spec.get("reducer")
+        return {"scale": ScaledAnswer, "silent": SilentAnswer}[kind]() if kind is not None else Answer()
 
     def round_ended(self, tamper: Tamper, completed: bool) -> None:
         """The all-reduce that carried ``tamper``'s parts ended (``completed``: its group merged)."""

@@ -116,7 +116,7 @@ class Syncer:
         self.rounds.averager = AveragingServicer(
             ctx.cfg.run_id, ctx.peer_id, ctx.stats, ctx.cooldown, run.clip_factor, run.round_timeout,
             past=lambda p, v: 0 <= p < replica.num_fragments and replica.identity(p)[0] > v,
-            authorize=gate.is_member if gate is not None else None)
+            authorize=gate.is_member if gate is not None else None, answer=ctx.faults.answer())
         await self.rounds.averager.add_p2p_handlers(ctx.p2p, namespace=ctx.cfg.run_id)
         # Registrations, group decisions and open rounds are told to the peers they concern, who read them at
         # once instead of polling the DHT for them (a thin link's control plane: docs/results.md).

@@ -227,14 +227,24 @@ class _Reduction:
                            [peers[i] for i in sorted(clipped)])
 
 
+class Answer:
+    """How the shards this daemon reduces leave it. The base class is the honest reducer and changes nothing; fault
+    injection (``atoll.node.faults``) subclasses it to play a hostile one, as ``Tamper`` does for members.
+    ``payload`` gets the encoded reduced shard and returns what every asking member is sent, or None to send
+    nothing (after holding the stream as long as it likes)."""
+
+    async def payload(self, payload: bytes, spec: GroupSpec, timeout: float) -> bytes | None:
+        return payload
+
+
 class AveragingServicer(ServicerBase):
     """Serves ``rpc_aggregate`` for the shards this daemon reduces."""
 
     def __init__(self, run_id: str, local_peer: str, stats: TrafficStats, cooldown: Cooldown | None = None,
                  clip_factor: float = 0.0, max_wait: float = 600.0,
                  past: Callable[[int, int], bool] | None = None,
-                 authorize: Callable[[str], Awaitable[bool]] | None = None) -> None:
-        """``cooldown``: peers whose parts are treated as missing; ``max_wait``: the longest a request for a group
+                 authorize: Callable[[str], Awaitable[bool]] | None = None, answer: Answer | None = None) -> None:
+        """``answer``: how this daemon's reduced shards leave it (honest unless a fault is injected); ``cooldown``: peers whose parts are treated as missing; ``max_wait``: the longest a request for a group
         not opened here yet may wait for it (the run's round timeout: an honest member never asks for longer);
         ``past(fragment, version)``: whether this daemon is past that round (it will never open a group of it, so
         a request for one not opened is refused at once instead of after ``max_wait``); ``authorize(peer)``
@@ -244,6 +254,7 @@ class AveragingServicer(ServicerBase):
         self.cooldown, self.clip_factor, self.max_wait = cooldown, clip_factor, max_wait
         self._past = past
         self._authorize = authorize
+        self.answer = answer or Answer()
         self._log = RateLimitedLog()
         self._groups: dict[str, _Reduction] = {}
         self._opened: dict[str, asyncio.Event] = {}
@@ -379,11 +390,14 @@ class AveragingServicer(ServicerBase):
             # it still gets the shard's result, so that it ends the round with the same values as everyone else.
             reduction.exclude(sender)
         result = await reduction.result
+        assert result.payload is not None  # groups with a remote member always encode their result
+        payload = await self.answer.payload(result.payload, reduction.spec, reduction.timeout)
+        if payload is None:
+            return
         yield pack_response({"ok": True, "weight": result.weight, "contributors": result.contributors,
                              "numel": reduction.numel, "norm": result.norm})
-        assert result.payload is not None  # groups with a remote member always encode their result
-        for start in range(0, len(result.payload), PART_BYTES):
-            chunk = result.payload[start : start + PART_BYTES]
+        for start in range(0, len(payload), PART_BYTES):
+            chunk = payload[start : start + PART_BYTES]
             self.stats.bytes_sent += len(chunk)
             yield pack_response({"data": chunk})
 

@@ -3,12 +3,13 @@
 
     python scripts/bench_hostile.py --attack copied_claim [--seeds 0 1 2] [--steps 1200] [--label L] [--out DIR]
     python scripts/bench_hostile.py --attack byzantine=edge [--robust-merge RULE] ...
+    python scripts/bench_hostile.py --attack reducer=scale ...
 
 Per seed, two runs of three honest daemons in a private run (`decoupled`, nano, batch 4, H=50 and the default
 round settings, every daemon sleeping ``--step-delay`` s a step, started together): a clean one, and one where a member
 holding a join token (``scripts/hostile/member.py``, a process of its own) runs ``--attack`` from the first merged
-round until the honest daemons stop; or, for ``--attack byzantine=K``, a fourth daemon with a join token that trains
-and merges with ``--fault byzantine=K`` (``node/faults.py``) from that round on. The order of the two alternates from seed to seed. Measured from the honest
+round until the honest daemons stop; or, for ``--attack byzantine=K`` or ``reducer=K``, a fourth daemon with a join token that
+trains and merges with that ``--fault`` (``node/faults.py``) from that round on. The order of the two alternates from seed to seed. Measured from the honest
 daemons' own metrics: the held-out loss of their final replicas (mean over a, b, c), multi-member merges a minute
 per daemon, adoptions (and any whose donors include the member, or whose replica is one the member served), and
 their refusals by kind. Goals (the hostile-internet issue): held-out within 5% of the clean run, merges a minute at
@@ -54,7 +55,7 @@ def run(root: Path, args: argparse.Namespace, seed: int, attack: bool) -> dict:
         a = swarm.daemons["a"]
         wait_for(lambda: any(len(r["contributors"]) > 1 for r in a.rounds()), 300, "a's first merged round")
         member, result = None, root / "member.json"
-        if attack and args.attack.startswith("byzantine="):
+        if attack and args.attack.startswith(("byzantine=", "reducer=")):
             swarm.start("m", ["--fault", args.attack])  # a daemon of the run, lying in every round it merges
         elif attack:
             token = root / "member.token"
@@ -106,7 +107,7 @@ def measure(swarm: LocalSwarm, codes: dict, member: dict, attack: bool) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--attack", required=True, help="a member.py attack, e.g. copied_claim, or byzantine=K")
+    p.add_argument("--attack", required=True, help="a member.py attack, e.g. copied_claim, or byzantine=K or reducer=K")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=1200)
     p.add_argument("--sync-every", type=int, default=50)
