@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import enum
 import math
+from dataclasses import dataclass
 from collections.abc import Sequence
 
 import torch
@@ -123,6 +124,73 @@ def clip_contributions(vectors: Sequence[torch.Tensor], factor: float) -> tuple[
         else:
             out.append(v)
     return out, clipped
+
+
+@dataclass(frozen=True)
+class Clipping:
+    """What robust merging does to a round's contributions before it merges them, decided from scalars alone:
+    ``scales`` multiply each member's values (1.0: untouched), ``weights`` and ``norms`` are the declared scalars
+    after their clips, ``sizes`` the values' norms after theirs, ``clipped`` the indices of members cut anywhere."""
+
+    scales: list[float]
+    weights: list[float]
+    norms: list[float]
+    sizes: list[float]
+    clipped: list[int]
+
+
+def clip_members(weights: Sequence[float], norms: Sequence[float], sizes: Sequence[float], factor: float,
+                 rda: bool) -> Clipping:
+    """A reducer's clips, in order: each member's values by their norm (``sizes``, as ``clip_contributions``), its
+    declared weight and RDA norm (``clip_scalars``), then weight × size (``clip_influence``; RDA: × its clipped
+    norm). A pure function of the scalars, so that a member given them computes what its reducer did."""
+    n = len(weights)
+    if not factor or n < 2:
+        return Clipping([1.0] * n, [float(w) for w in weights], [float(x) for x in norms],
+                        [float(x) for x in sizes], [])
+    bound, median = clip_bound(sizes, factor), lower_median(sizes)
+    scales = [median / s if s > bound else 1.0 for s in sizes]
+    cut = [i for i, s in enumerate(sizes) if s > bound]
+    clipped_sizes = [median if s > bound else float(s) for s in sizes]
+    clipped_weights, cut_w = clip_scalars(weights, factor)
+    clipped_norms, cut_n = clip_scalars(norms, factor)
+    clipped_weights, cut_i = clip_influence(clipped_weights, clipped_norms if rda else clipped_sizes, factor)
+    return Clipping(scales, clipped_weights, clipped_norms, clipped_sizes, sorted(set(cut) | set(cut_w) | set(cut_n)
+                                                                                   | set(cut_i)))
+
+
+def merge_bound(rule: MergeRule, weights: Sequence[float], sizes: Sequence[float], exclude: int | None = None) -> float:
+    """An upper bound on the L2 norm of ``robust_merge(vectors, weights, rule)`` for any vectors of norms
+    ``sizes``; with ``exclude`` (one member's index), also for any vector of that member's, whatever its norm.
+    A member checks a reducer's answer against it, knowing the scalars but not the others' values (``exclude``:
+    the reducer's own contribution, which no one else can check).
+
+    - weighted mean (and every rule with one or two members): Σ wᵢ‖xᵢ‖ / Σ w, the triangle inequality (an
+      excluded member's size enters as given: the clips bound it);
+    - trimmed mean with b trimmed at each end: each coordinate lies within the kept values, so |t_c| is at most
+      the (b+1)-th largest |x_ic|, whose square is at most 1/(b+1) of Σᵢ x_ic²: ‖t‖² ≤ Σ ‖xᵢ‖² / (b+1). Leaving one
+      member out lowers each rank by one at most: ‖t‖² ≤ Σ_{i≠e} ‖xᵢ‖² / b, whatever member e sent;
+    - centered clipping: the coordinate median as the trimmed mean with ⌈M/2⌉−1 trimmed, then each iteration
+      moves the centre by at most τ, the lower median of the members' distances to it (each ≤ ‖xᵢ‖ + ‖v‖)."""
+    m = len(sizes)
+    rule = MergeRule(rule)
+    if m == 0:
+        return 0.0
+    total = math.fsum(weights)
+    mean_bound = math.fsum(float(w) * float(s) for w, s in zip(weights, sizes)) / total
+    if m <= 2 or rule is MergeRule.CLIP:
+        return mean_bound
+    squares = [float(s) ** 2 for s in sizes]
+    if rule is MergeRule.TRIMMED:
+        b = trim_count(m)
+        bound = math.sqrt(math.fsum(squares) / (b + 1))
+        if exclude is not None:
+            bound = min(bound, math.sqrt(math.fsum(x for i, x in enumerate(squares) if i != exclude) / b))
+        return bound
+    bound = math.sqrt(math.fsum(squares) / ((m + 1) // 2))
+    for _ in range(CENTERED_ITERATIONS):
+        bound += sorted(float(s) + bound for s in sizes)[(m - 1) // 2]
+    return bound
 
 
 def trim_count(members: int) -> int:

@@ -25,12 +25,19 @@ while it cools down. Valid but outsized parts are clipped before the merge (``mo
 contribution, declared weight or RDA norm above ``clip_factor`` × the lower median of the shard's is scaled to
 that median); clipping is per shard, because a reducer sees only its shard. The run's ``robust_merge``
 (``GroupSpec.merge``) then picks how the shard's contributions merge: the weighted mean, or a coordinate-wise
-trimmed mean or centered clipping, which also bound a member at a typical norm pointing anywhere. A hostile
-*reducer* can still spoil the shard it reduces for everyone (its members cannot check it without the other
-parts).
+trimmed mean or centered clipping, which also bound a member at a typical norm pointing anywhere.
 
-A member that never sends its part costs its reducer at most ``timeout``; the shard is reduced without it.
-A reducer that fails is reported in ``AllreduceResult.failed`` so the caller can retry the round without it.
+Hostile reducers: a reducer's answer names every contributor's declared (weight, norm) and the norm of the values
+it merged. Each member checks its own entry, recomputes the reducer's clips from those scalars, and refuses a
+shard whose norm (at least ``codecs.norm_floor`` of the bytes, whatever the codec dropped) exceeds what the
+contributions allow (``check_shard``, ``models/robust.merge_bound``): an offence. The members cannot check a
+shard's direction without the other parts: a reducer can still send a wrong shard within that bound.
+
+A member that never sends its part costs its reducer at most ``timeout``; the shard is reduced without it. A
+reducer that has not answered once at least as many others have gets ``ANSWER_GRACE`` s more (or
+``ANSWER_GRACE_FACTOR`` × the time the others took); then it is left out, and ``LATE_OFFENCES`` rounds in a row
+make it an offender. A reducer that fails is reported in ``AllreduceResult.failed`` so the caller can retry the
+round without it.
 """
 
 from __future__ import annotations
@@ -49,10 +56,10 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
 from atoll.models.outer import merged_delta, weighted_norm
-from atoll.models.robust import MergeRule, clip_contributions, clip_influence, clip_scalars, lower_median, robust_merge
+from atoll.models.robust import MergeRule, clip_members, lower_median, merge_bound, robust_merge
 
 from . import codecs
-from .cooldown import Cooldown
+from .cooldown import Cooldown, Strikes
 from .p2p_guard import RateLimitedLog
 from .records import MAX_NORM, MAX_ROUND_WEIGHT
 from .stats import TrafficStats
@@ -63,6 +70,12 @@ logger = logging.getLogger("atoll")
 MAX_PENDING_GROUPS = 64
 MAX_PENDING_PER_PEER = 8  # early requests one peer may keep waiting (one per concurrent round; fragments)
 EXCHANGE_ATTEMPTS = 3  # a broken stream to a reducer is asked again this many times in all
+# Once at least as many reducers answered as are still out, those get this long (or ANSWER_GRACE_FACTOR × the
+# time the others took, if longer): they hold the same parts the others did, so their answer is only a reduce and
+# a transfer away. A reducer that misses it is left out of the round, and LATE_OFFENCES times in a row an offender.
+ANSWER_GRACE = 10.0
+ANSWER_GRACE_FACTOR = 2.0
+LATE_OFFENCES = 3
 
 
 def shard_bounds(numel: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
@@ -129,6 +142,9 @@ class ShardResult:
     norm: float = 0.0  # rda: Σ w·‖Δ‖ / Σ w over the contributors
     payload: bytes | None = None  # the encoded values, as sent to the other members
     clipped: list[str] = field(default_factory=list)  # members whose contribution robust merging scaled down
+    # Per contributor (in ``contributors``' order): its declared weight and norm and the norm of the values merged,
+    # before any clip: what a member needs to bound the answer (``check_shard``).
+    parts: list[list[float]] = field(default_factory=list)
 
 
 class _Reduction:
@@ -198,22 +214,18 @@ class _Reduction:
                       for p, n in zip(peers, norms)]
         else:
             values = [self.parts[p][1] for p in peers]
-        clipped: set[int] = set()
+        sizes = [float(torch.linalg.vector_norm(v.double())) for v in values]
         if len(peers) > 1 and logger.isEnabledFor(logging.DEBUG):  # how far apart honest contributions are
-            norms_now = [float(torch.linalg.vector_norm(v.double())) for v in values]
-            median = lower_median(norms_now)
+            median = lower_median(sizes)
             logger.debug("round f%d v%d shard %s: contribution norms / lower median %s", self.spec.fragment,
-                         self.spec.version, self.bounds, [round(n / median, 3) if median else None for n in norms_now])
-        if self.clip_factor and len(peers) > 1:
-            # Robust merging (models/robust.py): outliers among what gets averaged, the weights and RDA's norms
-            # (above clip_factor × the round's lower median) are scaled to it: no single member dominates the merge.
-            values, cut = clip_contributions(values, self.clip_factor)
-            weights, cut_w = clip_scalars(weights, self.clip_factor)
-            norms, cut_n = clip_scalars(norms, self.clip_factor)
-            # And weight × size jointly: each of the two just below its bound would make a member factor² others.
-            sizes = norms if self.spec.mode == "rda" else [float(torch.linalg.vector_norm(v)) for v in values]
-            weights, cut_i = clip_influence(weights, sizes, self.clip_factor)
-            clipped = set(cut) | set(cut_w) | set(cut_n) | set(cut_i)
+                         self.spec.version, self.bounds, [round(n / median, 3) if median else None for n in sizes])
+        # Robust merging (models/robust.py): outliers among what gets averaged, the weights, RDA's norms and weight ×
+        # size (above clip_factor × the round's lower median) are scaled down: no single member dominates the merge.
+        # Decided from scalars alone (clip_members), which every member is sent to check the answer against.
+        clip = clip_members(weights, norms, sizes, self.clip_factor, self.spec.mode == "rda")
+        values = [v.double() * scale if scale != 1.0 else v.double() for v, scale in zip(values, clip.scales)]
+        parts = [[float(w), float(n), s] for w, n, s in zip(weights, norms, sizes)]
+        weights, norms = clip.weights, clip.norms
         # The merge itself (the run's robust_merge): the weighted mean, or a direction-robust rule that also bounds
         # a member at a typical norm pointing anywhere (coordinate-wise trimmed mean, centered clipping).
         merged = robust_merge(values, weights, self.spec.merge)  # one member: every rule returns its values
@@ -224,7 +236,7 @@ class _Reduction:
             payload = codecs.encode(merged.float(), self.spec.codec, self.spec.block)
             merged = codecs.decode(payload, expected_numel=self.numel)
         return ShardResult(merged, float(sum(weights)), peers, weighted_norm(norms, weights), payload,
-                           [peers[i] for i in sorted(clipped)])
+                           [peers[i] for i in clip.clipped], parts)
 
 
 class Answer:
@@ -255,6 +267,7 @@ class AveragingServicer(ServicerBase):
         self._past = past
         self._authorize = authorize
         self.answer = answer or Answer()
+        self.late = Strikes(LATE_OFFENCES)  # reducers this daemon gave up on while the others answered, in a row
         self._log = RateLimitedLog()
         self._groups: dict[str, _Reduction] = {}
         self._opened: dict[str, asyncio.Event] = {}
@@ -395,7 +408,7 @@ class AveragingServicer(ServicerBase):
         if payload is None:
             return
         yield pack_response({"ok": True, "weight": result.weight, "contributors": result.contributors,
-                             "numel": reduction.numel, "norm": result.norm})
+                             "numel": reduction.numel, "norm": result.norm, "parts": result.parts})
         for start in range(0, len(payload), PART_BYTES):
             chunk = payload[start : start + PART_BYTES]
             self.stats.bytes_sent += len(chunk)
@@ -418,6 +431,33 @@ def check_answer(header: dict[str, Any], spec: GroupSpec) -> tuple[str, str] | N
     return None
 
 
+def check_shard(header: dict[str, Any], spec: GroupSpec, reducer: str, me: str, own: tuple[float, float, float],
+                floor: float, clip_factor: float) -> tuple[str, str] | None:
+    """Whether a reducer's shard is one its contributions allow; (message, kind) if not. ``header["parts"]`` are
+    the contributors' declared (weight, norm) and the norm of the values it merged, as the reducer says: our own
+    entry must be ours (``own``), and the norm of what it sent (at least ``floor``, ``codecs.norm_floor``) must be
+    within ``merge_bound`` of the contributions after the reducer's clips (``clip_members``), recomputed here
+    from those scalars. The reducer's own contribution is one nobody can check, and ``merge_bound`` leaves it out
+    where the rule allows (the trimmed mean). A reducer can still misstate another member's part to loosen the
+    bound; that member then refuses its answer (and holds it against it)."""
+    parts, contributors = header["parts"], header["contributors"]
+    if not (isinstance(parts, list) and len(parts) == len(contributors)
+            and all(isinstance(x, list) and len(x) == 3 and all(type(v) is float and math.isfinite(v) and v >= 0
+                                                                for v in x) and x[0] > 0 for x in parts)):
+        return "reducer sent malformed part scalars", "reducer_parts"
+    if me in contributors:
+        weight, norm, size = parts[contributors.index(me)]
+        if weight != own[0] or norm != own[1] or not math.isclose(size, own[2], rel_tol=1e-6, abs_tol=1e-30):
+            return f"reducer misstated our part ({weight}, {norm}, {size}; ours {own})", "reducer_parts"
+    weights, norms, sizes = zip(*parts)
+    clip = clip_members(weights, norms, sizes, clip_factor, spec.mode == "rda")
+    exclude = contributors.index(reducer) if reducer in contributors else None
+    bound = merge_bound(spec.merge, clip.weights, clip.sizes, exclude)
+    if floor > bound * (1 + 1e-5):
+        return f"reduced shard's norm is at least {floor:.4g}, its contributions allow {bound:.4g}", "reducer_shard"
+    return None
+
+
 def combine_scalars(shards: list[ShardResult], rda: bool) -> tuple[float, float | None]:
     """The round's weight and (rda) the norm the merged direction is rescaled to, from the shards' answers: the
     median over shards (the lower one of an even count), so that no single reducer sets a fragment-wide scalar.
@@ -432,7 +472,7 @@ def combine_scalars(shards: list[ShardResult], rda: bool) -> tuple[float, float 
 
 async def _exchange_with(
     p2p: P2P, servicer: AveragingServicer, spec: GroupSpec, reducer: str, payload: bytes, numel: int, weight: float,
-    norm: float, timeout: float,
+    norm: float, own_size: float, timeout: float,
 ) -> ShardResult:
     stub = AveragingServicer.get_stub(p2p, PeerID.from_base58(reducer), namespace=spec.run_id)
     stats = servicer.stats
@@ -450,7 +490,7 @@ async def _exchange_with(
         header = unpack(await anext(stream), {"ok": bool})
         if not header["ok"]:
             raise GroupRefused(f"reducer refused: {header.get('error')}")
-        check_fields(header, {"weight": float, "contributors": list, "numel": int, "norm": float})
+        check_fields(header, {"weight": float, "contributors": list, "numel": int, "norm": float, "parts": list})
         if header["numel"] != numel:
             raise WireError("reducer answered with a shard of the wrong size")
         problem = check_answer(header, spec)
@@ -470,17 +510,27 @@ async def _exchange_with(
             chunks.append(chunk)
         if size < limit:  # every codec's size is fixed by numel: a short answer is a stream that broke
             raise BrokenStream(f"the reduced shard ended after {size} of {limit} bytes")
+        answer = b"".join(chunks)
         try:
-            values = await asyncio.get_running_loop().run_in_executor(
-                None, functools.partial(codecs.decode, b"".join(chunks), expected_numel=numel))
+            values, floor = await asyncio.get_running_loop().run_in_executor(None, _decode_answer, answer, numel)
         except codecs.CodecError as e:
             stats.reject("codec")
             raise WireError(f"undecodable reduced shard: {e}") from None
+        problem = check_shard(header, spec, reducer, servicer.local_peer, (weight, norm, own_size), floor,
+                              servicer.clip_factor)
+        if problem is not None:
+            stats.reject(problem[1], reducer)
+            raise WireError(problem[0], problem[1])
         return ShardResult(values, float(header["weight"]), list(header["contributors"]), float(header["norm"]),
-                           b"".join(chunks))
+                           answer)
 
     # The reducer may wait up to `timeout` for slow members before it answers; allow for the transfer on top.
     return await asyncio.wait_for(call(), timeout=2 * timeout + 10)
+
+
+def _decode_answer(answer: bytes, numel: int) -> tuple[torch.Tensor, float]:
+    values = codecs.decode(answer, expected_numel=numel)
+    return values, codecs.norm_floor(answer, values)
 
 
 async def _exchange_retrying(
@@ -552,6 +602,35 @@ class Tamper:
 HONEST = Tamper()
 
 
+def _size(values: torch.Tensor, norm: float, rda: bool) -> float:
+    """The norm of our part as its reducer merges it (``_Reduction._compute``: RDA divides by our norm)."""
+    if rda:
+        values = values.double() / norm if norm > 0 else torch.zeros(values.numel(), dtype=torch.float64)
+    return float(torch.linalg.vector_norm(values.double()))
+
+
+async def _await_answers(tasks: dict[str, asyncio.Future], local_peer: str) -> list[str]:
+    """Wait for every reducer's answer (each has the round's own bound), but once at least as many answered as
+    are still out, and our own shard is not among those, give the rest ``ANSWER_GRACE`` s or
+    ``ANSWER_GRACE_FACTOR`` × the time so far, whichever is longer; returns the reducers cancelled past it."""
+    loop = asyncio.get_running_loop()
+    started, deadline = loop.time(), None
+    pending = set(tasks.values())
+    while pending:
+        wait = None if deadline is None else max(0.0, deadline - loop.time())
+        done, pending = await asyncio.wait(pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+        if not done:
+            break
+        answered = sum(1 for t in tasks.values() if t.done() and t.exception() is None)
+        if deadline is None and pending and answered >= len(pending) and tasks.get(local_peer) not in pending:
+            deadline = loop.time() + max(ANSWER_GRACE, ANSWER_GRACE_FACTOR * (loop.time() - started))
+    late = [peer for peer, task in tasks.items() if task in pending]
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    return late
+
+
 def _encode_parts(flat: torch.Tensor, bounds: list[tuple[int, int]], codec: str, block: int,
                   solo: bool) -> tuple[list[bytes], list[torch.Tensor]]:
     """Encode each shard of our contribution, and decode it back: the values the reducers will use."""
@@ -577,6 +656,7 @@ async def allreduce(
     payloads, sent = await asyncio.get_running_loop().run_in_executor(
         None, _encode_parts, flat, bounds, spec.codec, spec.block, solo)
     tasks: dict[str, asyncio.Future] = {}
+    sizes = [_size(v, norm, spec.mode == "rda") for v in sent] if not solo else []
     if me is not None:
         # Open our shard only now, with our own part in it at once: its timeout must not run while we encode
         # (a daemon frozen mid-encode would otherwise wake up to a reduction that timed out without its own part).
@@ -587,13 +667,23 @@ async def allreduce(
             payload = tamper.part(payloads[j], flat, *bounds[j], spec)
             tasks[peer] = asyncio.ensure_future(
                 _exchange_retrying(p2p, servicer, spec, peer, payload, bounds[j][1] - bounds[j][0], weight, norm,
-                                   timeout)
+                                   sizes[j], timeout)
             )
     if me is not None:
         tasks[local_peer] = asyncio.ensure_future(asyncio.shield(reduction.result))
-    await asyncio.wait(tasks.values())
-    failed, refused, shards = [], [], {}
+    late = await _await_answers(tasks, local_peer)
+    failed, refused, shards = list(late), [], {}
+    for peer in late:
+        logger.warning("round f%d v%d: reducer %s did not answer while the others had: leaving it out",
+                       spec.fragment, spec.version, peer[-8:])
+        servicer.stats.reject("late_reducer")
+        if servicer.late.miss(peer):
+            servicer.stats.reject("late_reducer_offence", peer)
     for peer, task in tasks.items():
+        if peer in late:
+            continue
+        if peer != local_peer and task.exception() is None:
+            servicer.late.hit(peer)
         error = task.exception()
         if error is not None:
             (refused if isinstance(error, GroupRefused) else failed).append(peer)

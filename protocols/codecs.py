@@ -151,6 +151,7 @@ class _BlockSpec:
     """Static description of a blockwise codec."""
 
     def __init__(self, bits: int, grid: list[float]):
+        self.grid = list(grid)
         self.bits = bits
         self.per_byte = 8 // bits
         self.grid_max = float(max(grid))  # scale = absmax / grid_max
@@ -451,6 +452,37 @@ def decode(payload: bytes, *, expected_numel: int | None = None, max_numel: int 
     if not (abs(float(lo)) < float("inf") and abs(float(hi)) < float("inf")):
         raise NonFiniteError(f"{codec}: payload decodes to NaN/Inf values")
     return out
+
+
+def norm_floor(payload: bytes, values: torch.Tensor | None = None, *, expected_numel: int | None = None) -> float:
+    """A lower bound on the L2 norm of every tensor that ``encode`` turns into ``payload`` (which is decoded and
+    checked as ``decode`` does). A value decoded to a grid level g·scale was one that rounds to g: at least the
+    midpoint between g and the next level towards zero, times the scale (0 for code 0); bf16 keeps 8 significant
+    bits; ``none`` is exact. So a receiver can hold the sender to a bound on what it encoded, whatever the codec
+    dropped: ``norm_floor(encode(x)) <= ‖x‖`` (up to fp32 rounding of x itself). ``values``: the payload as
+    ``decode`` returned it, if the caller has it already."""
+    if values is None:
+        values = decode(payload, expected_numel=expected_numel)
+    if values.numel() == 0:
+        return 0.0
+    _, _, cid, _, _, block = _HEADER.unpack_from(payload, 0)
+    codec = CODECS[cid]
+    if codec == "none":
+        return float(torch.linalg.vector_norm(values, dtype=torch.float64))
+    if codec == "bf16":
+        return float(torch.linalg.vector_norm(values, dtype=torch.float64)) * (1 - 2.0**-8)
+    spec = _SPECS[codec]
+    nblocks = -(-values.numel() // block)
+    scales = torch.frombuffer(bytearray(payload[HEADER_SIZE : HEADER_SIZE + 4 * nblocks]), dtype=torch.float32)
+    per_value = scales.repeat_interleave(block)[: values.numel()]
+    ratio = torch.where(per_value > 0, values.abs() / per_value.clamp_min(_FLT_MIN * 2.0**-23), 0.0)
+    levels = sorted({abs(g) for g in spec.grid} - {0.0})
+    between = torch.tensor([(a + b) / 2 for a, b in zip(levels, levels[1:])], dtype=torch.float32)
+    # The encoder rounds x·(1/scale) in fp32 first: a value a few ulps of grid_max below a midpoint may round up.
+    floors = torch.tensor([max(0.0, (a + b) / 2 - spec.grid_max * 2.0**-18) for a, b in zip([0.0, *levels], levels)],
+                          dtype=torch.float32)
+    low = torch.where(ratio > 0, floors[torch.bucketize(ratio, between)], 0.0) * per_value
+    return float(torch.linalg.vector_norm(low, dtype=torch.float64))
 
 
 # ----------------------------------------------------------------------------- error feedback

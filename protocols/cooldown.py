@@ -67,3 +67,31 @@ class Cooldown:
     def __len__(self) -> int:
         now = self.clock()
         return sum(1 for t in self._until.values() if t > now)
+
+
+class Strikes:
+    """Misses of each peer in a row (a coordinator that did not decide, a reducer that did not answer): the
+    ``limit``-th in a row is an offence, and a success starts the count over. An honest peer that froze misses
+    too, rarely ``limit`` times in a row. Bounded: past ``MAX_TRACKED`` peers the counts start over."""
+
+    MAX_TRACKED = 1024
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        self.limit = limit
+        self.missed: dict[str, int] = {}
+
+    def hit(self, peer: str) -> None:
+        self.missed.pop(peer, None)
+
+    def miss(self, peer: str) -> bool:
+        """Count one miss; True when it is the ``limit``-th in a row (the count then starts over)."""
+        count = self.missed.get(peer, 0) + 1
+        if count >= self.limit:
+            self.missed.pop(peer, None)
+            return True
+        if len(self.missed) >= self.MAX_TRACKED and peer not in self.missed:
+            self.missed.clear()
+        self.missed[peer] = count
+        return False

@@ -37,6 +37,7 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time
 
 from . import dht_io
+from .cooldown import Strikes
 from .nudges import Nudges
 # MAX_GROUP and parse_group_record live in records.py (the DHT's validators check group decisions on store); they
 # are re-exported here.
@@ -108,24 +109,16 @@ class SilentCoordinators:
     read from a peer starts its count over. An honest coordinator that froze is bypassed too, rarely three rounds
     in a row; cooling it down costs nothing the bypass did not."""
 
-    MAX_TRACKED = 1024
-
     def __init__(self) -> None:
-        self.missed: dict[str, int] = {}
+        self.strikes = Strikes(SILENT_OFFENCES)
 
     def observe(self, watch: _Watch, on_reject: Callable[..., None]) -> None:
         for peer in watch.decided:
-            self.missed.pop(peer, None)
+            self.strikes.hit(peer)
         for peer in sorted(watch.passed - watch.decided):
             on_reject("silent_coordinator", None)
-            count = self.missed.get(peer, 0) + 1
-            if count >= SILENT_OFFENCES:
-                self.missed.pop(peer, None)
+            if self.strikes.miss(peer):
                 on_reject("silent_coordinator_offence", peer)
-                continue
-            if len(self.missed) >= self.MAX_TRACKED and peer not in self.missed:
-                self.missed.clear()
-            self.missed[peer] = count
 
 
 def coordinator_rank(key: str, peer_id: str) -> bytes:

@@ -258,3 +258,104 @@ def test_no_single_reducer_sets_the_rounds_weight_or_norm():
     assert combine_scalars(liar, rda=False) == (12.0, None)
     # An even count takes the lower middle: a liar pushing up cannot move it.
     assert combine_scalars([shard(12.0, 2.0), shard(1e15, 1e29)], rda=True) == (12.0, 2.0)
+
+
+def _answer(spec, deltas, weights, clip=4.0, scale=1.0):
+    """A reducer's answer to ``deltas`` (one per member, as members send them: encoded, then decoded): its header,
+    the norm floor of its payload (×``scale``: a hostile reducer's), and each member's own (weight, norm, size)."""
+    from atoll.protocols import codecs
+    from atoll.protocols.averaging import _Reduction, _size
+
+    sent = {m: codecs.decode(codecs.encode(d.float(), spec.codec, spec.block)) for m, d in zip(spec.members, deltas)}
+    norms = {m: float(torch.linalg.vector_norm(d.double())) for m, d in zip(spec.members, deltas)}
+
+    async def reduce():
+        reduction = _Reduction(spec, (0, spec.numel), 10.0, clip)
+        for m, w in zip(spec.members, weights):
+            reduction.parts[m] = (w, sent[m], norms[m])
+        result = reduction._compute()
+        reduction._timer.cancel()
+        return result
+
+    result = asyncio.run(reduce())
+    payload = result.payload if scale == 1.0 else codecs.encode(codecs.decode(result.payload) * scale, spec.codec,
+                                                                 spec.block)
+    header = {"weight": result.weight, "contributors": result.contributors, "norm": result.norm,
+              "parts": result.parts}
+    own = {m: (w, norms[m], _size(sent[m], norms[m], spec.mode == "rda")) for m, w in zip(spec.members, weights)}
+    from atoll.protocols.codecs import norm_floor
+    return header, norm_floor(payload), own
+
+
+def _deltas(members, n=600, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(n, generator=gen, dtype=torch.float64)
+    return [(base + 0.7 * torch.randn(n, generator=gen, dtype=torch.float64)) * (1 + 0.3 * k)
+            for k in range(members)]
+
+
+@pytest.mark.parametrize("merge", ["clip", "trimmed", "centered"])
+@pytest.mark.parametrize("codec", ["none", "int8", "int4", "int2"])
+@pytest.mark.parametrize("mode", ["mean", "rda"])
+def test_an_honest_reducers_shard_passes_and_one_times_minus_five_does_not(merge, codec, mode):
+    from atoll.protocols.averaging import check_shard
+
+    for m in (2, 3, 4, 5):
+        members = tuple(f"p{k}" for k in range(m))
+        spec = GroupSpec("run", 0, 1, 0, members, 600, mode=mode, codec=codec, block=64, merge=merge)
+        deltas, weights = _deltas(m, seed=m), [1.0 + k for k in range(m)]
+        reducer = members[-1]
+        for me in members[:-1]:
+            header, floor, own = _answer(spec, deltas, weights)
+            assert check_shard(header, spec, reducer, me, own[me], floor, 4.0) is None
+            if merge == "centered" and m > 2:
+                continue  # centered clipping's bound grows with its iterations: ×5 fits it (docs/security.md)
+            header, floor, own = _answer(spec, deltas, weights, scale=-5.0)
+            problem = check_shard(header, spec, reducer, me, own[me], floor, 4.0)
+            assert problem is not None and problem[1] == "reducer_shard", (m, me, problem)
+
+
+def test_a_reducer_that_misstates_our_part_or_sends_malformed_scalars_is_refused():
+    from atoll.protocols.averaging import check_shard
+
+    members = ("a", "b", "c")
+    spec = GroupSpec("run", 0, 1, 0, members, 600, codec="int8", block=64, merge="trimmed")
+    header, floor, own = _answer(spec, _deltas(3), [1.0, 1.0, 1.0])
+    assert check_shard(header, spec, "c", "a", own["a"], floor, 4.0) is None
+    bigger = dict(header, parts=[[1.0, p[1], p[2] * 4] if i == 0 else p for i, p in enumerate(header["parts"])])
+    assert check_shard(bigger, spec, "c", "a", own["a"], floor, 4.0)[1] == "reducer_parts"
+    assert check_shard(bigger, spec, "c", "b", own["b"], floor, 4.0) is None  # only "a" can tell
+    for parts in ([[1.0, 1.0]] * 3, [[1.0, 1.0, float("nan")]] * 3, [[0.0, 1.0, 1.0]] * 3, [[1, 1.0, 1.0]] * 3,
+                  header["parts"][:2], "many"):
+        assert check_shard(dict(header, parts=parts), spec, "c", "a", own["a"], floor, 4.0)[1] == "reducer_parts"
+
+
+def test_reducers_still_out_once_the_others_answered_get_a_deadline_of_their_own(monkeypatch):
+    from atoll.protocols import averaging
+
+    monkeypatch.setattr(averaging, "ANSWER_GRACE", 0.2)
+
+    async def main(own_late: bool):
+        loop = asyncio.get_running_loop()
+        quick, mute, own = loop.create_future(), loop.create_future(), loop.create_future()
+        loop.call_later(0.05, quick.set_result, "shard")
+        loop.call_later(0.05 if not own_late else 0.6, own.set_result, "own shard")
+        started = time.monotonic()
+        late = await averaging._await_answers({"quick": quick, "mute": mute, "me": own}, "me")
+        return late, time.monotonic() - started, mute.cancelled()
+
+    late, took, cancelled = asyncio.run(main(False))
+    assert late == ["mute"] and cancelled and 0.2 <= took < 1.0  # the grace after the others: not the round's bound
+    # While our own shard is still out, nobody is given up on (our own reduction has its own timer).
+    late, took, _ = asyncio.run(main(True))
+    assert late == ["mute"] and took >= 0.6 + 0.2
+
+
+def test_strikes_count_misses_in_a_row():
+    from atoll.protocols.cooldown import Strikes
+
+    strikes = Strikes(3)
+    assert [strikes.miss("x") for _ in range(2)] == [False, False]
+    strikes.hit("x")
+    assert [strikes.miss("x") for _ in range(3)] == [False, False, True]
+    assert strikes.miss("x") is False  # counting starts over after an offence

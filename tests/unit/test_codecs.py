@@ -689,3 +689,25 @@ def test_error_feedback_residuals_are_this_moments_values_without_a_copy():
     ef.commit("0", target, C.decode(C.encode(target, "int4")))
     assert torch.equal(held["0"], before) and not torch.equal(ef.residuals()["0"], before)
     assert ef.state_dict()["0"] is not ef.residuals()["0"]
+
+
+@pytest.mark.parametrize("codec", C.CODECS)
+def test_norm_floor_is_a_lower_bound_of_what_was_encoded(codec):
+    gen = torch.Generator().manual_seed(7)
+    for trial in range(120):
+        n = int(torch.randint(1, 1500, (), generator=gen))
+        x = torch.randn(n, generator=gen)
+        if trial % 4 == 1:
+            x = x * (torch.rand(n, generator=gen) < 0.05)  # mostly zeros
+        elif trial % 4 == 2:
+            x = (2 * x).exp() * torch.randn(n, generator=gen).sign()  # heavy tails: most values near a block's zero
+        elif trial % 4 == 3:
+            x = x * 1e-38  # subnormal scales
+        payload = C.encode(x, codec, 64)
+        floor = C.norm_floor(payload)
+        assert floor <= float(torch.linalg.vector_norm(x.double())) * (1 + 1e-6) + 1e-45
+        assert floor == C.norm_floor(payload, C.decode(payload))
+    # And tight enough to tell a shard ×5 from the shard: typical values keep most of their norm.
+    x = torch.randn(10_000, generator=gen)
+    assert C.norm_floor(C.encode(x, codec, 256)) > 0.5 * float(x.norm())
+    assert C.norm_floor(C.encode(torch.zeros(10), codec, 256)) == 0.0

@@ -66,3 +66,23 @@ def test_split_side_until_its_step_and_start_barrier():
 def test_checkpoint_kill_at_its_number_only():
     faults = Faults(["kill_in_checkpoint=2"])
     assert faults.checkpoint_interrupt(1) is None and callable(faults.checkpoint_interrupt(2))
+
+
+def test_a_hostile_reducer_answers_with_its_shard_scaled_or_not_at_all():
+    import asyncio
+
+    import torch
+
+    from atoll.node.faults import REDUCER_SCALE, SilentAnswer
+    from atoll.protocols import codecs
+    from atoll.protocols.averaging import Answer, GroupSpec
+
+    assert parse_faults(["reducer=silent"]) == {"reducer": "silent"}
+    with pytest.raises(ValueError, match="unknown reducer kind"):
+        parse_faults(["reducer=loud"])
+    assert type(Faults().answer()) is Answer  # honest
+    spec = GroupSpec("run", 0, 1, 0, ("a", "b"), 8, codec="none")
+    shard = codecs.encode(torch.arange(8.0), "none")
+    scaled = asyncio.run(Faults(["reducer=scale"]).answer().payload(shard, spec, 1.0))
+    assert torch.equal(codecs.decode(scaled), torch.arange(8.0) * REDUCER_SCALE)
+    assert isinstance(Faults(["reducer=silent"]).answer(), SilentAnswer)

@@ -265,7 +265,7 @@ def test_a_coordinator_bypassed_rounds_in_a_row_is_an_offender():
     assert rejected.count(("silent_coordinator", None)) == 2 * (SILENT_OFFENCES - 1) + 1
     # A coordinator bypassed whose decision we read after all is no silent one.
     round_where(passed=["late"], decided=["late"])
-    assert "late" not in silent.missed
+    assert "late" not in silent.strikes.missed
 
 
 def test_a_decision_by_a_key_that_did_not_register_is_ignored(monkeypatch):

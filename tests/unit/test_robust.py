@@ -136,3 +136,76 @@ def test_weight_and_norm_each_just_inside_their_clips_weigh_one_member_jointly()
     before = weighted_mean(values, [1.0, 1.0, 1.0, 3.0])
     after = weighted_mean(values, weights)
     assert before[0] < 0 < after[0]  # the mean pointed against the honest members; now it points with them
+
+
+def _naive_clipping(weights, norms, sizes, factor, rda):
+    """What the reducer did before ``clip_members``: each clip in turn, on the values themselves."""
+    vectors = [torch.full((1,), float(s), dtype=torch.float64) for s in sizes]
+    vectors, cut = clip_contributions(vectors, factor)
+    scales = [float(v[0]) / s if s else 1.0 for v, s in zip(vectors, sizes)]
+    weights, cut_w = clip_scalars(weights, factor)
+    norms, cut_n = clip_scalars(norms, factor)
+    clipped_sizes = [float(v[0]) for v in vectors]
+    weights, cut_i = clip_influence(weights, norms if rda else clipped_sizes, factor)
+    return scales, weights, norms, clipped_sizes, sorted(set(cut) | set(cut_w) | set(cut_n) | set(cut_i))
+
+
+@pytest.mark.parametrize("rda", [False, True])
+def test_clip_members_decides_from_scalars_what_the_clips_do(rda):
+    from atoll.models.robust import clip_members
+
+    rng = random.Random(3)
+    for trial in range(300):
+        m = rng.randint(2, 7)
+        weights = [rng.choice([1.0, 2.0, rng.uniform(0.1, 5), rng.uniform(5, 50)]) for _ in range(m)]
+        norms = [rng.choice([1.0, rng.uniform(0.1, 3), rng.uniform(3, 30), 0.0]) for _ in range(m)]
+        sizes = [rng.choice([1.0, rng.uniform(0.1, 3), rng.uniform(3, 30)]) for _ in range(m)]
+        got = clip_members(weights, norms, sizes, 4.0, rda)
+        scales, w, n, s, cut = _naive_clipping(weights, norms, sizes, 4.0, rda)
+        assert got.scales == pytest.approx(scales, rel=1e-12)
+        assert got.weights == pytest.approx(w, rel=1e-12) and got.norms == n
+        assert got.sizes == pytest.approx(s, rel=1e-12) and got.clipped == cut
+    assert clip_members([1.0, 9.0], [1.0, 1.0], [1.0, 100.0], 0.0, rda).scales == [1.0, 1.0]  # clipping off
+
+
+def _vectors(rng, m, n, kind):
+    base = torch.randn(n, generator=rng, dtype=torch.float64)
+    if kind == "correlated":  # honest deltas of one step from one replica: alike, each its own noise
+        return [base + 0.5 * torch.randn(n, generator=rng, dtype=torch.float64) for _ in range(m)]
+    if kind == "sparse":
+        return [torch.randn(n, generator=rng, dtype=torch.float64) * (torch.rand(n, generator=rng) < 0.1)
+                for _ in range(m)]
+    # extreme: every member pushes all coordinates one way, with norms that differ by orders of magnitude
+    return [base.abs() * 10.0 ** (k - m / 2) for k in range(m)]
+
+
+@pytest.mark.parametrize("rule", ["clip", "trimmed", "centered"])
+@pytest.mark.parametrize("kind", ["correlated", "sparse", "extreme"])
+def test_merge_bound_bounds_every_merge(rule, kind):
+    from atoll.models.robust import MergeRule, merge_bound, robust_merge
+
+    rng = torch.Generator().manual_seed(11)
+    pick = random.Random(5)
+    for m in range(1, 8):
+        for _ in range(6):
+            vectors = _vectors(rng, m, 257, kind)
+            weights = [pick.uniform(0.5, 4.0) for _ in range(m)]
+            sizes = [float(torch.linalg.vector_norm(v)) for v in vectors]
+            merged = float(torch.linalg.vector_norm(robust_merge(vectors, weights, MergeRule(rule))))
+            assert merged <= merge_bound(MergeRule(rule), weights, sizes) * (1 + 1e-12)
+            # One member (the reducer) sends anything at all: the trimmed bound without it still holds.
+            e = pick.randrange(m)
+            wild = [v if i != e else v * -1e6 for i, v in enumerate(vectors)]
+            wild_sizes = [float(torch.linalg.vector_norm(v)) for v in wild]
+            merged = float(torch.linalg.vector_norm(robust_merge(wild, weights, MergeRule(rule))))
+            assert merged <= merge_bound(MergeRule(rule), weights, wild_sizes, exclude=e) * (1 + 1e-12)
+
+
+def test_merge_bound_of_a_trimmed_mean_ignores_the_excluded_member():
+    from atoll.models.robust import MergeRule, merge_bound
+
+    sizes = [1.0, 1.0, 1.0, 4.0]
+    assert merge_bound(MergeRule.TRIMMED, [1.0] * 4, sizes, exclude=3) == pytest.approx(math.sqrt(3.0))
+    assert merge_bound(MergeRule.TRIMMED, [1.0] * 4, sizes) == pytest.approx(math.sqrt(19 / 2))
+    assert merge_bound(MergeRule.CLIP, [1.0, 3.0], [2.0, 1.0]) == pytest.approx(5 / 4)
+    assert merge_bound(MergeRule.TRIMMED, [1.0, 3.0], [2.0, 1.0], exclude=0) == pytest.approx(5 / 4)  # two: a mean
