@@ -609,26 +609,32 @@ def _size(values: torch.Tensor, norm: float, rda: bool) -> float:
     return float(torch.linalg.vector_norm(values.double()))
 
 
-async def _await_answers(tasks: dict[str, asyncio.Future], local_peer: str) -> list[str]:
-    """Wait for every reducer's answer (each has the round's own bound), but once at least as many answered as
-    are still out, and our own shard is not among those, give the rest ``ANSWER_GRACE`` s or
-    ``ANSWER_GRACE_FACTOR`` × the time so far, whichever is longer; returns the reducers cancelled past it."""
+async def _await_answers(tasks: dict[str, asyncio.Future], local_peer: str) -> tuple[list[str], list[str]]:
+    """Wait for the reducers' answers (each has the round's own bound) until this attempt's outcome is known:
+    (late, abandoned). Once a reducer failed or refused, the attempt cannot merge: those still out are abandoned
+    (cancelled; our own shard's reduction goes on for the others). Once at least as many answered as are still
+    out, and our own shard is not among those, the rest get ``ANSWER_GRACE`` s or ``ANSWER_GRACE_FACTOR`` × the
+    time so far, whichever is longer, and are late past it (cancelled)."""
     loop = asyncio.get_running_loop()
     started, deadline = loop.time(), None
     pending = set(tasks.values())
+    abandoned = False
     while pending:
         wait = None if deadline is None else max(0.0, deadline - loop.time())
         done, pending = await asyncio.wait(pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
         if not done:
             break
-        answered = sum(1 for t in tasks.values() if t.done() and t.exception() is None)
+        if any(t.exception() is not None for t in done):
+            abandoned = True
+            break
+        answered = sum(1 for t in tasks.values() if t.done())
         if deadline is None and pending and answered >= len(pending) and tasks.get(local_peer) not in pending:
             deadline = loop.time() + max(ANSWER_GRACE, ANSWER_GRACE_FACTOR * (loop.time() - started))
-    late = [peer for peer, task in tasks.items() if task in pending]
+    out = [peer for peer, task in tasks.items() if task in pending]
     for task in pending:
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
-    return late
+    return ([], out) if abandoned else (out, [])
 
 
 def _encode_parts(flat: torch.Tensor, bounds: list[tuple[int, int]], codec: str, block: int,
@@ -671,7 +677,7 @@ async def allreduce(
             )
     if me is not None:
         tasks[local_peer] = asyncio.ensure_future(asyncio.shield(reduction.result))
-    late = await _await_answers(tasks, local_peer)
+    late, abandoned = await _await_answers(tasks, local_peer)
     failed, refused, shards = list(late), [], {}
     for peer in late:
         logger.warning("round f%d v%d: reducer %s did not answer while the others had: leaving it out",
@@ -680,7 +686,7 @@ async def allreduce(
         if servicer.late.miss(peer):
             servicer.stats.reject("late_reducer_offence", peer)
     for peer, task in tasks.items():
-        if peer in late:
+        if peer in late or peer in abandoned:
             continue
         if peer != local_peer and task.exception() is None:
             servicer.late.hit(peer)

@@ -14,6 +14,11 @@ of 3,000 junk-signed records, a few at a time, at one node, and the whole swarm'
   to ``STORE_BURST_BYTES`` (a token bucket per peer); a store past it is answered with nothing. The review's
   member wrote 64 KB values under new keys until a node's storage grew from 695 to 2,004 MiB in 100 s (13 MB/s);
   an honest daemon writes a few KB a second into any one node, some tens in the fastest local tests;
+- a peer holds at most ``MAX_KEYS_PER_PEER`` live records (key and subkey) and ``MAX_BYTES_PER_PEER`` bytes of
+  them in this node at once (until they expire); a store past either is answered with nothing. The write budget
+  bounds how fast one identity fills a node, this how much it can hold: an honest daemon keeps hundreds of
+  small records alive in a node (a registration per round lives 4 gather timeouts + 60 s). A node sees keys
+  only as hashes, so it cannot check their shapes: it bounds what each writer holds instead.
 - every refusal is counted in ``REFUSED`` (by kind), which the DHT's process logs at most once per ``LOG_EVERY``.
 
 hivemind collects a servicer's handlers from its class when the handlers are added, so the wrappers are put on
@@ -31,6 +36,7 @@ from collections import Counter
 
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.proto import dht_pb2
+from hivemind.utils import get_dht_time
 
 logger = logging.getLogger("atoll")
 
@@ -41,6 +47,9 @@ LOG_EVERY = 10.0
 STORE_BYTES_PER_S = 128 * 1024
 STORE_BURST_BYTES = 8 * 1024 * 1024
 MAX_BUCKETS = 4096  # peers whose write budgets are remembered; full (idle) ones are forgotten first
+MAX_KEYS_PER_PEER = 16384  # an honest daemon: a registration a round (each lives 4 gathers + 60 s) and a few more
+MAX_BYTES_PER_PEER = 16 * 1024 * 1024
+MAX_HELD = 1 << 18  # live records tracked over all peers; past it (after dropping expired ones) stores are refused
 
 REFUSED: Counter = Counter()
 _in_flight: Counter = Counter()
@@ -71,6 +80,57 @@ class _Budgets:
 BUDGETS = _Budgets()
 
 
+class _Holdings:
+    """The live records each peer stored in this node: (key, subkey) -> (expiration, bytes), expired ones dropped
+    as they are met. A record stored again replaces its earlier self, as in hivemind's storage."""
+
+    def __init__(self, clock=get_dht_time) -> None:
+        self.clock = clock
+        self.peers: dict[str, dict[tuple[bytes, bytes], tuple[float, int]]] = {}
+        self.total = 0
+        self._swept_at = -1e9
+
+    def _drop_expired(self, peer: str, now: float) -> dict[tuple[bytes, bytes], tuple[float, int]]:
+        held = self.peers.get(peer, {})
+        expired = [k for k, (until, _) in held.items() if until <= now]
+        for k in expired:
+            del held[k]
+        self.total -= len(expired)
+        if not held:
+            self.peers.pop(peer, None)
+        return held
+
+    def admit(self, peer: str, records: list[tuple[bytes, bytes, float, int]]) -> str | None:
+        """Record ``records`` (key, subkey, expiration, bytes) as ``peer``'s, or None; else the kind of refusal."""
+        now = self.clock()
+        held = dict(self._drop_expired(peer, now))
+        for key, subkey, until, size in records:
+            held[(key, subkey)] = (until, size)
+        if len(held) > MAX_KEYS_PER_PEER:
+            return "dht_keys_held"
+        if sum(size for _, size in held.values()) > MAX_BYTES_PER_PEER:
+            return "dht_bytes_held"
+        grown = len(held) - len(self.peers.get(peer, {}))
+        if self.total + grown > MAX_HELD and now - self._swept_at >= 1.0:
+            self._swept_at = now
+            for other in list(self.peers):
+                if other != peer:
+                    self._drop_expired(other, now)
+        if self.total + grown > MAX_HELD:
+            return "dht_records_held"
+        self.peers[peer] = held
+        self.total += grown
+        return None
+
+
+HOLDINGS = _Holdings()
+
+
+def _held(request: dht_pb2.StoreRequest) -> list[tuple[bytes, bytes, float, int]]:
+    return [(bytes(k), bytes(s), float(t), len(v) + len(s))
+            for k, s, t, v in zip(request.keys, request.subkeys, request.expiration_time, request.values)]
+
+
 def _refuse(kind: str, peer: str) -> None:
     REFUSED[kind] += 1
     now = time.monotonic()
@@ -79,7 +139,7 @@ def _refuse(kind: str, peer: str) -> None:
         logger.warning("DHT node refused a call of %s (%s); refused so far: %s", peer[-8:], kind, dict(REFUSED))
 
 
-def _guard(handler, size, limit: int, kind: str, empty, cost=None):
+def _guard(handler, size, limit: int, kind: str, empty, cost=None, held=None):
     @functools.wraps(handler)
     async def guarded(self, request, context):
         peer = str(context.remote_id)
@@ -91,6 +151,10 @@ def _guard(handler, size, limit: int, kind: str, empty, cost=None):
             return empty(self)
         if cost is not None and not BUDGETS.take(peer, cost(request)):
             _refuse("dht_store_bytes", peer)
+            return empty(self)
+        refusal = HOLDINGS.admit(peer, held(request)) if held is not None else None
+        if refusal is not None:
+            _refuse(refusal, peer)
             return empty(self)
         _in_flight[peer] += 1
         try:
@@ -116,4 +180,5 @@ def install() -> None:
     DHTProtocol.rpc_store = _guard(DHTProtocol.rpc_store, lambda r: len(r.keys), MAX_STORE_RECORDS,
                                    "dht_store_records",
                                    lambda self: dht_pb2.StoreResponse(store_ok=[], peer=self.node_info),
-                                   cost=lambda r: sum(len(v) for v in r.values) + sum(len(k) for k in r.subkeys))
+                                   cost=lambda r: sum(len(v) for v in r.values) + sum(len(k) for k in r.subkeys),
+                                   held=_held)

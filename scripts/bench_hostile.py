@@ -9,7 +9,8 @@ Per seed, two runs of three honest daemons in a private run (`decoupled`, nano, 
 round settings, every daemon sleeping ``--step-delay`` s a step, started together): a clean one, and one where a member
 holding a join token (``scripts/hostile/member.py``, a process of its own) runs ``--attack`` from the first merged
 round until the honest daemons stop; or, for ``--attack byzantine=K`` or ``reducer=K``, a fourth daemon with a join token that
-trains and merges with that ``--fault`` (``node/faults.py``) from that round on. The order of the two alternates from seed to seed. Measured from the honest
+trains and merges with that ``--fault`` (``node/faults.py``) from that round on (``--attackers 2``: two of them,
+colluding tokens). The order of the two alternates from seed to seed. Measured from the honest
 daemons' own metrics: the held-out loss of their final replicas (mean over a, b, c), multi-member merges a minute
 per daemon, adoptions (and any whose donors include the member, or whose replica is one the member served), and
 their refusals by kind. Goals (the hostile-internet issue): held-out within 5% of the clean run, merges a minute at
@@ -36,6 +37,7 @@ from stats import interval  # noqa: E402
 from swarm import LocalSwarm, peer_id, wait_for  # noqa: E402
 
 HONEST = ("a", "b", "c")
+ATTACKERS = ("m", "n")
 
 
 def common(args: argparse.Namespace, seed: int) -> list[str]:
@@ -56,7 +58,8 @@ def run(root: Path, args: argparse.Namespace, seed: int, attack: bool) -> dict:
         wait_for(lambda: any(len(r["contributors"]) > 1 for r in a.rounds()), 300, "a's first merged round")
         member, result = None, root / "member.json"
         if attack and args.attack.startswith(("byzantine=", "reducer=")):
-            swarm.start("m", ["--fault", args.attack])  # a daemon of the run, lying in every round it merges
+            for name in ATTACKERS[: args.attackers]:  # daemons of the run, lying in every round they merge
+                swarm.start(name, ["--fault", args.attack])
         elif attack:
             token = root / "member.token"
             RunKey.load_or_create(swarm.run_key)[0].issue_token("atoll").save(token)
@@ -115,6 +118,8 @@ def main() -> int:
     p.add_argument("--attack-seconds", type=float, default=600.0, help="at most; the member stops with the swarm")
     p.add_argument("--run-timeout", type=float, default=900.0)
     p.add_argument("--robust-merge", default=None, help="the run's --robust-merge (default: the daemon's)")
+    p.add_argument("--attackers", type=int, default=1, choices=(1, 2),
+                   help="daemons running a byzantine= or reducer= fault (2: two colluding tokens)")
     p.add_argument("--label", default="default")
     p.add_argument("--out", default="docs/results/hostile")
     args = p.parse_args()
@@ -129,7 +134,8 @@ def main() -> int:
             with tempfile.TemporaryDirectory(prefix="atoll-hostile-") as root:
                 started = time.monotonic()
                 r = run(Path(root), args, seed, attack)
-            r.update(seed=seed, label=args.label, attack_name=args.attack, wall_s=time.monotonic() - started,
+            name = args.attack if args.attackers == 1 else f"{args.attack} x{args.attackers}"
+            r.update(seed=seed, label=args.label, attack_name=name, wall_s=time.monotonic() - started,
                      command="python scripts/bench_hostile.py " + " ".join(sys.argv[1:]))
             pair[attack] = r
             doc["runs"].append(r)

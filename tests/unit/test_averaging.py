@@ -341,7 +341,8 @@ def test_reducers_still_out_once_the_others_answered_get_a_deadline_of_their_own
         loop.call_later(0.05, quick.set_result, "shard")
         loop.call_later(0.05 if not own_late else 0.6, own.set_result, "own shard")
         started = time.monotonic()
-        late = await averaging._await_answers({"quick": quick, "mute": mute, "me": own}, "me")
+        late, abandoned = await averaging._await_answers({"quick": quick, "mute": mute, "me": own}, "me")
+        assert abandoned == []
         return late, time.monotonic() - started, mute.cancelled()
 
     late, took, cancelled = asyncio.run(main(False))
@@ -349,6 +350,24 @@ def test_reducers_still_out_once_the_others_answered_get_a_deadline_of_their_own
     # While our own shard is still out, nobody is given up on (our own reduction has its own timer).
     late, took, _ = asyncio.run(main(True))
     assert late == ["mute"] and took >= 0.6 + 0.2
+
+
+def test_once_a_reducer_failed_the_others_are_not_waited_for():
+    """The attempt cannot merge any more: a reducer refused the group, or its shard was refused. (Waiting for a
+    hostile reducer that holds its answer until the round's timeout cost the second review's swarm 30 s a round.)"""
+    from atoll.protocols import averaging
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        refusing, mute, own = loop.create_future(), loop.create_future(), loop.create_future()
+        loop.call_later(0.05, refusing.set_exception, averaging.GroupRefused("unknown group"))
+        started = time.monotonic()
+        out = await averaging._await_answers({"refusing": refusing, "mute": mute, "me": own}, "me")
+        return out, time.monotonic() - started, own.cancelled()
+
+    (late, abandoned), took, own_cancelled = asyncio.run(main())
+    assert late == [] and sorted(abandoned) == ["me", "mute"] and took < 0.5
+    assert own_cancelled  # (a stand-in here: allreduce shields its own reduction, which goes on for the others)
 
 
 def test_strikes_count_misses_in_a_row():

@@ -89,3 +89,44 @@ def test_a_store_past_the_budget_is_answered_with_nothing(monkeypatch):
     before = dht_guard.REFUSED["dht_store_bytes"]
     assert list(asyncio.run(DHTProtocol.rpc_store(me, big, SimpleNamespace(remote_id="QmWriter"))).store_ok) == []
     assert dht_guard.REFUSED["dht_store_bytes"] == before + 1
+
+
+def test_a_peer_holds_a_bounded_number_of_live_records_and_bytes_in_a_node(monkeypatch):
+    """The second review's member wrote 64 KB values under ever new keys: a node's storage grew without bound."""
+    monkeypatch.setattr(dht_guard, "MAX_KEYS_PER_PEER", 4)
+    monkeypatch.setattr(dht_guard, "MAX_BYTES_PER_PEER", 100)
+    monkeypatch.setattr(dht_guard, "MAX_HELD", 6)
+    now = [1000.0]
+    holdings = dht_guard._Holdings(clock=lambda: now[0])
+    assert holdings.admit("m", [(b"k%d" % i, b"", 1010.0, 10) for i in range(4)]) is None
+    assert holdings.admit("m", [(b"k4", b"", 1010.0, 10)]) == "dht_keys_held"
+    assert holdings.admit("m", [(b"k0", b"", 1020.0, 10)]) is None  # stored again: it replaces itself
+    assert holdings.admit("m", [(b"k1", b"", 1010.0, 80)]) == "dht_bytes_held"
+    assert holdings.admit("h", [(b"k", b"", 1010.0, 10)]) is None  # another peer has its own quota
+    assert holdings.admit("h", [(b"j", b"", 1010.0, 10), (b"i", b"", 1010.0, 10)]) == "dht_records_held"
+    now[0] = 1015.0  # most of m's records expired: room again, for m and for the others
+    assert holdings.admit("m", [(b"k5", b"", 1030.0, 10), (b"k6", b"", 1030.0, 10)]) is None
+    assert holdings.admit("h", [(b"j", b"", 1030.0, 10)]) is None
+    assert holdings.total == sum(len(h) for h in holdings.peers.values()) == 4  # m: k0, k5, k6; h: j
+
+
+def test_the_store_handler_refuses_a_store_past_a_peers_holdings(monkeypatch):
+    monkeypatch.setattr(dht_guard, "HOLDINGS", dht_guard._Holdings(clock=lambda: 0.0))
+    monkeypatch.setattr(dht_guard, "MAX_KEYS_PER_PEER", 2)
+    stored = []
+
+    async def store(self, request, context):
+        stored.extend(request.keys)
+        return dht_pb2.StoreResponse(store_ok=[True] * len(request.keys))
+
+    guarded = dht_guard._guard(store, lambda r: len(r.keys), dht_guard.MAX_STORE_RECORDS, "dht_store_records",
+                               lambda self: dht_pb2.StoreResponse(store_ok=[]), held=dht_guard._held)
+
+    def call(keys):
+        request = dht_pb2.StoreRequest(keys=keys, subkeys=[b""] * len(keys), values=[b"v"] * len(keys),
+                                       expiration_time=[60.0] * len(keys))
+        return list(asyncio.run(guarded(None, request, SimpleNamespace(remote_id="Qm1"))).store_ok)
+
+    assert call([b"a", b"b"]) == [True, True]
+    assert call([b"c"]) == []  # a third live key
+    assert stored == [b"a", b"b"]
