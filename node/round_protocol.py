@@ -24,6 +24,7 @@ from hivemind.utils import get_dht_time
 from atoll.models.robust import MergeRule
 from atoll.protocols import dht_io
 from atoll.protocols.averaging import HONEST, AllreduceResult, AveragingServicer, GroupSpec, Tamper, allreduce
+from atoll.protocols.cooldown import Strikes
 from atoll.protocols.matchmaking import POLL_INTERVAL, SilentCoordinators, form_group, sibling_group
 from atoll.protocols.nudges import Nudges
 from atoll.protocols.records import Status, open_rounds_key, parse_open_round, unwrap_subkeys
@@ -40,6 +41,7 @@ SIBLING_ATTEMPTS = 1000  # the attempt numbers (in group ids) of a split round's
 OPEN_ROUND_POLL = 0.5  # seconds at least between reads of the rounds others opened (decoupled)
 OPEN_ROUND_FALLBACK = 3.0  # seconds at most between them: a peer that opens one tells us (``protocols/nudges.py``)
 PEERS_MAX_AGE = 1.0  # seconds a peer table read may be reused while forming a group (it is polled)
+REFUSAL_OFFENCES = 3  # groups in a row a member refused before it is an offender
 MAX_DEFERRALS = 2  # lone rounds deferred at one version of a fragment before one merges alone anyway
 
 
@@ -112,6 +114,7 @@ class RoundProtocol:
         self._deferred: dict[int, tuple[int, int]] = {}  # fragment -> (version, lone rounds deferred at it)
         self.nudges = Nudges()  # its ``send`` is set once the event loop has started
         self.silent = SilentCoordinators()  # coordinators bypassed, rounds in a row (an offence after a few)
+        self.refusals = Strikes(REFUSAL_OFFENCES)  # members that refused our group, rounds in a row
 
     def grace(self) -> float:
         """The adaptive grace window (seconds) a decoupled round may wait for more members after quorum: the
@@ -287,11 +290,14 @@ class RoundProtocol:
         return dataclasses.replace(merged, contributors=contributors, sent=result.sent)
 
     def _refused(self, refusers: list[str]) -> None:
-        """Members that refused our group, counted (``group_refusal``) but not held against them: in a swarm under
-        faults honest views of a group disagree often enough that cooling a refuser down split the swarm (a
-        member refusing every group it is put in still makes those rounds skip: docs/security.md)."""
-        for _ in refusers:
+        """Members that refused our group, counted (``group_refusal``); ``REFUSAL_OFFENCES`` refusals of one peer in
+        a row are an offence (``group_refusal_offence``). One refusal is not: under faults honest views of a group
+        disagree often enough that cooling every refuser down split the swarm; but a registrant that refuses every
+        group it is put in (the second review's squatter) made every round with it skip."""
+        for peer in refusers:
             self.ctx.reject("group_refusal")
+            if self.refusals.miss(peer):
+                self.ctx.reject("group_refusal_offence", peer)
 
     async def allreduce(self, p: int, version: int, members: list[str], tensor: torch.Tensor, weight: float,
                         mode: str, codec: str, tamper: Tamper = HONEST, first_attempt: int = 0,
@@ -312,6 +318,8 @@ class RoundProtocol:
             result = await allreduce(ctx.p2p, self.averager, spec, ctx.peer_id, tensor, weight,
                                      ctx.cfg.run.round_timeout, tamper)
             if result.merged is not None:
+                for reducer in reducers:  # each answered: a group it knew
+                    self.refusals.hit(reducer)
                 return result, alive
             if result.refused:
                 # Live members disagree about the group. Merging without them would fork the replica;

@@ -1,0 +1,51 @@
+"""A member that refuses the groups it is put in: counted each time, an offender after ``REFUSAL_OFFENCES`` in a
+row; a round it answered in starts its count over. (The second review's squatter registered for every round and
+refused every group: each round with it skipped.) No sockets: the all-reduce is a stand-in."""
+
+import asyncio
+from types import SimpleNamespace
+
+import torch
+
+from atoll.node import round_protocol
+from atoll.node.round_protocol import REFUSAL_OFFENCES, RoundProtocol
+from atoll.protocols.averaging import AllreduceResult
+
+
+def _protocol(outcomes, rejected):
+    ctx = SimpleNamespace(cfg=SimpleNamespace(run_id="run", client_mode=False,
+                                              run=SimpleNamespace(codec_block=4, robust_merge="clip",
+                                                                  round_timeout=5.0)),
+                          peer_id="me", p2p=None, reject=lambda kind, source=None: rejected.append((kind, source)),
+                          cooldown=SimpleNamespace(active=lambda peer: False), revoked=lambda peer: False)
+    rounds = RoundProtocol(ctx, peers=SimpleNamespace(everyone=lambda: {}), catch_up=None)
+    rounds.averager = None
+    return rounds
+
+
+def test_a_member_refusing_groups_in_a_row_is_an_offender(monkeypatch):
+    rejected, outcomes = [], []
+
+    async def stand_in(p2p, servicer, spec, me, tensor, weight, timeout, tamper):
+        refuse = outcomes.pop(0)
+        if refuse:
+            return AllreduceResult(None, 0.0, [], [], ["squatter"])
+        return AllreduceResult(tensor, weight, list(spec.members), [])
+
+    monkeypatch.setattr(round_protocol, "allreduce", stand_in)
+    rounds = _protocol(outcomes, rejected)
+
+    def round_(refuse: bool):
+        outcomes.append(refuse)
+        result, _ = asyncio.run(rounds.allreduce(0, 1, ["me", "squatter"], torch.zeros(4), 1.0, "mean", "none"))
+        return result
+
+    for _ in range(REFUSAL_OFFENCES - 1):
+        assert round_(True) is None
+    assert round_(False) is not None  # it answered one: the count starts over
+    for _ in range(REFUSAL_OFFENCES - 1):
+        round_(True)
+    assert ("group_refusal_offence", "squatter") not in rejected
+    round_(True)
+    assert rejected.count(("group_refusal_offence", "squatter")) == 1
+    assert rejected.count(("group_refusal", None)) == 2 * REFUSAL_OFFENCES - 1
