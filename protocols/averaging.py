@@ -268,6 +268,7 @@ class AveragingServicer(ServicerBase):
         self._authorize = authorize
         self.answer = answer or Answer()
         self.late = Strikes(LATE_OFFENCES)  # reducers this daemon gave up on while the others answered, in a row
+        self._sent: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
         self._log = RateLimitedLog()
         self._groups: dict[str, _Reduction] = {}
         self._opened: dict[str, asyncio.Event] = {}
@@ -290,6 +291,21 @@ class AveragingServicer(ServicerBase):
         self._opened.setdefault(gid, asyncio.Event()).set()
         asyncio.get_running_loop().call_later(3 * timeout, self._forget, gid)
         return reduction
+
+    def sent(self, gid: str, reducer: str, part: tuple[float, float, float],
+             timeout: float) -> list[tuple[float, float, float]]:
+        """Every (weight, norm, size) this daemon sent ``reducer`` for group ``gid``, ``part`` included. A reducer
+        keeps the first part it got of a member for as long as it remembers the group (a round formed again at
+        the same version by the same members has the same id, and gets the same result): its answer may name
+        one we sent before, not the one we send now."""
+        key = (gid, reducer)
+        if key not in self._sent:
+            self._sent[key] = []
+            asyncio.get_running_loop().call_later(3 * timeout + 10, self._sent.pop, key, None)
+        parts = self._sent[key]
+        if part not in parts and len(parts) < 8:
+            parts.append(part)
+        return parts
 
     def _forget(self, gid: str) -> None:
         self._groups.pop(gid, None)
@@ -431,11 +447,11 @@ def check_answer(header: dict[str, Any], spec: GroupSpec) -> tuple[str, str] | N
     return None
 
 
-def check_shard(header: dict[str, Any], spec: GroupSpec, reducer: str, me: str, own: tuple[float, float, float],
-                floor: float, clip_factor: float) -> tuple[str, str] | None:
+def check_shard(header: dict[str, Any], spec: GroupSpec, reducer: str, me: str,
+                own: list[tuple[float, float, float]], floor: float, clip_factor: float) -> tuple[str, str] | None:
     """Whether a reducer's shard is one its contributions allow; (message, kind) if not. ``header["parts"]`` are
     the contributors' declared (weight, norm) and the norm of the values it merged, as the reducer says: our own
-    entry must be ours (``own``), and the norm of what it sent (at least ``floor``, ``codecs.norm_floor``) must be
+    entry must be one of the parts we sent it for this group (``own``, ``AveragingServicer.sent``), and the norm of what it sent (at least ``floor``, ``codecs.norm_floor``) must be
     within ``merge_bound`` of the contributions after the reducer's clips (``clip_members``), recomputed here
     from those scalars. The reducer's own contribution is one nobody can check, and ``merge_bound`` leaves it out
     where the rule allows (the trimmed mean). A reducer can still misstate another member's part to loosen the
@@ -447,7 +463,7 @@ def check_shard(header: dict[str, Any], spec: GroupSpec, reducer: str, me: str, 
         return "reducer sent malformed part scalars", "reducer_parts"
     if me in contributors:
         weight, norm, size = parts[contributors.index(me)]
-        if weight != own[0] or norm != own[1] or not math.isclose(size, own[2], rel_tol=1e-6, abs_tol=1e-30):
+        if not any(weight == w and norm == n and math.isclose(size, z, rel_tol=1e-6, abs_tol=1e-30) for w, n, z in own):
             return f"reducer misstated our part ({weight}, {norm}, {size}; ours {own})", "reducer_parts"
     weights, norms, sizes = zip(*parts)
     clip = clip_members(weights, norms, sizes, clip_factor, spec.mode == "rda")
@@ -476,6 +492,7 @@ async def _exchange_with(
 ) -> ShardResult:
     stub = AveragingServicer.get_stub(p2p, PeerID.from_base58(reducer), namespace=spec.run_id)
     stats = servicer.stats
+    sent = servicer.sent(spec.group_id, reducer, (weight, norm, own_size), timeout)
 
     async def requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
         yield pack_request({"group_id": spec.group_id, "weight": weight, "numel": numel, "wait": timeout,
@@ -516,8 +533,7 @@ async def _exchange_with(
         except codecs.CodecError as e:
             stats.reject("codec")
             raise WireError(f"undecodable reduced shard: {e}") from None
-        problem = check_shard(header, spec, reducer, servicer.local_peer, (weight, norm, own_size), floor,
-                              servicer.clip_factor)
+        problem = check_shard(header, spec, reducer, servicer.local_peer, sent, floor, servicer.clip_factor)
         if problem is not None:
             stats.reject(problem[1], reducer)
             raise WireError(problem[0], problem[1])

@@ -18,7 +18,7 @@ from atoll.protocols.stats import TrafficStats
 TIMEOUT = 20.0
 
 
-def _rounds(answer, rounds: int):
+def _rounds(answer, rounds: int, same_group: bool = False):
     async def main():
         peers = [await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(3)]
         try:
@@ -38,7 +38,7 @@ def _rounds(answer, rounds: int):
             base = torch.randn(3000, generator=gen)
             results, took = [], []
             for version in range(rounds):
-                spec = GroupSpec("run", 0, version, 0, tuple(sorted(ids)), 3000, codec="int4", block=64,
+                spec = GroupSpec("run", 0, 0 if same_group else version, 0, tuple(sorted(ids)), 3000, codec="int4", block=64,
                                  merge="trimmed")
                 deltas = [base + 0.5 * torch.randn(3000, generator=gen) for _ in range(3)]
                 started = time.monotonic()
@@ -71,3 +71,13 @@ def test_a_reducer_that_never_answers_is_left_out_after_the_others_answered(monk
         assert servicers[k].stats.rejected_by_kind.get("late_reducer") == LATE_OFFENCES
         assert offences[ids[k]] == [(hostile, "late_reducer_offence")]  # the LATE_OFFENCES-th in a row, once
     assert max(took) < TIMEOUT  # not the round's own bound, 2 × TIMEOUT + 10 s
+
+
+def test_a_round_formed_again_gets_the_first_result_from_honest_reducers():
+    """Reducers remember a group (same version, members, attempt: same id) and answer with the result of the parts
+    they got first: a member that contributes anew is answered with its earlier part in the header. That is no
+    misstatement (before, every member held it against every honest reducer: ``reducer_parts``)."""
+    ids, servicers, offences, results, _ = _rounds(None, 2, same_group=True)
+    for k in range(3):
+        assert results[1][k].merged is not None and torch.equal(results[1][k].merged, results[0][k].merged)
+        assert servicers[k].stats.rejected == 0 and offences[ids[k]] == []

@@ -307,11 +307,11 @@ def test_an_honest_reducers_shard_passes_and_one_times_minus_five_does_not(merge
         reducer = members[-1]
         for me in members[:-1]:
             header, floor, own = _answer(spec, deltas, weights)
-            assert check_shard(header, spec, reducer, me, own[me], floor, 4.0) is None
+            assert check_shard(header, spec, reducer, me, [own[me]], floor, 4.0) is None
             if merge == "centered" and m > 2:
                 continue  # centered clipping's bound grows with its iterations: ×5 fits it (docs/security.md)
             header, floor, own = _answer(spec, deltas, weights, scale=-5.0)
-            problem = check_shard(header, spec, reducer, me, own[me], floor, 4.0)
+            problem = check_shard(header, spec, reducer, me, [own[me]], floor, 4.0)
             assert problem is not None and problem[1] == "reducer_shard", (m, me, problem)
 
 
@@ -321,13 +321,15 @@ def test_a_reducer_that_misstates_our_part_or_sends_malformed_scalars_is_refused
     members = ("a", "b", "c")
     spec = GroupSpec("run", 0, 1, 0, members, 600, codec="int8", block=64, merge="trimmed")
     header, floor, own = _answer(spec, _deltas(3), [1.0, 1.0, 1.0])
-    assert check_shard(header, spec, "c", "a", own["a"], floor, 4.0) is None
+    assert check_shard(header, spec, "c", "a", [own["a"]], floor, 4.0) is None
     bigger = dict(header, parts=[[1.0, p[1], p[2] * 4] if i == 0 else p for i, p in enumerate(header["parts"])])
-    assert check_shard(bigger, spec, "c", "a", own["a"], floor, 4.0)[1] == "reducer_parts"
-    assert check_shard(bigger, spec, "c", "b", own["b"], floor, 4.0) is None  # only "a" can tell
+    assert check_shard(bigger, spec, "c", "a", [own["a"]], floor, 4.0)[1] == "reducer_parts"
+    assert check_shard(bigger, spec, "c", "b", [own["b"]], floor, 4.0) is None  # only "a" can tell
+    # A part we sent this reducer earlier for the same group (it keeps the first it got) is ours too.
+    assert check_shard(bigger, spec, "c", "a", [own["a"], (1.0, own["a"][1], own["a"][2] * 4)], floor, 4.0) is None
     for parts in ([[1.0, 1.0]] * 3, [[1.0, 1.0, float("nan")]] * 3, [[0.0, 1.0, 1.0]] * 3, [[1, 1.0, 1.0]] * 3,
                   header["parts"][:2], "many"):
-        assert check_shard(dict(header, parts=parts), spec, "c", "a", own["a"], floor, 4.0)[1] == "reducer_parts"
+        assert check_shard(dict(header, parts=parts), spec, "c", "a", [own["a"]], floor, 4.0)[1] == "reducer_parts"
 
 
 def test_reducers_still_out_once_the_others_answered_get_a_deadline_of_their_own(monkeypatch):
