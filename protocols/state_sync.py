@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import AsyncIterator  # hivemind detects streaming RPCs by typing.AsyncIterator hints
 from dataclasses import dataclass
@@ -97,6 +98,37 @@ MAX_ANCESTORS = 32
 MAX_REPLAY_ROUNDS = 32  # also the most rounds a replica keeps for replays
 MAX_REPLAY_SHARDS = 1024  # shards per round (one per group member)
 MAX_TRANSFERS_PER_PEER = 2  # full transfers one peer may have in flight from a donor; more are refused ("busy")
+# Seconds a requester may take to read one part (PART_BYTES) of a transfer: past it the transfer is cut (a reader
+# that stalls would hold its stream, and a copy of the replica, for as long as it keeps the connection open).
+# Half a MiB (a part) a minute: far below any link a daemon trains over.
+PART_DEADLINE = 60.0
+
+
+class _Deadline:
+    """Cancels the task that runs a transfer (hivemind's, which writes each part we yield) when ``arm`` was not
+    called again within ``seconds``: each part must leave within that long of the previous one."""
+
+    def __init__(self, seconds: float, expired: Callable[[], None]) -> None:
+        self.seconds, self.expired = seconds, expired
+        # Weak: the task's coroutine holds the transfer's generator, which must not outlive its reader for the timer.
+        task = asyncio.current_task()
+        self.task = weakref.ref(task) if task is not None else lambda: None
+        self.handle: asyncio.TimerHandle | None = None
+
+    def arm(self) -> None:
+        self.disarm()
+        self.handle = asyncio.get_running_loop().call_later(self.seconds, self._expire)
+
+    def _expire(self) -> None:
+        task = self.task()
+        if task is not None and not task.done():
+            self.expired()
+            task.cancel()
+
+    def disarm(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
 _ROUND = {"version": int, "base": str, "result": str, "weight": float, "norm": float, "numels": list, "sizes": list}
 
 
@@ -165,8 +197,13 @@ class StateServicer(ServicerBase):
                              "sizes": [len(b) for _, b in r.shards]} for r in replay.rounds]}
             )
             data = b"".join(b for r in replay.rounds for _, b in r.shards)
-            for n, at in enumerate(range(0, len(data), self.part_bytes)):
-                yield self._send_part(n, data[at : at + self.part_bytes])
+            deadline = self._deadline(context)
+            try:
+                for n, at in enumerate(range(0, len(data), self.part_bytes)):
+                    deadline.arm()
+                    yield self._send_part(n, data[at : at + self.part_bytes])
+            finally:
+                deadline.disarm()
             return
         if want is not None and self._identity is not None and self._identity(fragment)[2] != want:
             # Moved on: say so before copying a replica nobody asked for (the check below stays for a race).
@@ -194,14 +231,28 @@ class StateServicer(ServicerBase):
             # Resume only the replica the receiver's bytes came from; anything else starts over.
             start = offset if wanted == header["digest"] and offset <= len(payload) else 0
             yield pack_response({"ok": True, **header, "fragment": fragment, "offset": start})
-            for n, at in enumerate(range(start, len(payload), self.part_bytes)):
-                yield self._send_part(n, payload[at : at + self.part_bytes])
+            deadline = self._deadline(context)
+            try:
+                for n, at in enumerate(range(start, len(payload), self.part_bytes)):
+                    deadline.arm()
+                    yield self._send_part(n, payload[at : at + self.part_bytes])
+            finally:
+                deadline.disarm()
         finally:
             self._active[peer] -= 1
             if not self._active[peer]:
                 del self._active[peer]
             if shared is not None:
                 self._release(shared)
+
+    def _deadline(self, context: P2PContext) -> _Deadline:
+        peer = str(context.remote_id)[-8:]
+
+        def expired() -> None:
+            self.stats.reject("stalled_transfer")  # a slow link, or a reader that stopped: no offence
+            logger.warning("cut a state transfer to %s: a part not read within %g s", peer, PART_DEADLINE)
+
+        return _Deadline(PART_DEADLINE, expired)
 
     async def _acquire(self, fragment: int) -> _Shared | None:
         """The bytes of fragment ``fragment``'s replica as held now, shared by every transfer of that very replica

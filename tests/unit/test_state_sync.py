@@ -298,3 +298,50 @@ def test_a_requester_never_asks_one_donor_for_more_than_it_serves():
 
     states = asyncio.run(main())
     assert all(s is not None for s in states) and most[0] == MAX_TRANSFERS_PER_PEER
+
+
+def test_a_transfer_whose_reader_stalls_is_cut_and_its_copy_released(monkeypatch):
+    """A requester that keeps its stream open but stops reading held the transfer (and its share of the replica's
+    bytes) as long as it liked. Each part must now leave within ``PART_DEADLINE`` of the previous one; past it the
+    task that writes the transfer (hivemind's, emulated here: it awaits each write) is cancelled."""
+    from atoll.protocols import state_sync
+
+    monkeypatch.setattr(state_sync, "PART_DEADLINE", 0.2)
+    state = replica(1)
+    stats = TrafficStats()
+    servicer = StateServicer(lambda _p: state, 1, stats, part_bytes=PART,
+                             identity=lambda _p: (state.version, state.weight, state.digest))
+
+    async def main():
+        written, stalled = [], asyncio.Event()
+
+        async def process():  # hivemind's _process_stream: iterate the handler, await each write
+            stream = servicer.rpc_download_state(pack_request({"fragment": 0}), CONTEXT)
+            try:
+                async for response in stream:
+                    written.append(response)
+                    if len(written) == 3:
+                        await stalled.wait()  # the reader stopped reading: the write never completes
+            finally:
+                await stream.aclose()
+
+        task = asyncio.create_task(process())
+        try:
+            await asyncio.wait_for(asyncio.shield(task), 5.0)
+        except asyncio.CancelledError:
+            pass
+        return task, len(written)
+
+    task, written = asyncio.run(main())
+    assert task.cancelled() and written == 3
+    assert stats.rejected_by_kind == {"stalled_transfer": 1}
+    assert servicer._shared == {} and servicer._active == {}
+
+
+def test_a_transfer_read_in_time_is_not_cut(monkeypatch):
+    from atoll.protocols import state_sync
+
+    monkeypatch.setattr(state_sync, "PART_DEADLINE", 0.2)
+    donors = {"a": Donor(replica(1))}
+    state, _ = fetch(donors, ["a"])
+    assert state is not None and donors["a"].stats.rejected == 0
