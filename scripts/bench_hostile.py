@@ -8,9 +8,9 @@
 Per seed, two runs of three honest daemons in a private run (`decoupled`, nano, batch 4, H=50 and the default
 round settings, every daemon sleeping ``--step-delay`` s a step, started together): a clean one, and one where a member
 holding a join token (``scripts/hostile/member.py``, a process of its own) runs ``--attack`` from the first merged
-round until the honest daemons stop; or, for ``--attack byzantine=K`` or ``reducer=K``, a fourth daemon with a join token that
-trains and merges with that ``--fault`` (``node/faults.py``) from that round on (``--attackers 2``: two of them,
-colluding tokens). The order of the two alternates from seed to seed. Measured from the honest
+round until the honest daemons stop; or, for ``--attack byzantine=K`` or ``reducer=K``, a fourth daemon with a
+join token that trains and merges with that ``--fault`` (``node/faults.py``) from that round on. ``--attackers 2``:
+two of either, each with a token of its own (colluders). The order of the two alternates from seed to seed. Measured from the honest
 daemons' own metrics: the held-out loss of their final replicas (mean over a, b, c), multi-member merges a minute
 per daemon, adoptions (and any whose donors include the member, or whose replica is one the member served), and
 their refusals by kind. Goals (the hostile-internet issue): held-out within 5% of the clean run, merges a minute at
@@ -56,36 +56,43 @@ def run(root: Path, args: argparse.Namespace, seed: int, attack: bool) -> dict:
             swarm.start(name)
         a = swarm.daemons["a"]
         wait_for(lambda: any(len(r["contributors"]) > 1 for r in a.rounds()), 300, "a's first merged round")
-        member, result = None, root / "member.json"
+        members, results = [], [root / f"member{i}.json" for i in range(args.attackers)]
         if attack and args.attack.startswith(("byzantine=", "reducer=")):
             for name in ATTACKERS[: args.attackers]:  # daemons of the run, lying in every round they merge
                 swarm.start(name, ["--fault", args.attack])
         elif attack:
-            token = root / "member.token"
-            RunKey.load_or_create(swarm.run_key)[0].issue_token("atoll").save(token)
-            cmd = [sys.executable, str(HERE / "hostile" / "member.py"), "--initial-peers", *swarm.bootstrap,
-                   "--token", str(token), "--out", str(result), "--algorithm", "decoupled",
-                   "--sync-every", str(args.sync_every), f"{args.attack}={args.attack_seconds}"]
-            with open(root / "member.log", "wb") as log:
-                member = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            for i, result in enumerate(results):  # members.py processes of their own, one token each
+                token = root / f"member{i}.token"
+                RunKey.load_or_create(swarm.run_key)[0].issue_token("atoll").save(token)
+                cmd = [sys.executable, str(HERE / "hostile" / "member.py"), "--initial-peers", *swarm.bootstrap,
+                       "--token", str(token), "--out", str(result), "--algorithm", "decoupled",
+                       "--sync-every", str(args.sync_every), f"{args.attack}={args.attack_seconds}"]
+                with open(root / f"member{i}.log", "wb") as log:
+                    members.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                                    start_new_session=True))
         try:
             codes = {n: d.proc.wait(args.run_timeout) for n, d in swarm.daemons.items()}
         finally:
-            if member is not None and member.poll() is None:
-                os.killpg(member.pid, signal.SIGTERM)
-                try:
-                    member.wait(30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(member.pid, signal.SIGKILL)
-        got = json.loads(result.read_text()) if result.exists() else {}
+            for member in members:
+                if member.poll() is None:
+                    os.killpg(member.pid, signal.SIGTERM)
+                    try:
+                        member.wait(30)
+                    except subprocess.TimeoutExpired:
+                        os.killpg(member.pid, signal.SIGKILL)
+        got = [json.loads(r.read_text()) for r in results if r.exists()]
         return measure(swarm, codes, got, attack)
 
 
-def measure(swarm: LocalSwarm, codes: dict, member: dict, attack: bool) -> dict:
-    served = {*member.get("zero_digests", []), *member.get("scrambled_digests", []),
-              *(d for phase in member.values() if isinstance(phase, dict) for d in phase.get("digests", []))}
-    who = member.get("member", "")
-    out: dict = {"attack": attack, "exit_codes": codes, "member": {k: v for k, v in member.items() if k != "done"}}
+def measure(swarm: LocalSwarm, codes: dict, members: list[dict], attack: bool) -> dict:
+    served = {d for member in members
+              for d in [*member.get("zero_digests", []), *member.get("scrambled_digests", []),
+                        *(d for phase in member.values() if isinstance(phase, dict) for d in phase.get("digests", []))]}
+    who = {member["member"] for member in members if member.get("member")}
+    out: dict = {"attack": attack, "exit_codes": codes,
+                 "member": [{k: v for k, v in member.items() if k != "done"} for member in members]}
+    if len(members) == 1:
+        out["member"] = out["member"][0]  # as the runs before --attackers recorded it
     losses, rates, adoptions, from_member, poisoned, kinds = [], [], 0, 0, 0, {}
     for name in HONEST:
         d = swarm.daemons[name]
@@ -97,7 +104,7 @@ def measure(swarm: LocalSwarm, codes: dict, member: dict, attack: bool) -> dict:
         rates.append(len(merged) / minutes)
         adopted = [m for m in metrics if m.get("event") == "adopted"]
         adoptions += len(adopted)
-        from_member += sum(1 for m in adopted if who and who in m.get("donors", []))
+        from_member += sum(1 for m in adopted if who & set(m.get("donors", [])))
         poisoned += sum(1 for m in [*adopted, *rounds] if m.get("hash") in served)
         summary = next((m for m in metrics if m.get("event") == "summary"), {})
         for kind, count in summary.get("rejected_by_kind", {}).items():
@@ -119,7 +126,8 @@ def main() -> int:
     p.add_argument("--run-timeout", type=float, default=900.0)
     p.add_argument("--robust-merge", default=None, help="the run's --robust-merge (default: the daemon's)")
     p.add_argument("--attackers", type=int, default=1, choices=(1, 2),
-                   help="daemons running a byzantine= or reducer= fault (2: two colluding tokens)")
+                   help="attackers, each with a token of its own: member.py processes, or daemons running a "
+                        "byzantine= or reducer= fault (2: two colluding tokens)")
     p.add_argument("--label", default="default")
     p.add_argument("--out", default="docs/results/hostile")
     args = p.parse_args()
