@@ -28,12 +28,19 @@ fragment. It downloads it, drops it if it fails a gross filter (``plausible``: a
 no blown-up momentum), and hands it to the learner as a *candidate* (``take_candidates``), which adopts it only if
 the daemon's own held-out loss says it is no worse than ours (``vetting``; ``settle``). A daemon that shares
 its replica with any live peer never takes a claim of one.
+
+Vouching is only as good as the vouchers: two colluding members vouch for any replica they like. So a vouched
+replica a training daemon downloads is vetted the same way when it is unlike ours (``unlike_ours``: it fails the
+gross filter, or lies farther than ``MAX_VOUCHED_DISTANCE`` of our norm from ours). An honest catch-up moves a
+fragment by a few rounds' outer steps and is adopted at once; joiners and restored daemons, whose replica is not
+the run's yet, take vouched replicas as they are.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -61,6 +68,10 @@ RECORD_GRACE = 3.0  # heartbeats: a donor's record shows what it moved on to aft
 MAX_TRACKED_DONORS = 1024
 LONELY_INTERVAL = 10.0  # seconds between adoptions of a claim nobody vouches for, per fragment
 MAX_NORM_RATIO = 2.0  # such a state's norm may differ from our replica's by at most this factor
+# A vouched-for replica farther than this from ours (relative to our norm) is vetted before it is adopted. An honest
+# daemon catching up by some rounds moves its fragment a little; two colluding members vouching for a made-up one
+# (the all-zero model: 1.0; Θ₀ scrambled: about 1.4) move it far. Vetting costs the learner two evaluations.
+MAX_VOUCHED_DISTANCE = 0.5
 MOMENTUM_FACTOR = 4.0
 MAX_LONELY_LEAD = 32  # versions: forked honest daemons merge at about the same pace, a made-up claim need not
 
@@ -75,7 +86,8 @@ class CatchUp:
         self._failures: dict[str, tuple] = {}  # donor -> (the claim it failed, failures in a row, since when)
         self._clock = time.monotonic
         self._lonely_at: dict[int, float] = {}  # fragment -> when we last took a claim nobody vouched for
-        self._candidates: dict[int, ReplicaState] = {}  # fragment -> a claim nobody vouched for, for the learner
+        self._candidates: dict[int, ReplicaState] = {}  # fragment -> a state for the learner to vet
+        self._replacing: dict[int, str | None] = {}  # fragment -> the replica a candidate's adoption may replace
         self._slots: dict[str, asyncio.Semaphore] = {}  # donor -> our transfers from it in flight (at most 2)
 
     def start(self) -> None:
@@ -144,12 +156,12 @@ class CatchUp:
         best = max(peer.fragment(p) for peer in heavier_ones)
         return [peer for peer in heavier_ones if peer.fragment(p) == best]
 
-    def plausible(self, state: ReplicaState) -> str | None:
+    def plausible(self, state: ReplicaState, mine: ReplicaState | None = None) -> str | None:
         """Why a downloaded state nobody vouched for is not taken (see the module's docstring); None if it may be. A
         gross filter, not a proof: such a state's norm must be within a factor ``MAX_NORM_RATIO`` of our replica's
         (the review's all-zero model is not; honest forks, even one far from ours, are), and its outer momentum at
-        most ``MOMENTUM_FACTOR`` times ours."""
-        mine = self.ctx.replica.snapshot(state.fragment)
+        most ``MOMENTUM_FACTOR`` times ours. ``mine``: our replica's snapshot, if the caller took one."""
+        mine = mine or self.ctx.replica.snapshot(state.fragment)
         size, theirs = (float(torch.linalg.vector_norm(t.double())) for t in (mine.params, state.params))
         if not size / MAX_NORM_RATIO <= theirs <= size * MAX_NORM_RATIO:
             return f"its norm is {theirs:.3g}, ours {size:.3g}"
@@ -158,8 +170,24 @@ class CatchUp:
             return f"its outer momentum is {momentum:.3g}, ours {ours:.3g}"
         return None
 
+    def unlike_ours(self, state: ReplicaState) -> str | None:
+        """Why a downloaded state some peers vouch for still needs the learner's vetting: it fails ``plausible``,
+        or lies farther than ``MAX_VOUCHED_DISTANCE`` from our replica; None if it may be adopted as it is.
+        Vouching is only as good as the vouchers: two colluding members vouch for anything they like."""
+        snapshot = self.ctx.replica.snapshot(state.fragment)
+        problem = self.plausible(state, snapshot)
+        if problem is not None:
+            return problem
+        mine = snapshot.params.double()
+        distance = float(torch.linalg.vector_norm(state.params.double() - mine))
+        size = float(torch.linalg.vector_norm(mine))
+        if distance > MAX_VOUCHED_DISTANCE * size:
+            return f"it lies {distance / size if size else math.inf:.3g} of our norm from ours"
+        return None
+
     def take_candidates(self) -> list[ReplicaState]:
-        """Downloaded claims nobody vouches for, one per fragment at most, for the learner to vet; thread-safe."""
+        """Downloaded states for the learner to vet (claims nobody vouches for, and vouched ones unlike ours), one
+        per fragment at most; thread-safe."""
         with self._lock:
             states, self._candidates = list(self._candidates.values()), {}
             return states
@@ -168,10 +196,12 @@ class CatchUp:
         """The learner's verdict on a candidate: adopt it if it ``passed`` (queued for ``take_adopted``), else count
         it (not held against the donor: an honest fork can be worse than ours on our held-out data). True if it
         was adopted (False also when ours became at least as heavy meanwhile). Thread-safe."""
+        with self._lock:
+            replacing = self._replacing.pop(state.fragment, None)
         if not passed:
             self.ctx.reject("worse_state")
             return False
-        if not self.ctx.replica.adopt(state):
+        if not self.ctx.replica.adopt(state, replacing=replacing):
             return False
         self._queue([state])
         return True
@@ -207,7 +237,7 @@ class CatchUp:
 
     async def _catch_up(self, p: int, donors: list[ProgressRecord], check: bool = False) -> None:
         """Download fragment ``p`` from ``donors`` and adopt it; ``check``: nobody vouched for it (``plausible``,
-        then the learner's vetting)."""
+        then the learner's vetting). A vouched one is vetted too if it is unlike ours (``unlike_ours``)."""
         try:
             mine = self.ctx.replica.identity(p)
             # ``fork_line``: a fork we are on alone; the swarm's line replaces ours if ours is still ours then.
@@ -228,9 +258,16 @@ class CatchUp:
                                state.version, state.donor[-8:], problem)
                 self.ctx.reject("implausible_state")
                 return
+            if state is not None and not check:
+                unlike = await loop.run_in_executor(None, self.unlike_ours, state)
+                if unlike is not None:
+                    logger.warning("fragment %d: the v%d replica its holders vouch for is unlike ours (%s): vetting it "
+                                   "on our held-out data first", p, state.version, unlike)
+                    check = True
             if state is not None and check:
                 with self._lock:
                     self._candidates[p] = state  # the learner vets it (the module's docstring)
+                    self._replacing[p] = replacing
             elif state is not None and await loop.run_in_executor(
                     None, lambda: self.ctx.replica.adopt(state, replacing=replacing)):
                 self._queue([state])

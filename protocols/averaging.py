@@ -286,6 +286,12 @@ class AveragingServicer(ServicerBase):
         index = spec.reducer_list.index(self.local_peer)
         reduction = _Reduction(spec, spec.bounds()[index], timeout, self.clip_factor)
         reduction.stats = self.stats
+        if self.cooldown is not None:
+            # Members we cool down are missing from the start: their streams are refused before they say which
+            # group they are for (not members, in a private run), so the shard would wait out its timeout for them.
+            for member in spec.members:
+                if member != self.local_peer and self.cooldown.active(member):
+                    reduction.exclude(member)
         gid = spec.group_id
         self._groups[gid] = reduction
         self._opened.setdefault(gid, asyncio.Event()).set()

@@ -206,6 +206,32 @@ class HostileMember:
         self.mode = "serve"
         return {"claims_published": published, "digests": [self._claim(p)[2] for p in range(len(self.numels))]}
 
+    def colluding_heavier(self, seconds: float) -> dict[str, int]:
+        """``fake_heavier`` as one of two colluders with their own tokens: both claim the same all-zero replica far
+        ahead of the honest daemons (their claims rounded so that both make the same one from the same honest
+        records, and each other's records left out), so that each vouches for the other's claim."""
+        return self._run(self._colluding_heavier(seconds), timeout=seconds + 60)
+
+    async def _colluding_heavier(self, seconds: float) -> dict[str, int]:
+        self.mode, self.served = "serve", [torch.zeros(n) for n in self.numels]
+        ours = set(self.zero_digests)
+        published, end = 0, time.monotonic() + seconds
+        while time.monotonic() < end:
+            honest = [r for r in await self._honest() if not ours & set(r.fragment_hashes)]
+            if honest:
+                top = max(honest, key=lambda r: r.version)
+                self._ahead = [((max(r.fragment_versions[p] for r in honest) // 20 + 2) * 20,
+                                10.0 ** (math.ceil(math.log10(max(max(r.fragment_weights[p] for r in honest), 1.0)))
+                                         + 1))
+                               for p in range(len(self.numels))]
+                claims = [self._claim(p) for p in range(len(self.numels))]
+                record = self._record_like(top, fragment_versions=[c[0] for c in claims],
+                                           fragment_weights=[c[1] for c in claims],
+                                           fragment_hashes=[c[2] for c in claims])
+                published += await self._publish(record)
+            await asyncio.sleep(1.0)
+        return {"claims_published": published, "digests": self.zero_digests}
+
     def copied_claim(self, seconds: float) -> dict[str, Any]:
         """Republish the heaviest honest claim of every fragment and serve a made-up, heavier replica for it."""
         return self._run(self._copied_claim(seconds), timeout=seconds + 60)

@@ -178,6 +178,24 @@ def test_cooling_down_sender_is_treated_as_missing_and_still_gets_the_result():
     assert stats.rejected_by_kind == {"cooldown": 1}
 
 
+def test_a_member_cooling_down_is_missing_from_the_start():
+    """Its streams are refused before they name a group (in a private run it is no member while it cools down),
+    so the shard must not wait out its timeout for a part that never comes."""
+    from atoll.protocols.cooldown import Cooldown
+
+    async def run():
+        cooldown = Cooldown(60)
+        cooldown.offend("c", "late_reducer_offence")
+        servicer = AveragingServicer("run", "b", TrafficStats(), cooldown)
+        reduction = servicer.open(GroupSpec("run", 0, 0, 0, ("a", "b", "c"), 12, block=4), timeout=30)
+        reduction.add("b", 1.0, torch.full((4,), 2.0))
+        reduction.add("a", 1.0, torch.full((4,), 4.0))
+        return await asyncio.wait_for(reduction.result, 1.0)
+
+    result = asyncio.run(run())
+    assert result.contributors == ["a", "b"] and torch.equal(result.values, torch.full((4,), 3.0))
+
+
 @pytest.mark.parametrize("codec", ["none", "int8", "int4"])
 def test_byzantine_payloads_are_refused_with_their_kind(codec):
     from atoll.protocols import codecs

@@ -378,3 +378,33 @@ def test_a_donor_that_moved_on_is_asked_for_what_it_holds_now_if_that_would_be_v
     monkeypatch.setattr(catchup_module, "download_state", serve({"a": now, "b": now}))
     state = asyncio.run(cu._download(0, [a, b]))
     assert state is not None and state.digest == "y" and asked[-1] == {"a": now, "b": now}
+
+
+def test_a_vouched_replica_unlike_ours_is_vetted_first_and_one_like_ours_is_adopted():
+    """Two colluding members vouch for the replica they made up (the review's all-zero model): a vouched
+    download far from our replica goes to the learner's vetting like a lonely one; an honest catch-up (a few
+    rounds' steps away) is adopted at once."""
+    import asyncio
+
+    from atoll.node.catchup import MAX_VOUCHED_DISTANCE
+    from atoll.protocols.state_sync import ReplicaState
+
+    cu, ctx = catch_up([])
+    ctx.replica = Replica([torch.ones(4)], momentum=[torch.full((4,), 0.1)], versions=[5], weights=[5.0])
+    sent = {}
+
+    async def download(p, donors):
+        return sent["state"]
+
+    cu._download = download
+    for params in (torch.zeros(4), torch.tensor([1.0, -1.0, 1.0, -1.0]),  # zeros; a scrambled sign pattern
+                   torch.ones(4) * (1 + 1.01 * MAX_VOUCHED_DISTANCE)):
+        sent["state"] = ReplicaState(9, 90.0, "made-up", params, torch.full((4,), 0.1), 0, "m", 0, ("made-up",))
+        asyncio.run(cu._catch_up(0, [record("m", [9], ["made-up"])]))
+        assert ctx.replica.identity(0)[0] == 5 and cu.take_adopted() == []
+        assert cu.take_candidates() == [sent["state"]]
+    assert not cu.settle(sent["state"], passed=False) and ctx.replica.identity(0)[0] == 5
+    near = ReplicaState(7, 7.0, "swarm", torch.ones(4) * 1.05, torch.full((4,), 0.1), 0, "b", 0, ("swarm",))
+    sent["state"] = near
+    asyncio.run(cu._catch_up(0, [record("b", [7], ["swarm"])]))
+    assert ctx.replica.identity(0)[0] == 7 and cu.take_adopted() == [near] and cu.take_candidates() == []
