@@ -72,6 +72,8 @@ MAX_NORM_RATIO = 2.0  # such a state's norm may differ from our replica's by at 
 # daemon catching up by some rounds moves its fragment a little; two colluding members vouching for a made-up one
 # (the all-zero model: 1.0; Θ₀ scrambled: about 1.4) move it far. Vetting costs the learner two evaluations.
 MAX_VOUCHED_DISTANCE = 0.5
+FAILED_VETTING_SECONDS = 600.0  # a replica that failed vetting is not downloaded again for this long
+MAX_FAILED = 1024
 MOMENTUM_FACTOR = 4.0
 MAX_LONELY_LEAD = 32  # versions: forked honest daemons merge at about the same pace, a made-up claim need not
 
@@ -88,6 +90,7 @@ class CatchUp:
         self._lonely_at: dict[int, float] = {}  # fragment -> when we last took a claim nobody vouched for
         self._candidates: dict[int, ReplicaState] = {}  # fragment -> a state for the learner to vet
         self._replacing: dict[int, str | None] = {}  # fragment -> the replica a candidate's adoption may replace
+        self._failed: dict[str, float] = {}  # digest -> when a replica of it failed the learner's vetting
         self._slots: dict[str, asyncio.Semaphore] = {}  # donor -> our transfers from it in flight (at most 2)
 
     def start(self) -> None:
@@ -109,7 +112,8 @@ class CatchUp:
         holds ours (``alone``), the swarm's line of a fork we are on alone (``fork_line``)."""
         mine = self.ctx.replica.identity(p)
         training = self.peers.training()
-        backed = vouched(p, training, self.ctx.cfg.state_vouchers)
+        backed = [peer for peer in vouched(p, training, self.ctx.cfg.state_vouchers)
+                  if not self.failed_vetting(peer.fragment(p)[2])]
         return [peer for peer in backed if heavier(peer.fragment(p), mine)] or self.fork_line(p, backed, training)
 
     def fork_line(self, p: int, backed: list[ProgressRecord], training: list[ProgressRecord]
@@ -150,7 +154,8 @@ class CatchUp:
         mine = self.ctx.replica.identity(p)
         training = self.peers.training()
         heavier_ones = [peer for peer in training
-                        if heavier(peer.fragment(p), mine) and peer.fragment(p)[0] <= mine[0] + MAX_LONELY_LEAD]
+                        if heavier(peer.fragment(p), mine) and peer.fragment(p)[0] <= mine[0] + MAX_LONELY_LEAD
+                        and not self.failed_vetting(peer.fragment(p)[2])]
         if not heavier_ones or not self.alone(p, training):
             return []
         best = max(peer.fragment(p) for peer in heavier_ones)
@@ -185,6 +190,12 @@ class CatchUp:
             return f"it lies {distance / size if size else math.inf:.3g} of our norm from ours"
         return None
 
+    def failed_vetting(self, digest: str) -> bool:
+        """Whether a replica with this digest failed the learner's vetting in the last ``FAILED_VETTING_SECONDS``:
+        it is not downloaded again meanwhile (two colluders kept a daemon downloading and evaluating theirs)."""
+        at = self._failed.get(digest)
+        return at is not None and time.monotonic() - at < FAILED_VETTING_SECONDS
+
     def take_candidates(self) -> list[ReplicaState]:
         """Downloaded states for the learner to vet (claims nobody vouches for, and vouched ones unlike ours), one
         per fragment at most; thread-safe."""
@@ -200,6 +211,11 @@ class CatchUp:
             replacing = self._replacing.pop(state.fragment, None)
         if not passed:
             self.ctx.reject("worse_state")
+            with self._lock:
+                now = time.monotonic()
+                self._failed = {d: t for d, t in self._failed.items() if now - t < FAILED_VETTING_SECONDS}
+                if len(self._failed) < MAX_FAILED:
+                    self._failed[state.digest] = now
             return False
         if not self.ctx.replica.adopt(state, replacing=replacing):
             return False

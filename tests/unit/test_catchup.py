@@ -408,3 +408,17 @@ def test_a_vouched_replica_unlike_ours_is_vetted_first_and_one_like_ours_is_adop
     sent["state"] = near
     asyncio.run(cu._catch_up(0, [record("b", [7], ["swarm"])]))
     assert ctx.replica.identity(0)[0] == 7 and cu.take_adopted() == [near] and cu.take_candidates() == []
+
+
+def test_a_replica_that_failed_vetting_is_not_downloaded_again():
+    """Two colluders' made-up replica, vetted and refused, was downloaded and evaluated again at every heartbeat
+    (446 to 1,092 times in a one-minute run)."""
+    from atoll.protocols.state_sync import ReplicaState
+
+    made_up = [record("m", [9], ["made-up"]), record("n", [9], ["made-up"])]
+    cu, ctx = catch_up(made_up)
+    cu.peers = Table(made_up)
+    assert [peer.peer_id for peer in cu.heavier_peers(0)] == ["m", "n"]
+    state = ReplicaState(9, 90.0, "made-up", torch.zeros(4), torch.zeros(4), 0, "m", 0, ("made-up",))
+    assert not cu.settle(state, passed=False)
+    assert cu.failed_vetting("made-up") and cu.heavier_peers(0) == []
