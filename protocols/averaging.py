@@ -631,6 +631,16 @@ def _size(values: torch.Tensor, norm: float, rda: bool) -> float:
     return float(torch.linalg.vector_norm(values.double()))
 
 
+def _error(task: asyncio.Future) -> BaseException | None:
+    """A finished task's exception; a cancelled one counts as failed (``exception()`` would raise)."""
+    return asyncio.CancelledError() if task.cancelled() else task.exception()
+
+
+def _consume(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: asyncio would log it, traceback and all, when the task is collected
+
+
 async def _await_answers(tasks: dict[str, asyncio.Future], local_peer: str) -> tuple[list[str], list[str]]:
     """Wait for the reducers' answers (each has the round's own bound) until this attempt's outcome is known:
     (late, abandoned). Once a reducer failed or refused, the attempt cannot merge: those still out are abandoned
@@ -646,7 +656,7 @@ async def _await_answers(tasks: dict[str, asyncio.Future], local_peer: str) -> t
         done, pending = await asyncio.wait(pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
         if not done:
             break
-        if any(t.exception() is not None for t in done):
+        if any(_error(t) is not None for t in done):
             abandoned = True
             break
         answered = sum(1 for t in tasks.values() if t.done())
@@ -699,7 +709,13 @@ async def allreduce(
             )
     if me is not None:
         tasks[local_peer] = asyncio.ensure_future(asyncio.shield(reduction.result))
-    late, abandoned = await _await_answers(tasks, local_peer)
+    try:
+        late, abandoned = await _await_answers(tasks, local_peer)
+    except asyncio.CancelledError:  # the round was cancelled: so are its exchanges, whose outcome nobody reads
+        for task in tasks.values():
+            task.cancel()
+            task.add_done_callback(_consume)
+        raise
     failed, refused, shards = list(late), [], {}
     for peer in late:
         logger.warning("round f%d v%d: reducer %s did not answer while the others had: leaving it out",
@@ -710,9 +726,9 @@ async def allreduce(
     for peer, task in tasks.items():
         if peer in late or peer in abandoned:
             continue
-        if peer != local_peer and task.exception() is None:
+        error = _error(task)
+        if peer != local_peer and error is None:
             servicer.late.hit(peer)
-        error = task.exception()
         if error is not None:
             (refused if isinstance(error, GroupRefused) else failed).append(peer)
             logger.warning("round v%d: shard from reducer %s failed: %r", spec.version, peer[-8:], error)
