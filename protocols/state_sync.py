@@ -246,7 +246,7 @@ class StateServicer(ServicerBase):
                 self._release(shared)
 
     def _deadline(self, context: P2PContext) -> _Deadline:
-        peer = str(context.remote_id)[-8:]
+        peer = str(getattr(context, "remote_id", "?"))[-8:]
 
         def expired() -> None:
             self.stats.reject("stalled_transfer")  # a slow link, or a reader that stopped: no offence

@@ -1,9 +1,10 @@
-"""A member that refuses our group is counted, not cooled down (honest views of a group disagree under faults)."""
+"""A member that refuses our group is counted, not cooled down (honest views of a group disagree under faults),
+until it has refused ``REFUSAL_OFFENCES`` groups in a row (``tests/unit/test_group_refusals.py``)."""
 
 from types import SimpleNamespace
 
-from atoll.node.round_protocol import RoundProtocol
-from atoll.protocols.cooldown import Cooldown
+from atoll.node.round_protocol import REFUSAL_OFFENCES, RoundProtocol
+from atoll.protocols.cooldown import Cooldown, Strikes
 from atoll.protocols.stats import TrafficStats
 
 
@@ -12,6 +13,7 @@ def test_refusals_are_counted_and_not_held_against_the_refuser():
     stats.on_offence = lambda source, kind: cooldown.offend(source, kind)
     rounds = RoundProtocol.__new__(RoundProtocol)  # only the refusal bookkeeping is under test
     rounds.ctx = SimpleNamespace(reject=stats.reject)
-    for _ in range(3):
+    rounds.refusals = Strikes(REFUSAL_OFFENCES)
+    for _ in range(REFUSAL_OFFENCES - 1):
         rounds._refused(["m"])
-    assert stats.rejected_by_kind == {"group_refusal": 3} and not cooldown.active("m")
+    assert stats.rejected_by_kind == {"group_refusal": REFUSAL_OFFENCES - 1} and not cooldown.active("m")
