@@ -424,7 +424,9 @@ class AveragingServicer(ServicerBase):
             # A member of the group: its part is treated as missing (the shard is reduced without it, at once), but
             # it still gets the shard's result, so that it ends the round with the same values as everyone else.
             reduction.exclude(sender)
-        result = await reduction.result
+        # Shielded: a member that gives up on us closes its stream and hivemind cancels this handler; awaiting the
+        # result unshielded would cancel it for every other member (and for our own round) too.
+        result = await asyncio.shield(reduction.result)
         assert result.payload is not None  # groups with a remote member always encode their result
         payload = await self.answer.payload(result.payload, reduction.spec, reduction.timeout)
         if payload is None:
