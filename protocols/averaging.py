@@ -696,7 +696,9 @@ async def allreduce(
     payloads, sent = await asyncio.get_running_loop().run_in_executor(
         None, _encode_parts, flat, bounds, spec.codec, spec.block, solo)
     tasks: dict[str, asyncio.Future] = {}
-    sizes = [_size(v, norm, spec.mode == "rda") for v in sent] if not solo else []
+    # Tensor work, off the event loop: the norm of each part as its reducer will merge it (for ``check_shard``).
+    sizes = [] if solo else await asyncio.get_running_loop().run_in_executor(
+        None, lambda: [_size(v, norm, spec.mode == "rda") for v in sent])
     if me is not None:
         # Open our shard only now, with our own part in it at once: its timeout must not run while we encode
         # (a daemon frozen mid-encode would otherwise wake up to a reduction that timed out without its own part).
