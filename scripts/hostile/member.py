@@ -171,6 +171,13 @@ class HostileMember:
                                         for key in keys))
         return all(stored)
 
+    async def _publish_claims(self, top: ProgressRecord) -> bool:
+        """A record like ``top``'s claiming, for every fragment, what ``_claim`` says (``_ahead``, ``served``)."""
+        claims = [self._claim(p) for p in range(len(self.numels))]
+        return await self._publish(self._record_like(top, fragment_versions=[c[0] for c in claims],
+                                                     fragment_weights=[c[1] for c in claims],
+                                                     fragment_hashes=[c[2] for c in claims]))
+
     def _record_like(self, honest: ProgressRecord, **changes: Any) -> dict[str, Any]:
         record = honest.dict()
         record.update({"peer_id": self.peer_id, "time": float(get_dht_time()), "rejected": 0, "rejected_by_kind": {},
@@ -197,11 +204,7 @@ class HostileMember:
             if len(honest) >= self.min_peers:
                 top = max(honest, key=lambda r: r.version)
                 self._ahead = [(v + 5, 10.0 * w + 1.0) for v, w in zip(top.fragment_versions, top.fragment_weights)]
-                claims = [self._claim(p) for p in range(len(self.numels))]
-                record = self._record_like(top, fragment_versions=[c[0] for c in claims],
-                                           fragment_weights=[c[1] for c in claims],
-                                           fragment_hashes=[c[2] for c in claims])
-                published += await self._publish(record)
+                published += await self._publish_claims(top)
             await asyncio.sleep(1.0)
         self.mode = "serve"
         return {"claims_published": published, "digests": [self._claim(p)[2] for p in range(len(self.numels))]}
@@ -224,11 +227,7 @@ class HostileMember:
                                 10.0 ** (math.ceil(math.log10(max(max(r.fragment_weights[p] for r in honest), 1.0)))
                                          + 1))
                                for p in range(len(self.numels))]
-                claims = [self._claim(p) for p in range(len(self.numels))]
-                record = self._record_like(top, fragment_versions=[c[0] for c in claims],
-                                           fragment_weights=[c[1] for c in claims],
-                                           fragment_hashes=[c[2] for c in claims])
-                published += await self._publish(record)
+                published += await self._publish_claims(top)
             await asyncio.sleep(1.0)
         return {"claims_published": published, "digests": self.zero_digests}
 
