@@ -112,11 +112,15 @@ class GPT(nn.Module):
     def reset_parameters(self) -> None:
         init_normal(self, self.cfg.n_layers, ("proj.weight", "fc_out.weight"))
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def logits(self, idx: torch.Tensor) -> torch.Tensor:
+        """Next-token logits at every position of ``idx`` (batch, t ≤ seq_len): shape (batch, t, vocab_size)."""
         t = idx.shape[1]
         x = self.embed(idx)
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         for block in self.blocks:
             x = block(x, cos, sin)
-        logits = F.linear(self.norm(x), self.embed.weight)  # tied output head
+        return F.linear(self.norm(x), self.embed.weight)  # tied output head
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.logits(idx)
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))

@@ -126,12 +126,16 @@ class Llama(nn.Module):
     def reset_parameters(self) -> None:
         init_normal(self, self.cfg.n_layers, ("o.weight", "down.weight"))
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def logits(self, idx: torch.Tensor) -> torch.Tensor:
+        """Next-token logits at every position of ``idx`` (batch, t ≤ seq_len): shape (batch, t, vocab_size)."""
         t = idx.shape[1]
         x = self.embed(idx)
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         for block in self.blocks:
             x = block(x, cos, sin)
         x = self.norm(x)
-        logits = F.linear(x, self.embed.weight) if self.head is None else self.head(x)
+        return F.linear(x, self.embed.weight) if self.head is None else self.head(x)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.logits(idx)
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))

@@ -1,5 +1,6 @@
 """``atoll start``, ``atoll status``, ``atoll dashboard``, ``atoll pause``, ``atoll resume``, ``atoll token``,
-``atoll token revoke`` (also ``atoll revoke``) and ``atoll data prepare``.
+``atoll token revoke`` (also ``atoll revoke``), ``atoll data prepare``, and ``atoll export``, ``atoll sample`` and
+``atoll eval`` (``node/model_commands.py``).
 
 Bad configuration: one line on stderr, exit code 2, no traceback.
 """
@@ -13,6 +14,7 @@ import sys
 import time
 from typing import Any
 
+from . import model_commands
 from .config import ConfigError, NodeConfig, RunConfig, load_config
 
 _RUN_ID = NodeConfig().run_id  # default of ``atoll status`` and ``atoll token`` too
@@ -311,6 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     _revoke_parser(sub)
     _data_parser(sub)
     _control_parser(sub)
+    model_commands.add_parsers(sub, _RUN_ID)
     return parser
 
 
@@ -337,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
             return revoke(args.run_key, args.run_id, list(args.initial_peers), args.token, args.peer_id)
         if args.command == "data":
             return prepare_data(args)
+        if args.command in model_commands.COMMANDS:
+            return model_commands.run(args)
         if args.command in ("pause", "resume"):
             from .control import run_control, socket_path
 

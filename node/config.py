@@ -280,6 +280,14 @@ class NodeConfig:
                                      "included; 0: no limit", metavar="H")
     until: str = opt("", help="leave the run at this local time: HH:MM (its next occurrence) or an ISO date and "
                               "time", metavar="TIME")
+    tensorboard: str | None = opt(None, help="also log the figures of the progress record (loss, held-out loss, "
+                                             "tokens/s, rounds, bytes, tokens lost and carried) to TensorBoard under "
+                                             "DIR/<run id>/<peer id> (the extra atoll[tensorboard])", metavar="DIR")
+    wandb: str | None = opt(None, help="also log them to this Weights & Biases project, one run per daemon grouped "
+                                       "by the run id (the extra atoll[wandb]; WANDB_MODE=offline honoured)",
+                            metavar="PROJECT")
+    wandb_name: str | None = opt(None, help="the W&B run's name (default: <run id>-<peer id's last 8>)",
+                                 metavar="NAME")
     heartbeat: float = opt(2.0, help="seconds between progress records", metavar="S")
     eval_batches: int = opt(8, help="held-out batches per evaluation", metavar="N")
     eval_budget: float = opt(0.01, help="share of wall time the held-out evaluation may take, in (0, 1]: it runs "
@@ -380,6 +388,12 @@ class NodeConfig:
             raise ConfigError("open: an open run takes no join token or run key")
         self.parsed_faults()
         self._check_lending()
+        if self.tensorboard is not None and not self.tensorboard.strip():
+            raise ConfigError("tensorboard: name the directory to write TensorBoard's event files in")
+        for name in ("wandb", "wandb_name"):
+            value = getattr(self, name)
+            if value is not None and (not 0 < len(value) <= 128 or any(c in value for c in "/\\#?%:")):
+                raise ConfigError(f"{name}: 1-128 characters without / \\ # ? % :, got {value!r}")
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port: {self.metrics_port} must be a port (0: a free one) or -1 (none)")
         if self.log_format not in ("text", "json"):

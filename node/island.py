@@ -42,7 +42,7 @@ from atoll.models.data import shard_for_peer
 from atoll.models.fragments import make_fragments
 from atoll.models.registry import embedding_of, model_digest
 from atoll.protocols import codecs
-from atoll.protocols.records import Status, make_validators
+from atoll.protocols.records import Status
 
 from . import persist
 from .algorithm import algorithm
@@ -52,7 +52,7 @@ from .ddp import DDP
 from .device import Device
 from .exporter import MetricsEndpoint
 from .faults import Faults
-from .join import agree_on_run_config, check_identity, identity_file, load_revocation, membership, start_dht
+from .join import agree_on_run_config, start_member_dht
 from .local_state import LocalFragmentState
 from .log import context as log_context
 from .log import setup_logging
@@ -63,6 +63,7 @@ from .ranks import IslandSync, Ranks, init_island
 from .rounds import Rounds
 from .syncer import Syncer
 from .trainee import LoopTrainee, Trainee, device_of
+from .trackers import Tracking, open_trackers
 
 logger = logging.getLogger("atoll")
 RATE_WINDOW = 5.0  # seconds over which tokens/s is measured
@@ -260,18 +261,9 @@ class Island:
         if cfg.metrics_port >= 0:  # bound first: a port that is taken fails before the DHT is joined
             endpoint = MetricsEndpoint(cfg)
             self._exit.callback(endpoint.stop)
-        token = membership(cfg)
-        self.revocation = load_revocation(cfg, token)
-        validators = make_validators(cfg.run_id, token, self.revocation)
-        subkey = validators[0].local_public_key
-        identity, temporary = identity_file(cfg, token)
-        try:
-            dht = start_dht(cfg, validators, identity_path=identity)
-        finally:
-            if temporary:
-                os.unlink(identity)
+        dht, token, self.revocation, validators = start_member_dht(cfg)
         self._exit.callback(dht.shutdown)
-        check_identity(dht, token)
+        subkey = validators[0].local_public_key
         self.dht = dht
         self.peer_id = peer_id = str(dht.peer_id)
         log_context.peer_id = peer_id
@@ -285,7 +277,10 @@ class Island:
         cfg, run = self.cfg, self.cfg.run
         self.algorithm = algo = algorithm(run.algorithm)
         self.counters.algorithm = run.algorithm
-        self.metrics = MetricsLog(Path(cfg.checkpoint_dir) / "metrics.jsonl" if cfg.checkpoint_dir else None)
+        tracking = Tracking(open_trackers(cfg, peer_id), self._figures)
+        self._exit.callback(tracking.close)
+        self.metrics = MetricsLog(Path(cfg.checkpoint_dir) / "metrics.jsonl" if cfg.checkpoint_dir else None,
+                                  (tracking.event,) if tracking.trackers else ())
         self._exit.callback(self.metrics.close)
         self.num_shards = run.num_shards
         self.shard = shard_for_peer(peer_id, run.num_shards)
@@ -353,6 +348,11 @@ class Island:
                     self.syncer.stats, [v for v, _, _ in replica.identities()]))
         finally:
             self._exit.close()
+
+    def _figures(self) -> dict[str, Any]:
+        """The progress record's own fields and the bytes sent and received so far (the experiment trackers')."""
+        stats = self.syncer.stats
+        return {**self.counters.progress(), "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received}
 
     # ---- step boundaries --------------------------------------------------------------------------------------
     def before_step(self) -> None:

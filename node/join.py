@@ -34,7 +34,8 @@ from atoll.protocols.auth import (
 )
 from hivemind.utils.crypto import RSAPrivateKey
 import msgpack
-from atoll.protocols.records import RunConfigRecord, config_key, config_payload, parse_run_config, unwrap_subkeys
+from atoll.protocols.records import (RunConfigRecord, config_key, config_payload, make_validators, parse_run_config,
+                                    unwrap_subkeys)
 
 from .config import ConfigError, NodeConfig, RunConfig, reconcile_run_config
 
@@ -186,6 +187,27 @@ def identity_file(cfg: NodeConfig, token: JoinToken | None) -> tuple[str | None,
     return tmp, True
 
 
+def start_member_dht(cfg: NodeConfig) -> tuple[DHT, JoinToken | None, RevocationList | None, list]:
+    """The DHT node of a member of ``cfg``'s run, started with its credentials: (dht, join token or None for an open
+    run, the revocation list it knows, its record validators, the first of which signs its records). The caller
+    shuts the DHT down. ``ConfigError`` for credentials or peers the user must fix."""
+    token = membership(cfg)
+    revocation = load_revocation(cfg, token)
+    validators = make_validators(cfg.run_id, token, revocation)
+    identity, temporary = identity_file(cfg, token)
+    try:
+        dht = start_dht(cfg, validators, identity_path=identity)
+    finally:
+        if temporary:
+            os.unlink(identity)
+    try:
+        check_identity(dht, token)
+    except BaseException:
+        dht.shutdown()
+        raise
+    return dht, token, revocation, validators
+
+
 def check_identity(dht: DHT, token: JoinToken | None) -> None:
     """A private run's peer id must be the member key's (every reader refuses records claiming another)."""
     expected = peer_id_of(token.member_key.get_public_key().to_bytes()) if token is not None else None
@@ -266,6 +288,31 @@ def _content(rec: RunConfigRecord) -> str:
     return json.dumps(rec.dict(exclude={"signature"}), sort_keys=True, default=repr) + repr(rec.signature)
 
 
+def read_run_config(dht: DHT, cfg: NodeConfig, token: JoinToken | None) -> RunConfigRecord | None:
+    """The run's published config record, read from the peers ``cfg.initial_peers`` reached; None only with
+    ``cfg.new_run`` (none found in a short look: the caller starts the run). ``ConfigError`` when there is none
+    after ``cfg.config_wait`` seconds, or when this member may not join it.
+
+    A daemon pointed at peers joins their run; on a loaded machine or a slow link the config can take a while to
+    read. Starting a run of its own there instead would fork the run (a restarted daemon did, training alone on its
+    checkpoint), so it waits, then gives up; with ``new_run`` it starts the run once a short look found none
+    (several daemons started together at a bootstrap node may each do so: the earliest record is the run's for
+    everyone who joins later)."""
+    key = config_key(cfg.run_id)
+    deadline = time.monotonic() + (NEW_RUN_LOOK if cfg.new_run else cfg.config_wait)
+    while True:
+        published = choose_config(cfg.run_id, token, unwrap_subkeys(dht_io.get_blocking(dht, key)).values())
+        if published is not None:
+            check_access(cfg.run_id, token, published)
+            return published
+        if cfg.new_run and time.monotonic() > deadline:
+            return None
+        if time.monotonic() > deadline:
+            raise ConfigError(f"initial_peers: no run {cfg.run_id!r} found there in {cfg.config_wait:.0f} s; "
+                              "check --run-id, or pass --new-run to start a new run there")
+        time.sleep(1)
+
+
 def agree_on_run_config(dht: DHT, cfg: NodeConfig, explicit: set[str], token: JoinToken | None, subkey: bytes,
                         derive: Callable[[RunConfig], dict[str, str]] | None = None
                         ) -> tuple[NodeConfig, dict[str, Any]]:
@@ -274,24 +321,8 @@ def agree_on_run_config(dht: DHT, cfg: NodeConfig, explicit: set[str], token: Jo
     the daemon that starts the run derives from its config and publishes, so that every joiner can check its own
     against them (``model_digest``: ``models/registry.py``; ``tokenizer``: ``models/data.py``)."""
     key = config_key(cfg.run_id)
-    published = None
-    if cfg.initial_peers:
-        # A daemon pointed at peers joins their run; on a loaded machine or a slow link the config can take a while
-        # to read. Starting a run of its own there instead would fork the run (a restarted daemon did, training
-        # alone on its checkpoint), so it waits, then gives up; with ``new_run`` it starts the run once a short
-        # look found none (several daemons started together at a bootstrap node may each do so: the earliest
-        # record is the run's for everyone who joins later).
-        deadline = time.monotonic() + (NEW_RUN_LOOK if cfg.new_run else cfg.config_wait)
-        while True:
-            published = choose_config(cfg.run_id, token, unwrap_subkeys(dht_io.get_blocking(dht, key)).values())
-            if published is not None or (cfg.new_run and time.monotonic() > deadline):
-                break
-            if time.monotonic() > deadline:
-                raise ConfigError(f"initial_peers: no run {cfg.run_id!r} found there in {cfg.config_wait:.0f} s; "
-                                  "check --run-id, or pass --new-run to start a new run there")
-            time.sleep(1)
+    published = read_run_config(dht, cfg, token) if cfg.initial_peers else None
     if published is not None:
-        check_access(cfg.run_id, token, published)
         cfg = dataclasses.replace(cfg, run=reconcile_run_config(cfg.run, explicit, published.fields))
         record = published.dict()
         logger.info("joined run %r started by %s", cfg.run_id, published.started_by[-8:])

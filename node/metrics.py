@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 
@@ -138,17 +139,22 @@ class Counters:
 
 class MetricsLog:
     """JSON lines, one event each, flushed at once; a log without a path writes nothing. Thread-safe: events come
-    from the training loop and from the checkpoint writer."""
+    from the training loop and from the checkpoint writer. Each of ``sinks`` hears every event as a dict (the
+    experiment trackers: ``node/trackers.py``), whether or not there is a file."""
 
-    def __init__(self, path: Path | None) -> None:
+    def __init__(self, path: Path | None, sinks: tuple[Callable[[dict[str, Any]], None], ...] = ()) -> None:
         self._file = open(path, "a") if path is not None else None
+        self._sinks = sinks
         self._lock = threading.Lock()
 
     def write(self, **fields: Any) -> None:
         with self._lock:
+            event = {"time": time.time(), **fields}
             if self._file is not None:
-                self._file.write(json.dumps({"time": time.time(), **fields}) + "\n")
+                self._file.write(json.dumps(event) + "\n")
                 self._file.flush()
+            for sink in self._sinks:
+                sink(event)
 
     def close(self) -> None:
         with self._lock:

@@ -139,6 +139,7 @@ def test_toml_file_with_every_key(tmp_path, access):
                 # The pause policies are refused on an island of several ranks (nproc_per_node=2): empty here.
                 pause_when=(), schedule="", resume_after=30.0, pause_to="checkpoint",
                 control_socket=str(tmp_path / "c.sock"), max_hours=8.0, until="06:00",
+                tensorboard=str(tmp_path / "tb"), wandb="my-project", wandb_name="island-7",
                 faults=("step_delay=0.1", "byzantine=nan"))
     assert set(run) == set(RUN_FIELDS) and set(node) == NODE_FIELDS  # a new field needs a value here
     node.pop("run_key" if access == "join_token" else "join_token")
