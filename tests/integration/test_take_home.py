@@ -79,6 +79,14 @@ def test_export_from_the_live_run_is_the_replica_the_daemons_hold(swarm, tmp_pat
     assert any(v > 0 for v, _ in taken), taken  # the run merged rounds: not Θ₀
     merged = {(r["fragment"], r["version"], r["hash"]) for d in (a, b) for r in d.rounds()}
     assert all((p, v, d) in merged for p, (v, d) in enumerate(taken) if v > 0), (taken, sorted(merged)[-8:])
+    # The trained run's model in transformers, offline: the same function as atoll's.
+    import transformers
+
+    lm = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "live", local_files_only=True).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "live", local_files_only=True)
+    ids = tok("def main():\n    return 0\n", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert (lm(input_ids=ids).logits - export.load(tmp_path / "live").model.logits(ids)).abs().max() < 1e-5
 
     # The daemons' figures, read back by TensorBoard's reader and from the W&B run's own file (b leaves first:
     # its W&B run is finished when it stops).

@@ -128,3 +128,17 @@ def test_a_missing_extra_is_one_line(monkeypatch, tmp_path):
 def test_tracker_settings_are_checked(field, value):
     with pytest.raises(ConfigError, match=f"^{field}: "):
         NodeConfig(**{field: value}).validate()
+
+
+def test_an_island_takes_the_trackers_as_options(tmp_path):
+    import torch
+
+    import atoll
+
+    model = torch.nn.Linear(2, 2)
+    island = atoll.Island(model, torch.optim.SGD(model.parameters(), lr=0.1), tensorboard=str(tmp_path / "tb"),
+                          wandb="my-project", wandb_name="mine")
+    assert (island.cfg.tensorboard, island.cfg.wandb, island.cfg.wandb_name) == (str(tmp_path / "tb"), "my-project",
+                                                                                "mine")
+    with pytest.raises(ConfigError, match="^wandb: "):
+        atoll.Island(model, torch.optim.SGD(model.parameters(), lr=0.1), wandb="a/b")
