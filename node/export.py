@@ -173,8 +173,9 @@ def from_checkpoint(directory: str | os.PathLike, data: str | None = None, model
 
 
 # ---- out of a live run ----------------------------------------------------------------------------------------------
-def from_live(cfg: NodeConfig, timeout: float | None = None) -> Global:
-    """The newest vouched Θ of a live run, downloaded as a joiner downloads it (see the module's docstring)."""
+def from_live(cfg: NodeConfig, model: str | None = None, timeout: float | None = None) -> Global:
+    """The newest vouched Θ of a live run, downloaded as a joiner downloads it (see the module's docstring);
+    ``model`` names the run's model where its record does not, as for ``from_checkpoint``."""
     from .faults import Faults
     from .join import read_run_config, start_member_dht
     from .metrics import Counters
@@ -192,9 +193,9 @@ def from_live(cfg: NodeConfig, timeout: float | None = None) -> Global:
         except ConfigError as e:
             raise ExportError(str(e)) from None
         assert published is not None
-        run = run_config(published.fields)
+        run = run_config(published.fields, model)
         cfg = dataclasses.replace(cfg, run=run)
-        module = build(run)
+        module = build(run, model)
         params, fragments = fragments_of(module, run)
         replica = Replica([f.gather(params) for f in fragments])
         syncer = Syncer(cfg, dht, validators[0].local_public_key, replica, fragments, Counters(), Faults(()),

@@ -96,7 +96,7 @@ def _export(args: argparse.Namespace) -> int:
                                   host_maddrs=("/ip4/0.0.0.0/tcp/0",), join_token=args.join_token,
                                   run_key=args.run_key)
         cfg.validate()
-        g = export.from_live(cfg)
+        g = export.from_live(cfg, model=args.model)
     tokenizer = export.write(g, args.out, args.dtype, args.data)
     identities = ", ".join(f"f{p} v{v} ({d})" for p, (v, _, d) in enumerate(g.identities))
     print(f"exported model {g.run.model!r} of run {g.run_id!r} from {g.source}: {identities}; {args.dtype}, "
