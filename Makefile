@@ -16,7 +16,7 @@ XLA_KEY := $(shell (echo xla-venv-2; cat pyproject.toml) | sha256sum | cut -c1-1
 XLA_STAMP := $(XLA_VENV)/.installed-$(XLA_KEY)
 XLA_PATH := build/xla-path
 
-.PHONY: system-packages test test-unit test-integration test-xla xla-venv demo bench clean
+.PHONY: system-packages test test-fast test-unit test-integration test-xla xla-venv demo bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,10 @@ test-xla: $(XLA_STAMP)
 
 test-unit: $(STAMP) system-packages
 	$(PY) -m pytest -q tests/unit
+
+# The inner loop: the unit tests on as many workers as the machine has cores (pytest-xdist), no sockets.
+test-fast: $(STAMP) system-packages
+	$(PY) -m pytest -q -n auto tests/unit
 
 test-integration: $(STAMP) system-packages
 	$(PY) -m pytest -q tests/integration

@@ -91,3 +91,32 @@ def pytest_runtest_makereport(item, call):
         value = call.excinfo.value
         call.excinfo = ExceptionInfo.from_exc_info((type(value), value, value.__traceback__))
     return (yield)
+
+
+# ---- what each test costs --------------------------------------------------------------------------------------
+_DURATIONS: dict[str, float] = {}
+DURATIONS_FILE = ROOT / "build" / "test-durations.json"
+
+
+def pytest_runtest_logreport(report):
+    """Sum each test's set-up, call and tear-down seconds (a module fixture's swarm counts in its first test)."""
+    _DURATIONS[report.nodeid] = _DURATIONS.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Record every test's seconds of this session in ``build/test-durations.json``, slowest first, merged into the
+    record of earlier sessions (``make test`` runs the suite in two sessions: the main venv's and xla's)."""
+    import json
+
+    if not _DURATIONS or hasattr(session.config, "workerinput"):  # an xdist worker: its controller writes it
+        return
+    kept = {}
+    try:
+        kept = json.loads(DURATIONS_FILE.read_text())["seconds"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    kept.update({k: round(v, 2) for k, v in _DURATIONS.items()})
+    DURATIONS_FILE.parent.mkdir(parents=True, exist_ok=True)
+    ordered = dict(sorted(kept.items(), key=lambda kv: -kv[1]))
+    DURATIONS_FILE.write_text(json.dumps({"total_seconds": round(sum(ordered.values()), 1), "seconds": ordered},
+                                         indent=1) + "\n")

@@ -36,6 +36,19 @@ def atoll(*args, cwd=None):
                           timeout=300, cwd=cwd)
 
 
+def in_process(*args):
+    """``atoll ARGS`` in this process (no interpreter start: a second each), as a ``CompletedProcess``."""
+    import contextlib
+    import io
+
+    from atoll.node.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
 def one_line_exit_2(out, pattern):
     import re
 
@@ -150,7 +163,7 @@ def theta_of(model, run):
 
 def test_a_llama_export_loads_offline_in_transformers_with_the_same_logits(tmp_path, monkeypatch):
     run, _, thetas, _ = make_checkpoint(tmp_path / "ckpt")
-    out = atoll("export", tmp_path / "ckpt", "--out", tmp_path / "hf")
+    out = in_process("export", tmp_path / "ckpt", "--out", tmp_path / "hf")
     assert out.returncode == 0, out.stderr
     assert "f0 v3" in out.stdout and "f1 v4" in out.stdout and "tokenizer bytes" in out.stdout, out.stdout
     g = export.load(tmp_path / "ckpt")
@@ -174,7 +187,7 @@ def test_a_llama_export_loads_offline_in_transformers_with_the_same_logits(tmp_p
 def test_a_gpt_export_round_trips_into_the_preset_and_bf16_rounds_it(tmp_path):
     run, _, thetas, tensors = make_checkpoint(tmp_path / "ckpt", model="nano")
     for dtype in ("fp32", "bf16"):
-        out = atoll("export", tmp_path / "ckpt", "--out", tmp_path / dtype, "--dtype", dtype)
+        out = in_process("export", tmp_path / "ckpt", "--out", tmp_path / dtype, "--dtype", dtype)
         assert out.returncode == 0, out.stderr
     fp32, bf16 = export.load(tmp_path / "fp32"), export.load(tmp_path / "bf16")
     assert all(torch.equal(a, b) for a, b in zip(theta_of(fp32.model, run), thetas))
@@ -230,13 +243,13 @@ def test_hf_and_factory_models_export_through_their_own_layouts(tmp_path, monkey
 
 def test_sample_is_deterministic_for_a_seed(tmp_path):
     make_checkpoint(tmp_path / "ckpt")
-    assert atoll("export", tmp_path / "ckpt", "--out", tmp_path / "hf").returncode == 0
-    runs = [atoll("sample", path, "--prompt", "def ", "--max-tokens", "40", "--seed", seed)
+    assert in_process("export", tmp_path / "ckpt", "--out", tmp_path / "hf").returncode == 0
+    runs = [in_process("sample", path, "--prompt", "def ", "--max-tokens", "40", "--seed", seed)
             for path, seed in ((tmp_path / "ckpt", 1), (tmp_path / "hf", 1), (tmp_path / "ckpt", 2))]
     assert all(r.returncode == 0 for r in runs), [r.stderr for r in runs]
     assert runs[0].stdout == runs[1].stdout != runs[2].stdout  # the checkpoint's Θ and its export write alike
     assert runs[0].stdout.startswith("def ")
-    greedy = [atoll("sample", tmp_path / "hf", "--temperature", "0", "--max-tokens", "20", "--seed", s).stdout
+    greedy = [in_process("sample", tmp_path / "hf", "--temperature", "0", "--max-tokens", "20", "--seed", s).stdout
               for s in (1, 2)]
     assert greedy[0] == greedy[1]
 
@@ -252,13 +265,13 @@ def test_eval_agrees_with_the_daemons_own_held_out_figure(tmp_path):
                       held_out=corpus.held_out(node.eval_batches, node.batch_size))
     learner.load_state_tensors(tensors)
     daemons = learner.held_out_loss()
-    out = atoll("eval", tmp_path / "ckpt", "--local", "--json")
+    out = in_process("eval", tmp_path / "ckpt", "--local", "--json")
     assert out.returncode == 0, out.stderr
     figures = json.loads(out.stdout)
     assert abs(figures["loss"] - daemons) < 1e-5, (figures, daemons)
     assert figures["perplexity"] == pytest.approx(math.exp(figures["loss"]))
     assert figures["tokens"] == figures["bytes"] == node.eval_batches * node.batch_size * MODELS[run.model].seq_len
-    glob = json.loads(atoll("eval", tmp_path / "ckpt", "--json").stdout)
+    glob = json.loads(in_process("eval", tmp_path / "ckpt", "--json").stdout)
     assert glob["loss"] != figures["loss"] and glob["versions"] == [3, 4, 5, 6]
 
 
@@ -301,30 +314,31 @@ def test_a_prepared_datasets_tokenizer_goes_with_the_export(tmp_path):
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path):
+    """Two through the real command (a new interpreter: nothing but one line on its stderr), the rest in process."""
     one_line_exit_2(atoll("export", tmp_path, "--out", tmp_path / "x"), "is not a checkpoint directory")
-    one_line_exit_2(atoll("export", "--out", tmp_path / "x"), "name a CHECKPOINT_DIR")
-    one_line_exit_2(atoll("sample", tmp_path / "nowhere"), r"neither a checkpoint directory \(ckpt-\*.json\) nor an export")
-    one_line_exit_2(atoll("eval", tmp_path), r"neither a checkpoint directory \(ckpt-\*.json\) nor an export")
+    one_line_exit_2(in_process("export", "--out", tmp_path / "x"), "name a CHECKPOINT_DIR")
+    one_line_exit_2(in_process("sample", tmp_path / "nowhere"), r"neither a checkpoint directory \(ckpt-\*.json\) nor an export")
+    one_line_exit_2(in_process("eval", tmp_path), r"neither a checkpoint directory \(ckpt-\*.json\) nor an export")
     run, _, _, _ = make_checkpoint(tmp_path / "ckpt")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "precious.txt").write_text("keep")
-    one_line_exit_2(atoll("export", tmp_path / "ckpt", "--out", tmp_path / "full"), "not an export directory")
-    one_line_exit_2(atoll("export", tmp_path / "ckpt", "--out", tmp_path / "x", "--model", "nano"),
+    one_line_exit_2(in_process("export", tmp_path / "ckpt", "--out", tmp_path / "full"), "not an export directory")
+    one_line_exit_2(in_process("export", tmp_path / "ckpt", "--out", tmp_path / "x", "--model", "nano"),
                     r"digest .* other than the run's")
-    assert atoll("export", tmp_path / "ckpt", "--out", tmp_path / "hf").returncode == 0
+    assert in_process("export", tmp_path / "ckpt", "--out", tmp_path / "hf").returncode == 0
     meta = json.loads((tmp_path / "hf" / "atoll.json").read_text())
     (tmp_path / "hf" / "atoll.json").write_text(json.dumps({**meta, "model_digest": "0" * 16}))
     one_line_exit_2(atoll("sample", tmp_path / "hf"), "digest .* is not the one it records")
     (tmp_path / "hf" / "model.safetensors").write_bytes(b"not safetensors")
-    one_line_exit_2(atoll("eval", tmp_path / "hf"), "is not a readable atoll export")
-    one_line_exit_2(atoll("eval", tmp_path / "ckpt", "--data", tmp_path / "nowhere"), "does not exist")
-    one_line_exit_2(atoll("sample", tmp_path / "ckpt", "--temperature", "-1"), "temperature")
+    one_line_exit_2(in_process("eval", tmp_path / "hf"), "is not a readable atoll export")
+    one_line_exit_2(in_process("eval", tmp_path / "ckpt", "--data", tmp_path / "nowhere"), "does not exist")
+    one_line_exit_2(in_process("sample", tmp_path / "ckpt", "--temperature", "-1"), "temperature")
     # A checkpoint whose replica is not what its metadata records: the digests do not match.
     ckpt = sorted((tmp_path / "ckpt").glob("ckpt-*.json"))[-1]
     meta = json.loads(ckpt.read_text())
     meta["digests"][0] = "f" * 16
     ckpt.write_text(json.dumps(meta))
-    one_line_exit_2(atoll("export", tmp_path / "ckpt", "--out", tmp_path / "y"), "does not match its recorded")
+    one_line_exit_2(in_process("export", tmp_path / "ckpt", "--out", tmp_path / "y"), "does not match its recorded")
 
 
 def test_tokenizer_of_byte_level_runs_needs_no_data():
