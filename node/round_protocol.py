@@ -158,7 +158,7 @@ class RoundProtocol:
                 abort=lambda: self.catch_up.behind(p), quorum=run.quorum if algo.quorum else None,
                 grace=self.grace, on_reject=ctx.reject, max_group=run.max_group, look_up=self.peers.look_up,
                 expects=lambda peer: peer not in forked,
-                excluded=lambda peer: ctx.cooldown.active(peer) or ctx.revoked(peer),
+                shunned=ctx.revoked,
                 base=digest, not_before=ctx.started_at, on_groups=decided.append, nudges=self.nudges,
                 silent=self.silent,
             )

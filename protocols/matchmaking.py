@@ -148,7 +148,7 @@ async def _form_group(
     poll_interval: float = POLL_INTERVAL,
     on_reject: Callable[..., None] = lambda kind, source=None: None,
     max_group: int = MAX_GROUP,
-    excluded: Callable[[str], bool] = lambda peer: False,
+    shunned: Callable[[str], bool] = lambda peer: False,
     base: str = "",
     not_before: float = 0.0,
     on_groups: Callable[[list[list[str]]], None] = lambda groups: None,
@@ -166,12 +166,16 @@ async def _form_group(
     its own. Returns None when ``abort()`` becomes true (a heavier replica appeared: catch up instead), and an
     empty list when this daemon is in none of the round's groups or no group was decided in time.
     ``on_reject(kind, source)`` hears of every malformed record, with the key that signed it.
-    ``excluded(peer)``: peers this daemon is cooling down (``protocols/cooldown.py``). ``live_peers`` leaves them
-    out already (so they are neither expected nor registered here); decisions that list one are ignored too. An
-    offender takes itself for the coordinator (it sees itself registered) and publishes a group with itself in
-    it; if some members followed that decision and others the honest coordinator's, they would disagree about
-    the round. Every member that saw the offence ignores it; a daemon that never did may follow it and miss the
-    round (it catches up by download), but no replica forks.
+    Peers this daemon cools down (``protocols/cooldown.py``) or that were revoked: ``live_peers`` leaves them out,
+    so they are neither expected nor registered here; this daemon never puts them in a group it decides, and a
+    decision they signed does not count (``Deciders``: not a registrant). A decision by a registrant we do not cool
+    down is followed even if it lists one we do: peers cool an offender down at different moments, and a daemon
+    that ignored such decisions missed every round the others' coordinators formed until they too cooled it down
+    (the second review's silent reducer and squatter cost most of their merges there: docs/security.md). The round
+    runs with the offender in it, as it does for the members that do not cool it down: our reducer leaves its part
+    out, and a shard it spoils or withholds is refused or times out, and every member retries without it alike.
+    ``shunned(peer)``: members a decision must not list for us to follow it (revoked ones: they may not see our
+    part at all).
     ``on_groups(groups)`` hears the round's decision, every group of it (``sibling_group``).
     ``look_up(peer_ids)``: registrants that ``live_peers`` does not list are looked up (a large swarm's table is
     read in turns: a newcomer may not be in it yet), and ``live_peers`` is asked again.
@@ -247,7 +251,7 @@ async def _form_group(
                     registered[rec["peer_id"]] = first
                     signers[source] = rec["peer_id"]
             deciders = Deciders(registered, signers, peer_id, now, gather_timeout, max_group, watch.decided)
-            groups = _first_decision(group_entry, gather_timeout, on_reject, excluded, not_before, deciders)
+            groups = _first_decision(group_entry, gather_timeout, on_reject, shunned, not_before, deciders)
             if groups is not None:
                 on_groups(groups)
                 return next((members for members in groups if peer_id in members), [])
@@ -272,7 +276,7 @@ async def _form_group(
                     # Another registrant whose view of the DHT lacked our registration may have decided first, taking
                     # itself for the coordinator: everyone follows the earliest decision, so we do too.
                     first = _first_decision(await dht_io.get(dht, gkey, on_timeout=timed_out), gather_timeout,
-                                            on_reject, excluded, not_before, deciders)
+                                            on_reject, shunned, not_before, deciders)
                     on_groups(first or groups)
                     return next((members for members in (first or groups) if peer_id in members), [])
             if nudges is None:
@@ -345,7 +349,7 @@ HONEST_NEVER = ("group_record_writer", "group_record_split")  # what no honest c
 
 
 def _first_decision(group_entry: Any, gather_timeout: float, on_reject: Callable[..., None],
-                    excluded: Callable[[str], bool], not_before: float = 0.0,
+                    shunned: Callable[[str], bool], not_before: float = 0.0,
                     deciders: Deciders | None = None) -> list[list[str]] | None:
     """The earliest valid, recent group decision of a round (the one every daemon follows), or None. With
     ``deciders``, only decisions by one of the round's registrants count (see ``Deciders``)."""
@@ -355,7 +359,7 @@ def _first_decision(group_entry: Any, gather_timeout: float, on_reject: Callable
         groups = parse_group_record(value)
         if groups is None:
             on_reject("group_record", source)
-        elif any(excluded(m) for members in groups for m in members):
+        elif any(shunned(m) for members in groups for m in members):
             continue
         elif isinstance(value["time"], float) and value["time"] >= stale_before:
             # An older decision belongs to a round that ended (or never ran) long ago: ignore it, or a daemon left

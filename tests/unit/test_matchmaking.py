@@ -128,7 +128,7 @@ def test_a_restarted_daemon_does_not_follow_the_decision_its_previous_life_was_i
     assert shared[gkey][b"c"]["groups"] == [["a", "c"]]
 
 
-def _form(shared, peer, monkeypatch, start, live_versions, gather_timeout=5.0, dht=None):
+def _form(shared, peer, monkeypatch, start, live_versions, gather_timeout=5.0, dht=None, **options):
     from atoll.protocols.matchmaking import form_group
 
     clock = iter(range(start, start + 1000))  # DHT time: one second per reading
@@ -141,7 +141,7 @@ def _form(shared, peer, monkeypatch, start, live_versions, gather_timeout=5.0, d
     members = asyncio.run(asyncio.wait_for(form_group(
         (dht or FakeDHT)(shared), run_id="run", fragment=0, version=13, peer_id=peer, subkey=peer.encode(), weight=1.0,
         live_peers=live, gather_timeout=gather_timeout, abort=lambda: False, base="D", poll_interval=0.0,
-        on_reject=lambda kind, src: rejected.append((kind, src))), timeout=30))
+        on_reject=lambda kind, src: rejected.append((kind, src)), **options), timeout=30))
     return members, rejected
 
 
@@ -368,3 +368,27 @@ def test_a_registrant_missing_from_the_table_is_looked_up_and_counted(monkeypatc
         live_peers=live, gather_timeout=5.0, abort=lambda: False, base="D", quorum=1, poll_interval=0.0,
         look_up=look_up))
     assert asked[0] == {"n"} and "n" in members
+
+
+def test_a_decision_listing_a_peer_we_cool_down_is_followed_unless_that_peer_wrote_it(monkeypatch):
+    """x is an offender in a's eyes (cooled down: the round protocol's ``live_peers`` leaves it out) but not yet in
+    b's. b's decision lists x: a follows it, as b does, rather than missing the round (ignoring it made every round
+    b coordinated fail for both until b cooled x down too). A decision x signed does not count for a (x is no
+    registrant in its view), and a decision listing a revoked member (``shunned``) is not followed at all."""
+    from atoll.protocols.matchmaking import group_key, round_key
+
+    key, gkey = round_key("run", 0, 13, "D"), group_key("run", 0, 13, "D")
+    registrations = {b"b": {"peer_id": "b", "weight": 1.0, "time": 4999.0},
+                     b"x": {"peer_id": "x", "weight": 1.0, "time": 4998.0}}
+    shared = {key: dict(registrations), gkey: {b"b": {"groups": [["a", "b", "x"]], "time": 5000.5}}}
+    members, rejected = _form(shared, "a", monkeypatch, 5000, {"b": 13})
+    assert members == ["a", "b", "x"] and rejected == []
+
+    shared = {key: dict(registrations), gkey: {b"x": {"groups": [["a", "b", "x"]], "time": 5000.5}}}
+    members, _ = _form(shared, "a", monkeypatch, 5000, {"b": 13})
+    assert members == ["a", "b"]  # x's decision ignored; b never decided either: a coordinated, without x
+    assert shared[gkey][b"a"]["groups"] == [["a", "b"]]
+
+    shared = {key: dict(registrations), gkey: {b"b": {"groups": [["a", "b", "x"]], "time": 5000.5}}}
+    members, _ = _form(shared, "a", monkeypatch, 5000, {"b": 13}, shunned=lambda peer: peer == "x")
+    assert members == ["a", "b"]  # x revoked: b's decision is not followed; a decided without x
