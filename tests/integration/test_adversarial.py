@@ -45,7 +45,8 @@ COMMON = ["--model", "nano", "--batch-size", "4", "--algorithm", "diloco", "--sy
 HONEST = ("a", "b", "c")
 # forged_rounds: its second half (forged decisions) must outlast the cooldown its first half earns (absurd times:
 # round_record_time offences, then --peer-cooldown 5 s during which its decisions are ignored uncounted).
-PHASES = (("fake_heavier", 10.0), ("refuse", 6.0), ("forged_rounds", 24.0), ("hostile_reducer", 12.0))
+# hostile_reducer: the cooldown its last offences earned (5 s) passes first, then it must be in some group.
+PHASES = (("fake_heavier", 10.0), ("refuse", 6.0), ("forged_rounds", 24.0), ("hostile_reducer", 20.0))
 
 
 def tree_usage(pid: int) -> tuple[int, int]:
