@@ -76,7 +76,7 @@ def section_correctness(args: argparse.Namespace) -> dict:
 
 def section_swarm(args: argparse.Namespace) -> dict:
     sys.path.insert(0, str(SCRIPTS))
-    from swarm import LocalSwarm, peer_id, summary
+    from swarm import LocalSwarm, peer_id, summary, wait_for
 
     model, duration = ("nano", 20.0) if args.dry_run else (args.swarm_model, args.swarm_seconds)
     common = ["--model", model, "--device", args.device, "--algorithm", "decoupled", "--batch-size",
@@ -85,6 +85,9 @@ def section_swarm(args: argparse.Namespace) -> dict:
     with LocalSwarm(root, common) as swarm:
         for name in ("a", "b", "c"):
             swarm.start(name)
+        # The window starts once every daemon trains and merged a round: a joiner's download and first steps on a
+        # loaded machine took the whole of a 20 s window once (a dry run with a daemon of 0 steps).
+        wait_for(lambda: all(d.rounds() for d in swarm.daemons.values()), 180, "a round merged by every daemon")
         t0 = time.monotonic()
         time.sleep(duration)
         codes = swarm.stop_all()
