@@ -464,6 +464,9 @@ def main() -> int:
     plot_loss(swarm, plot)
     (workdir / "summary.json").write_text(json.dumps(rows, indent=1))
     console.print(f"plot: {plot}   summary: {workdir / 'summary.json'}   logs: {workdir}/daemon-*/daemon.log")
+    first = next(iter(swarm.daemons.values())).workdir
+    console.print(f"the model: atoll sample {first} --prompt 'def '   (atoll export {first} --out model/: "
+                  f"docs/export.md)")
     return 0 if all(c == 0 for c in codes.values()) else 1
 
 
