@@ -172,6 +172,10 @@ class Corpus:
         idx = starts[:, None] + np.arange(window)[None, :]
         return torch.from_numpy(self._shards[shard % self.shards][idx].astype(np.int64))
 
+    def held_out_windows(self) -> int:
+        """Windows of ``seq_len + 1`` tokens in the held-out split."""
+        return self._held_out.size // (self.seq_len + 1)
+
     def held_out(self, num_batches: int, batch_size: int) -> list[torch.Tensor]:
         """A fixed list of held-out batches (the same on every daemon), spread evenly over the held-out split."""
         window = self.seq_len + 1

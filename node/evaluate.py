@@ -60,7 +60,8 @@ def tokenizer_for(g: Global, data: str | None) -> Tokenizer:
     """The tokenizer of ``g``'s run (see the module's docstring); ``ExportError`` when it cannot be found."""
     want = g.run.tokenizer
     if g.export_dir is not None and (g.export_dir / TOKENIZER).is_file() and data is None:
-        return Tokenizer(want or BYTES, None if _export_bytes(g) else g.export_dir / TOKENIZER)
+        # A byte-level run's export holds the byte tokenizer: its ids are the bytes, read here without it.
+        return Tokenizer(BYTES) if want in ("", BYTES) else Tokenizer(want, g.export_dir / TOKENIZER)
     if data is not None and data != "builtin" and Path(data).exists() and is_prepared(Path(data)):
         kind = tokenizer_of(data)
         if want and want != BYTES and kind != want:
@@ -71,15 +72,6 @@ def tokenizer_for(g: Global, data: str | None) -> Tokenizer:
     if want in ("", BYTES):
         return Tokenizer(BYTES)
     raise ExportError(f"the run's data was tokenized by {want[:12]}: pass --data with the run's prepared dataset")
-
-
-def _export_bytes(g: Global) -> bool:
-    import json
-
-    from .export import EXPORT_META
-
-    meta = json.loads((g.export_dir / EXPORT_META).read_text())
-    return meta.get("tokenizer") == BYTES
 
 
 def logits_fn(g: Global):
@@ -152,8 +144,7 @@ def held_out_batches(data: str, seq_len: int, vocab: int, num_batches: int, batc
     except ValueError as e:
         raise ExportError(f"--data: {e}") from None
     if num_batches <= 0:
-        windows = corpus._held_out.size // (seq_len + 1)
-        num_batches = max(1, windows // batch_size)
+        num_batches = max(1, corpus.held_out_windows() // batch_size)
     return corpus.held_out(num_batches, batch_size)
 
 

@@ -74,7 +74,6 @@ class Global:
     run_id: str
     identities: list[tuple[int, float, str]]  # (version, weight, digest) of each fragment taken; [] for θ
     source: str
-    data: str | None = None  # where its tokenizer may be found (a prepared dataset), if known
     export_dir: Path | None = None  # set when loaded from an export
 
     def versions(self) -> str:
@@ -130,8 +129,7 @@ def is_checkpoint_dir(path: Path) -> bool:
     return path.is_dir() and any(path.glob("ckpt-*.json"))
 
 
-def from_checkpoint(directory: str | os.PathLike, data: str | None = None, model: str | None = None,
-                    local: bool = False) -> Global:
+def from_checkpoint(directory: str | os.PathLike, model: str | None = None, local: bool = False) -> Global:
     """Θ (``local``: the daemon's own θ) of the newest intact checkpoint in ``directory``."""
     from .checkpoint import load_checkpoint
     from .replica import Replica
@@ -148,28 +146,24 @@ def from_checkpoint(directory: str | os.PathLike, data: str | None = None, model
     params, fragments = fragments_of(module, run)
     try:
         if local:
-            flat = [tensors[f"model.{i}"] for i in range(len(params))]
             with torch.no_grad():
-                for p, t in zip(params, flat):
-                    p.copy_(t.reshape(p.shape))
+                for i, p in enumerate(params):
+                    p.copy_(tensors[f"model.{i}"].reshape(p.shape))
             identities = []
         else:
             thetas = [tensors[f"replica.{p}.params"] for p in range(len(fragments))]
             replica = Replica(thetas, [tensors[f"replica.{p}.momentum"] for p in range(len(fragments))],
                               meta["versions"], meta["weights"])
             identities = replica.identities()
-            if [d for _, _, d in identities] != list(meta["digests"]):
-                raise ExportError(f"{str(path)!r}: the checkpoint's replica does not match its recorded digests")
             for fragment, theta in zip(fragments, thetas):
                 fragment.scatter(theta, params)
     except (KeyError, IndexError, ValueError, RuntimeError) as e:
-        if isinstance(e, ExportError):
-            raise
         raise ExportError(f"{str(path)!r}: the checkpoint does not fit model {run.model!r} ({type(e).__name__}: "
                           f"{e})") from None
+    if identities and [d for _, _, d in identities] != list(meta["digests"]):
+        raise ExportError(f"{str(path)!r}: the checkpoint's replica does not match its recorded digests")
     source = f"checkpoint {str(path)!r} (step {meta.get('step')})"
-    return Global(module, run, str(meta.get("run_id", "")), identities, source,
-                  data if data is not None else (run.data if run.data != LOCAL_DATA else None))
+    return Global(module, run, str(meta.get("run_id", "")), identities, source)
 
 
 # ---- out of a live run ----------------------------------------------------------------------------------------------
@@ -213,9 +207,7 @@ def from_live(cfg: NodeConfig, model: str | None = None, timeout: float | None =
         for fragment, (theta, _) in zip(fragments, (replica.params_and_id(p) for p in range(len(fragments)))):
             fragment.scatter(theta, params)
         donors = sorted({d[-8:] for s in states for d in s.donors})
-        return Global(module, run, cfg.run_id, identities,
-                      f"live run {cfg.run_id!r} (from {', '.join(donors)})", cfg.run.data
-                      if cfg.run.data not in ("builtin", LOCAL_DATA) else None)
+        return Global(module, run, cfg.run_id, identities, f"live run {cfg.run_id!r} (from {', '.join(donors)})")
     finally:
         if syncer is not None:
             syncer.shutdown()
@@ -311,7 +303,7 @@ def _seq_len(model: nn.Module) -> int:
 def _write_tokenizer(g: Global, out: Path, data: str | None) -> str:
     """``tokenizer.json`` (and its config) for the run's data: "bytes", the dataset tokenizer's sha256, or "none"."""
     want = g.run.tokenizer
-    source = data if data is not None else g.data
+    source = data if data is not None else ("builtin" if g.run.data == "builtin" else None)
     if want in ("", BYTES) and (source is None or _tokenizer_kind(source) == BYTES):
         if want == "" and source is None:
             logger.warning("the run does not say how its data was tokenized; writing a byte-level tokenizer")
@@ -386,7 +378,7 @@ def from_export(directory: str | os.PathLike, model: str | None = None) -> Globa
         raise ExportError(f"{str(path)!r}: its model's digest {digest} is not the one it records "
                           f"({meta.get('model_digest')})")
     identities = [(f["version"], f["weight"], f["digest"]) for f in meta.get("fragments", [])]
-    return Global(module, run, meta.get("run_id", ""), identities, f"export {str(path)!r}", None, path)
+    return Global(module, run, meta.get("run_id", ""), identities, f"export {str(path)!r}", path)
 
 
 def _is_alias(module: nn.Module, key: str, state: dict[str, torch.Tensor]) -> bool:
@@ -395,7 +387,7 @@ def _is_alias(module: nn.Module, key: str, state: dict[str, torch.Tensor]) -> bo
     return any(other in state and own[other] is own[key] for other in own if other != key)
 
 
-def load(path: str | os.PathLike, data: str | None = None, model: str | None = None, local: bool = False) -> Global:
+def load(path: str | os.PathLike, model: str | None = None, local: bool = False) -> Global:
     """A checkpoint directory's Θ (or θ with ``local``), or an export's model."""
     p = Path(path)
     if is_export_dir(p):
@@ -403,5 +395,5 @@ def load(path: str | os.PathLike, data: str | None = None, model: str | None = N
             raise ExportError(f"{str(p)!r} is an export: it holds Θ only (--local reads a checkpoint directory)")
         return from_export(p, model)
     if is_checkpoint_dir(p):
-        return from_checkpoint(p, data, model, local)
+        return from_checkpoint(p, model, local)
     raise ExportError(f"{str(p)!r} is neither a checkpoint directory (ckpt-*.json) nor an export ({EXPORT_META})")

@@ -93,8 +93,7 @@ def _export(args: argparse.Namespace) -> int:
         from .config import NodeConfig
 
         cfg = dataclasses.replace(NodeConfig(), run_id=args.run_id, initial_peers=tuple(args.initial_peers),
-                                  host_maddrs=("/ip4/0.0.0.0/tcp/0",), join_token=args.join_token,
-                                  run_key=args.run_key)
+                                  join_token=args.join_token, run_key=args.run_key)
         cfg.validate()
         g = export.from_live(cfg, model=args.model)
     tokenizer = export.write(g, args.out, args.dtype, args.data)
@@ -131,12 +130,13 @@ def _sample(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from atoll.models.registry import shape_of
 
+    from .config import LOCAL_DATA
     from .evaluate import evaluate, held_out_batches, tokenizer_for
 
     if args.batch_size < 1 or args.batches < 0:
         raise ConfigError("eval: --batch-size must be at least 1 and --batches 0 or more")
     g = _load(args)
-    data = args.data or (g.run.data if g.run.data not in ("", "<local>") else None)
+    data = args.data or (g.run.data if g.run.data != LOCAL_DATA else None)
     if data is None:
         raise ConfigError("eval: the run trained on data of its own: pass --data")
     shape = shape_of(g.model)

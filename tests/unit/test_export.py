@@ -31,9 +31,9 @@ transformers = pytest.importorskip("transformers")
 LOGITS_TOL = 1e-5  # fp32, one model against the other: the same products summed in another order
 
 
-def atoll(*args, cwd=None):
+def atoll(*args):
     return subprocess.run([sys.executable, "-m", "atoll.node.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=300, cwd=cwd)
+                          timeout=300)
 
 
 def in_process(*args):
