@@ -34,9 +34,9 @@ contributions allow (``check_shard``, ``models/robust.merge_bound``): an offence
 shard's direction without the other parts: a reducer can still send a wrong shard within that bound.
 
 A member that never sends its part costs its reducer at most ``timeout``; the shard is reduced without it. A
-reducer that has not answered once at least as many others have gets ``ANSWER_GRACE`` s more (or
-``ANSWER_GRACE_FACTOR`` × the time the others took); then it is left out, and ``LATE_OFFENCES`` rounds in a row
-make it an offender. A reducer that fails is reported in ``AllreduceResult.failed`` so the caller can retry the
+reducer that has not answered once at least as many others have gets a grace (``answer_grace``: ``ANSWER_GRACE`` s
+and its shard's bytes at ``ANSWER_MIN_RATE``, or ``ANSWER_GRACE_FACTOR`` × the time the others took); then it is
+left out, and ``LATE_OFFENCES`` rounds in a row make it an offender. A reducer that fails is reported in ``AllreduceResult.failed`` so the caller can retry the
 round without it.
 """
 
@@ -70,10 +70,14 @@ logger = logging.getLogger("atoll")
 MAX_PENDING_GROUPS = 64
 MAX_PENDING_PER_PEER = 8  # early requests one peer may keep waiting (one per concurrent round; fragments)
 EXCHANGE_ATTEMPTS = 3  # a broken stream to a reducer is asked again this many times in all
-# Once at least as many reducers answered as are still out, those get this long (or ANSWER_GRACE_FACTOR × the
-# time the others took, if longer): they hold the same parts the others did, so their answer is only a reduce and
-# a transfer away. A reducer that misses it is left out of the round, and LATE_OFFENCES times in a row an offender.
-ANSWER_GRACE = 10.0
+# Once at least as many reducers answered as are still out, those get ANSWER_GRACE s plus their shard's transfer at
+# ANSWER_MIN_RATE (or ANSWER_GRACE_FACTOR × the time the others took, if longer): they hold the same parts the
+# others did, so their answer is only a reduce and a transfer away. A reducer that misses it is left out of the
+# round, and LATE_OFFENCES times in a row an offender. Every second of grace is a second a silent reducer holds its
+# fragment's round: a fixed 10 s cost the second review's silent reducer a third of the merges. The rate term keeps
+# a large shard behind a slow uplink in its round when the others answered fast.
+ANSWER_GRACE = 2.0
+ANSWER_MIN_RATE = 32 * 1024  # bytes a second: a 256 kbit/s uplink
 ANSWER_GRACE_FACTOR = 2.0
 LATE_OFFENCES = 3
 
@@ -643,12 +647,19 @@ def _consume(task: asyncio.Future) -> None:
         task.exception()  # retrieved: asyncio would log it, traceback and all, when the task is collected
 
 
-async def _await_answers(tasks: dict[str, asyncio.Future], local_peer: str) -> tuple[list[str], list[str]]:
+def answer_grace(shard_bytes: int) -> float:
+    """Seconds a reducer still out gets once at least as many have answered (before ``ANSWER_GRACE_FACTOR`` × the
+    others' time is considered): the floor, and its answer of ``shard_bytes`` at ``ANSWER_MIN_RATE``."""
+    return ANSWER_GRACE + shard_bytes / ANSWER_MIN_RATE
+
+
+async def _await_answers(tasks: dict[str, asyncio.Future], local_peer: str,
+                         grace: float) -> tuple[list[str], list[str]]:
     """Wait for the reducers' answers (each has the round's own bound) until this attempt's outcome is known:
     (late, abandoned). Once a reducer failed or refused, the attempt cannot merge: those still out are abandoned
     (cancelled; our own shard's reduction goes on for the others). Once at least as many answered as are still
-    out, and our own shard is not among those, the rest get ``ANSWER_GRACE`` s or ``ANSWER_GRACE_FACTOR`` × the
-    time so far, whichever is longer, and are late past it (cancelled)."""
+    out, and our own shard is not among those, the rest get ``grace`` s or ``ANSWER_GRACE_FACTOR`` × the time so
+    far, whichever is longer, and are late past it (cancelled)."""
     loop = asyncio.get_running_loop()
     started, deadline = loop.time(), None
     pending = set(tasks.values())
@@ -663,7 +674,7 @@ async def _await_answers(tasks: dict[str, asyncio.Future], local_peer: str) -> t
             break
         answered = sum(1 for t in tasks.values() if t.done())
         if deadline is None and pending and answered >= len(pending) and tasks.get(local_peer) not in pending:
-            deadline = loop.time() + max(ANSWER_GRACE, ANSWER_GRACE_FACTOR * (loop.time() - started))
+            deadline = loop.time() + max(grace, ANSWER_GRACE_FACTOR * (loop.time() - started))
     out = [peer for peer, task in tasks.items() if task in pending]
     for task in pending:
         task.cancel()
@@ -714,7 +725,9 @@ async def allreduce(
     if me is not None:
         tasks[local_peer] = asyncio.ensure_future(asyncio.shield(reduction.result))
     try:
-        late, abandoned = await _await_answers(tasks, local_peer)
+        # Our parts are encoded as the reduced shards are: the largest is what the slowest answer carries.
+        grace = answer_grace(max((len(pl) for pl in payloads), default=0))
+        late, abandoned = await _await_answers(tasks, local_peer, grace)
     except asyncio.CancelledError:  # the round was cancelled: so are its exchanges, whose outcome nobody reads
         for task in tasks.values():
             task.cancel()

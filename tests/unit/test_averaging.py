@@ -350,10 +350,8 @@ def test_a_reducer_that_misstates_our_part_or_sends_malformed_scalars_is_refused
         assert check_shard(dict(header, parts=parts), spec, "c", "a", [own["a"]], floor, 4.0)[1] == "reducer_parts"
 
 
-def test_reducers_still_out_once_the_others_answered_get_a_deadline_of_their_own(monkeypatch):
+def test_reducers_still_out_once_the_others_answered_get_a_deadline_of_their_own():
     from atoll.protocols import averaging
-
-    monkeypatch.setattr(averaging, "ANSWER_GRACE", 0.2)
 
     async def main(own_late: bool):
         loop = asyncio.get_running_loop()
@@ -361,7 +359,7 @@ def test_reducers_still_out_once_the_others_answered_get_a_deadline_of_their_own
         loop.call_later(0.05, quick.set_result, "shard")
         loop.call_later(0.05 if not own_late else 0.6, own.set_result, "own shard")
         started = time.monotonic()
-        late, abandoned = await averaging._await_answers({"quick": quick, "mute": mute, "me": own}, "me")
+        late, abandoned = await averaging._await_answers({"quick": quick, "mute": mute, "me": own}, "me", 0.2)
         assert abandoned == []
         return late, time.monotonic() - started, mute.cancelled()
 
@@ -370,6 +368,17 @@ def test_reducers_still_out_once_the_others_answered_get_a_deadline_of_their_own
     # While our own shard is still out, nobody is given up on (our own reduction has its own timer).
     late, took, _ = asyncio.run(main(True))
     assert late == ["mute"] and took >= 0.6 + 0.2
+
+
+def test_the_answer_grace_is_a_floor_and_the_shard_at_the_slowest_supported_rate():
+    """A small shard gets the floor; a large one what its transfer takes at ``ANSWER_MIN_RATE`` on top."""
+    from atoll.protocols import averaging
+
+    assert averaging.answer_grace(0) == averaging.ANSWER_GRACE
+    mb = 1024 * 1024
+    assert averaging.answer_grace(mb) == pytest.approx(averaging.ANSWER_GRACE + mb / averaging.ANSWER_MIN_RATE)
+    assert averaging.answer_grace(mb) > 30  # a megabyte behind a 256 kbit/s uplink: half a minute
+    assert averaging.answer_grace(4096) < 2.5  # a nano shard: the floor, nearly
 
 
 def test_once_a_reducer_failed_the_others_are_not_waited_for():
@@ -382,7 +391,7 @@ def test_once_a_reducer_failed_the_others_are_not_waited_for():
         refusing, mute, own = loop.create_future(), loop.create_future(), loop.create_future()
         loop.call_later(0.05, refusing.set_exception, averaging.GroupRefused("unknown group"))
         started = time.monotonic()
-        out = await averaging._await_answers({"refusing": refusing, "mute": mute, "me": own}, "me")
+        out = await averaging._await_answers({"refusing": refusing, "mute": mute, "me": own}, "me", 10.0)
         return out, time.monotonic() - started, own.cancelled()
 
     (late, abandoned), took, own_cancelled = asyncio.run(main())
