@@ -25,7 +25,7 @@ import pytest
 from hivemind import DHT
 from hostile import outsider
 from swarm import LocalSwarm
-from test_swarm import peer_id, wait_for
+from support.swarms import peer_id, wait_for
 
 from atoll.node.join import choose_config
 from atoll.protocols import dht_io

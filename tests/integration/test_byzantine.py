@@ -22,7 +22,7 @@ from hivemind import DHT
 from swarm import LocalSwarm
 
 from atoll.protocols.records import make_validators
-from test_swarm import assert_replicas_agree
+from support.swarms import assert_replicas_agree
 
 pytestmark = pytest.mark.integration
 

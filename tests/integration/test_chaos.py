@@ -12,18 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from swarm import LocalSwarm
-from test_decoupled import last_step
-from test_swarm import assert_replicas_agree, peer_id, wait_for
+from support.swarms import assert_replicas_agree, events, last_step, peer_id, wait_for
 
 pytestmark = pytest.mark.integration
 
 COMMON = ["--model", "nano", "--batch-size", "4", "--algorithm", "decoupled", "--sync-every", "40",
           "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1", "--fault", "step_delay=0.03"]
 KILL_CHECKPOINT = 3
-
-
-def events(d, kind):
-    return [m for m in d.metrics() if m.get("event") == kind]
 
 
 def final_replica(d):

@@ -5,7 +5,7 @@ import re
 
 import pytest
 from swarm import LocalSwarm
-from test_swarm import assert_replicas_agree, peer_id, wait_for
+from support.swarms import assert_replicas_agree, peer_id, wait_for
 
 pytestmark = pytest.mark.integration
 

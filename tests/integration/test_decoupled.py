@@ -7,18 +7,13 @@ import signal
 
 import pytest
 from swarm import LocalSwarm
-from test_swarm import assert_replicas_agree, peer_id, wait_for
+from support.swarms import assert_replicas_agree, last_step, peer_id, wait_for
 
 pytestmark = pytest.mark.integration
 
 FAST_DELAY, SLOW_DELAY = 0.03, 0.12  # seconds slept per step on top of ~10-20 ms of compute: ≥ 3× slower
 COMMON = ["--model", "nano", "--batch-size", "4", "--algorithm", "decoupled", "--sync-every", "40",
           "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1", "--compression", "int4"]
-
-
-def last_step(d):
-    steps = [m["step"] for m in d.metrics() if "step" in m and "event" not in m]
-    return steps[-1] if steps else 0
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 from swarm import LocalSwarm
-from test_models_swarm import COMMON
-from test_swarm import (assert_held_out_falls, assert_refused_in_one_line, assert_replicas_agree, held_out_losses,
+from support.swarms import MODELS_COMMON as COMMON
+from support.swarms import (assert_held_out_falls, assert_refused_in_one_line, assert_replicas_agree, held_out_losses,
                         resumes_and_merges_again, stop_after_a_checkpoint, wait_for_shared_rounds)
 
 pytest.importorskip("transformers")

@@ -14,7 +14,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 from swarm import LocalSwarm, StatusReader
-from test_swarm import assert_replicas_agree, peer_id, wait_for
+from support.swarms import assert_replicas_agree, peer_id, wait_for
 
 from atoll.protocols.averaging import AveragingServicer
 from atoll.protocols.matchmaking import group_key

@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 from swarm import LocalSwarm
-from test_swarm import wait_for
+from support.swarms import wait_for
 
 pytestmark = pytest.mark.integration
 

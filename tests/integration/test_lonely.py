@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from swarm import LocalSwarm
-from test_swarm import assert_replicas_agree, peer_id, wait_for
+from support.swarms import assert_replicas_agree, peer_id, wait_for
 
 from atoll.protocols.auth import RunKey
 from atoll.protocols.state_sync import MAX_ANCESTORS

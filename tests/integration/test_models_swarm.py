@@ -10,15 +10,11 @@ import textwrap
 
 import pytest
 from swarm import LocalSwarm
-from test_swarm import (assert_held_out_falls, assert_refused_in_one_line, assert_replicas_agree,
+from support.swarms import (MODELS_COMMON, assert_held_out_falls, assert_refused_in_one_line, assert_replicas_agree,
                         resumes_and_merges_again, stop_after_a_checkpoint, wait_for, wait_for_shared_rounds)
 
 pytestmark = pytest.mark.integration
-# Synchronous DiLoCo: every round waits for every live daemon, so "3-member rounds" holds on a loaded machine too
-# (decoupled at H=10 merged mostly alone there; the model is what these tests are about, not the algorithm).
-COMMON = ["--batch-size", "4", "--algorithm", "diloco", "--sync-every", "20",
-          "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1", "--eval-budget", "1",
-          "--fault", "step_delay=0.05"]
+COMMON = MODELS_COMMON
 
 
 def test_a_llama_swarm_trains_and_restarts(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 from hostile import outsider
 from hivemind.utils import get_dht_time
 from swarm import LocalSwarm, StatusReader
-from test_swarm import peer_id, wait_for
+from support.swarms import peer_id, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 from swarm import LocalSwarm
-from test_chaos import events
-from test_decoupled import last_step
-from test_swarm import assert_replicas_agree, peer_id, resumes_and_merges_again, wait_for
+from support.swarms import events
+from support.swarms import last_step
+from support.swarms import assert_replicas_agree, peer_id, resumes_and_merges_again, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -8,7 +8,8 @@ import pytest
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 from swarm import LocalSwarm, StatusReader
-from test_swarm import assert_replicas_agree, peer_id, wait_for
+from support.records import forged_progress
+from support.swarms import assert_replicas_agree, peer_id, wait_for
 
 from atoll.protocols.stats import TrafficStats
 from atoll.protocols.records import make_validators, open_rounds_key, progress_key, progress_shard, round_key
@@ -46,17 +47,6 @@ def outsider(swarm):
         dht.shutdown()
 
 
-def _fake_progress(peer: str, version: int) -> dict:
-    """A progress record that passes the run's schema: only the membership check can refuse it."""
-    return {"peer_id": peer, "status": "training", "device": "cpu", "ranks": 1, "algorithm": "diloco", "step": 10_000,
-            "version": version, "fragment_versions": [version], "fragment_weights": [1e12],
-            "fragment_hashes": ["f" * 16],
-            "schedule_step": 10_000, "tokens": 1, "tokens_per_s": 1.0, "loss": None, "held_out_loss": None,
-            "rounds": 0, "rounds_skipped": 0, "forks_healed": 0, "tokens_lost": 0, "goodput": 1.0, "blocked_s": 0.0,
-            "bytes_sent": 0, "bytes_received": 0, "rejected": 0, "rejected_by_kind": {}, "clipped": 0, "reachable": True,
-            "time": float(get_dht_time())}
-
-
 def test_members_train_together(swarm):
     a, b = swarm.daemons["a"], swarm.daemons["b"]
     wait_for(lambda: sum(len(r["contributors"]) == 2 for r in a.rounds()) >= 2, 180, "two 2-member rounds")
@@ -73,7 +63,7 @@ def test_outsider_cannot_write_records_or_join_rounds(swarm, outsider):
     # A heavier replica (it would make members download from it), a round registration for the next rounds, and an
     # open-round announcement: the members' DHT nodes refuse to store any of them.
     expiration = get_dht_time() + 60
-    assert not dht.store(progress_key("atoll", progress_shard(me)), _fake_progress(me, version + 50), expiration,
+    assert not dht.store(progress_key("atoll", progress_shard(me)), forged_progress(me, version + 50), expiration,
                          subkey=subkey)
     for v in range(version, version + 4):
         assert not dht.store(round_key("atoll", 0, v), {"peer_id": me, "weight": 1e6, "time": float(get_dht_time())},

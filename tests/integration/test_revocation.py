@@ -10,8 +10,8 @@ import pytest
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 from swarm import LocalSwarm, StatusReader
-from test_private_run import _fake_progress
-from test_swarm import peer_id, wait_for
+from support.records import forged_progress
+from support.swarms import peer_id, wait_for
 
 from atoll.protocols.auth import JoinToken, peer_id_of
 from atoll.protocols.records import make_validators, progress_key, progress_shard
@@ -54,10 +54,10 @@ def test_a_member_cannot_store_records_for_fake_peers(swarm, tmp_path):
     try:
         for i, fake in enumerate(fakes):
             for subkey, ttl in ((owner + b"%d" % i, 60), (owner, 60), (owner, 10 * 365 * 24 * 3600)):
-                assert not dht.store(progress_key("atoll", progress_shard(fake)), _fake_progress(fake, 1),
+                assert not dht.store(progress_key("atoll", progress_shard(fake)), forged_progress(fake, 1),
                                      get_dht_time() + ttl, subkey=subkey)
         mine = peer_id_of(mallory.member_key.get_public_key().to_bytes())
-        assert not dht.store(progress_key("atoll", progress_shard(mine)), _fake_progress(mine, 1),
+        assert not dht.store(progress_key("atoll", progress_shard(mine)), forged_progress(mine, 1),
                              get_dht_time() + 10 * 365 * 24 * 3600, subkey=owner)  # its own peer id, for ten years
     finally:
         dht.shutdown()

@@ -13,7 +13,8 @@ import sys
 import urllib.request
 
 import pytest
-from swarm import LocalSwarm, group_alive, peer_id, wait_for  # noqa: F401 (other test modules import them from here)
+from support.swarms import assert_replicas_agree, group_alive, peer_id, wait_for
+from swarm import LocalSwarm
 
 pytestmark = pytest.mark.integration
 
@@ -21,84 +22,6 @@ ROUND_TIMEOUT = 8.0
 COMMON = ["--model", "nano", "--batch-size", "4", "--algorithm", "diloco", "--sync-every", "20", "--gather-timeout", "8",
           "--round-timeout", str(ROUND_TIMEOUT), "--heartbeat", "1", "--eval-budget", "1"]  # held-out loss every round
 KILL_ROUND = 25
-
-
-def assert_replicas_agree(swarm, names):
-    """Any two of ``names`` that recorded the same round (fragment, version and group) ended it with the same Θ
-    and the same contributors, and every one of them shared at least one such round with another."""
-    by_peer = {peer_id(swarm.daemons[n]): n for n in names}
-    shared = {n: 0 for n in names}
-    for name in names:
-        me = peer_id(swarm.daemons[name])
-        for r in swarm.daemons[name].rounds():
-            group = set(r["members"])
-            # Not against our own records: two of them for one fragment, version and group are two lives of this
-            # daemon (a round it merged alone before a crash, lost with the crash, and the one after restart).
-            for other in group & set(by_peer) - {me}:
-                # The other daemon's record of the same round (a round's record holds its result, even if a
-                # heavier replica was downloaded before the learner merged it).
-                for o in swarm.daemons[by_peer[other]].rounds():
-                    if o["version"] == r["version"] and o["fragment"] == r["fragment"] and set(o["members"]) == group:
-                        shared[name] += 1
-                        assert (o["hash"], sorted(o["contributors"])) == (r["hash"], sorted(r["contributors"])), (
-                            f"round f{r['fragment']} v{r['version']}: {name} and {by_peer[other]} ended it apart")
-    assert all(shared.values()), f"daemons that shared no round with another: {shared}"
-
-
-def held_out_losses(daemon):
-    return [r["held_out_loss"] for r in daemon.rounds() if r["held_out_loss"] is not None]
-
-
-def assert_held_out_falls(swarm, names, founder, evaluations=4):
-    """The founder's held-out loss falls from its first round's figure, which is near the untrained model's (under
-    6), and every daemon of ``names`` ends below that first figure after at least ``evaluations`` evaluations.
-
-    A joiner is not held to its own first figure: it joins the replica after the founder's first rounds, often on
-    a plateau (a byte model's unigram plateau) where two successive one-batch estimates differ by noise alone."""
-    first = held_out_losses(swarm.daemons[founder])
-    assert first and first[0] < 6.0, (founder, first)
-    for name in names:
-        losses = held_out_losses(swarm.daemons[name])
-        assert len(losses) >= evaluations and losses[-1] < first[0], (name, losses, founder, first[0])
-
-
-def shared_rounds(daemon, members):
-    """The rounds ``daemon`` merged with exactly ``members`` members."""
-    return [r for r in daemon.rounds() if len(r["members"]) == members]
-
-
-def wait_for_shared_rounds(swarm, names, count, timeout=240):
-    """Until every daemon of ``names`` merged ``count`` rounds with all of them."""
-    wait_for(lambda: all(len(shared_rounds(swarm.daemons[n], len(names))) >= count for n in names), timeout,
-             f"{count} {len(names)}-member rounds on every daemon")
-
-
-def stop_after_a_checkpoint(swarm, name):
-    """Once ``name`` wrote a checkpoint, stop it cleanly; the step of its last checkpoint."""
-    d = swarm.daemons[name]
-    wait_for(lambda: list(d.workdir.glob("ckpt-*.json")), 120, f"{name} to write a checkpoint")
-    assert swarm.stop(name) == 0, d.log()[-2000:]
-    return max(m["step"] for m in d.metrics() if m.get("event") == "checkpoint")
-
-
-def resumes_and_merges_again(swarm, name, step, *args, **kwargs):
-    """Start ``name`` again (``swarm.start``'s arguments): it resumes from a checkpoint at ``step`` or later, and
-    contributes to a round with another daemon. The rounds it merged since."""
-    d = swarm.start(name, *args, **kwargs)
-    resumed = wait_for(lambda: re.findall(r"resumed from checkpoint: version \d+, step (\d+)",
-                                          d.log().split("stopped at step")[-1]), 120, f"{name} to resume")
-    assert int(resumed[-1]) >= step, d.log()[-2000:]
-    me, before = peer_id(d), len(d.rounds())
-    return wait_for(lambda: [r for r in d.rounds()[before:] if me in r["contributors"] and len(r["members"]) >= 2],
-                    180, f"{name} to merge with the others again")
-
-
-def assert_refused_in_one_line(daemon, marker, message):
-    """``daemon`` exits 2 with one log line holding ``marker``, which says ``message``, and no traceback."""
-    assert daemon.proc.wait(120) == 2, daemon.log()[-2000:]
-    lines = [line for line in daemon.log().splitlines() if marker in line]
-    assert len(lines) == 1 and message in lines[0], daemon.log()[-2000:]
-    assert "Traceback" not in daemon.log()
 
 
 @pytest.fixture(scope="module")

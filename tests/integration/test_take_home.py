@@ -7,12 +7,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from swarm import LocalSwarm
-from test_swarm import wait_for, wait_for_shared_rounds
+from support.swarms import wait_for, wait_for_shared_rounds
+from support.trackers import wandb_history
 
 from atoll.node import export
 from atoll.protocols.auth import RunKey
@@ -100,9 +100,6 @@ def test_export_from_the_live_run_is_the_replica_the_daemons_hold(swarm, tmp_pat
     steps = [e.step for e in acc.Scalars("train/loss")]
     assert steps == sorted(steps) and steps[-1] >= 40
     assert acc.Scalars("rounds/merged")[-1].value >= 2
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "unit"))
-    from test_trackers import wandb_history  # the unit tests' reader of a .wandb file
 
     [run_dir] = glob.glob(f"{swarm.root}/wandb/offline-run-*")
     rows = wandb_history(run_dir)

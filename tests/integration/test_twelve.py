@@ -13,7 +13,7 @@ import sys
 
 import pytest
 from swarm import LocalSwarm, peer_id, wait_for
-from test_swarm import assert_replicas_agree
+from support.swarms import assert_replicas_agree
 
 pytestmark = pytest.mark.integration
 

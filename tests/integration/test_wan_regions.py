@@ -19,10 +19,8 @@ from pathlib import Path
 
 import pytest
 from swarm import LocalSwarm, peer_id, wait_for
-from test_swarm import assert_replicas_agree
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import wan  # noqa: E402
+from support.swarms import assert_replicas_agree
+import wan
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,7 @@ from atoll.node.catchup import UNBACKED_OFFENCES, CatchUp, vouched
 from atoll.node.replica import Replica
 from atoll.protocols.cooldown import Cooldown
 from atoll.protocols.stats import TrafficStats
-from test_state_sync import record
+from support.records import progress_record
 
 
 def naive_vouched(p, peers, vouchers):
@@ -33,7 +33,7 @@ def test_vouched_matches_a_naive_count_of_holders():
     rng = random.Random(0)
     for _ in range(300):
         n = rng.randint(0, 7)
-        peers = [record(f"p{i}", [rng.randint(3, 5)], [rng.choice("ab")]) for i in range(n)]
+        peers = [progress_record(f"p{i}", [rng.randint(3, 5)], [rng.choice("ab")]) for i in range(n)]
         for vouchers in (1, 2, 3):
             assert vouched(0, peers, vouchers) == naive_vouched(0, peers, vouchers)
 
@@ -48,7 +48,7 @@ class Table:
 
 def holder(name, version, weight, digest):
     """A peer's record holding fragment 0 at ``version`` with merged ``weight`` and ``digest``."""
-    r = record(name, [version], [digest])
+    r = progress_record(name, [version], [digest])
     r.fragment_weights = [weight]
     return r
 
@@ -67,21 +67,21 @@ def catch_up(peers, vouchers=2):
 
 def test_one_peer_claiming_a_heavier_replica_is_not_believed():
     # The review's attack: one member's record claims v9 of a replica only it holds (an all-zero model, say).
-    honest = [record("b", [5], ["ours"]), record("c", [5], ["ours"])]
-    liar = record("m", [9], ["zeros"])
+    honest = [progress_record("b", [5], ["ours"]), progress_record("c", [5], ["ours"])]
+    liar = progress_record("m", [9], ["zeros"])
     cu, _ = catch_up(honest + [liar])
     cu.ctx.replica._frags[0].digest = "ours"
     assert cu.heavier_peers(0) == [] and not cu.behind(0)
     # A second holder vouches for it: now it is the swarm's replica, and we are behind.
-    cu.peers = Table(honest[:1] + [liar, record("c", [9], ["zeros"])])
+    cu.peers = Table(honest[:1] + [liar, progress_record("c", [9], ["zeros"])])
     assert {peer.peer_id for peer in cu.heavier_peers(0)} == {"m", "c"} and cu.behind(0)
 
 
 def test_with_a_single_live_peer_its_replica_is_vouched_for_by_itself():
-    cu, _ = catch_up([record("b", [6], ["next"])])
+    cu, _ = catch_up([progress_record("b", [6], ["next"])])
     assert [peer.peer_id for peer in cu.heavier_peers(0)] == ["b"]
     # And with more vouchers required than peers are live, all of them must agree.
-    cu, _ = catch_up([record("b", [6], ["next"]), record("c", [6], ["next"]), record("d", [5], ["x"])], vouchers=5)
+    cu, _ = catch_up([progress_record("b", [6], ["next"]), progress_record("c", [6], ["next"]), progress_record("d", [5], ["x"])], vouchers=5)
     assert cu.heavier_peers(0) == []
 
 
@@ -123,7 +123,7 @@ def test_a_donor_is_blamed_only_once_its_record_had_time_to_show_it_moved_on():
 def test_a_lonely_daemon_takes_a_claim_nobody_vouches_for_only_through_a_gross_filter():
     from atoll.protocols.state_sync import ReplicaState
 
-    b, c = record("b", [9], ["b-line"]), record("c", [7], ["c-line"])
+    b, c = progress_record("b", [9], ["b-line"]), progress_record("c", [7], ["c-line"])
     cu, ctx = catch_up([b, c])  # three replicas, one each: nobody vouches for any
     ctx.replica = Replica([torch.ones(4)], momentum=[torch.full((4,), 0.1)], versions=[5], weights=[5.0])
     assert cu.heavier_peers(0) == [] and [peer.peer_id for peer in cu.lonely_claim(0)] == ["b"]
@@ -143,12 +143,12 @@ def test_a_lonely_daemon_takes_a_claim_nobody_vouches_for_only_through_a_gross_f
 def test_a_daemon_that_shares_its_replica_never_takes_a_lone_claim():
     cu, ctx = catch_up([])
     version, weight, digest = ctx.replica.identity(0)
-    shares = record("b", [version], [digest])
+    shares = progress_record("b", [version], [digest])
     shares.fragment_weights = [weight]
-    cu.peers = Table([shares, record("m", [version + 5], ["zeros"])])
+    cu.peers = Table([shares, progress_record("m", [version + 5], ["zeros"])])
     assert cu.lonely_claim(0) == []
     # Alone, it may take one, then not again for LONELY_INTERVAL seconds.
-    cu.peers = Table([record("m", [version + 5], ["zeros"])])
+    cu.peers = Table([progress_record("m", [version + 5], ["zeros"])])
     assert cu.lonely_claim(0)
     cu._lonely_at[0] = time.monotonic()
     assert cu.lonely_claim(0) == []
@@ -162,8 +162,8 @@ def test_a_peer_just_behind_us_on_our_line_means_we_are_not_lonely():
     cu, ctx = catch_up([])
     before = ctx.replica.identity(0)
     ctx.replica.apply_outer_step(0, before[0], torch.ones(4), 1.0, NesterovOuter())
-    behind = record("b", [before[0]], [before[2]])
-    cu.peers = Table([behind, record("m", [before[0] + 5], ["zeros"])])
+    behind = progress_record("b", [before[0]], [before[2]])
+    cu.peers = Table([behind, progress_record("m", [before[0] + 5], ["zeros"])])
     assert cu.lonely_claim(0) == []
 
 
@@ -172,9 +172,9 @@ def test_a_lonely_claim_far_ahead_of_ours_is_not_taken():
 
     cu, ctx = catch_up([])
     version = ctx.replica.identity(0)[0]
-    cu.peers = Table([record("m", [version + MAX_LONELY_LEAD + 1], ["made-up"]), record("c", [version - 1], ["c"])])
+    cu.peers = Table([progress_record("m", [version + MAX_LONELY_LEAD + 1], ["made-up"]), progress_record("c", [version - 1], ["c"])])
     assert cu.lonely_claim(0) == []
-    cu.peers = Table([record("m", [version + MAX_LONELY_LEAD], ["fork"]), record("c", [version - 1], ["c"])])
+    cu.peers = Table([progress_record("m", [version + MAX_LONELY_LEAD], ["fork"]), progress_record("c", [version - 1], ["c"])])
     assert [peer.peer_id for peer in cu.lonely_claim(0)] == ["m"]
 
 
@@ -185,7 +185,7 @@ def test_a_lonely_download_goes_to_the_learner_and_is_adopted_only_if_it_passes(
 
     cu, ctx = catch_up([])
     ctx.replica = Replica([torch.ones(4)], momentum=[torch.full((4,), 0.1)], versions=[5], weights=[5.0])
-    cu.peers = Table([record("m", [7], ["m-line"]), record("c", [5], ["c-line"])])
+    cu.peers = Table([progress_record("m", [7], ["m-line"]), progress_record("c", [5], ["c-line"])])
     sent = ReplicaState(7, 7.0, "m-line", torch.ones(4) * 1.1, torch.full((4,), 0.1), 0, "m", 0, ("m-line",))
 
     async def download(p, donors):
@@ -223,7 +223,7 @@ def test_only_a_refusal_of_a_claim_nobody_delivered_counts_against_its_donor(mon
             return ReplicaState(version, weight, digest, torch.zeros(4), torch.zeros(4), 0, donors[1], p)
         return download_state
 
-    b, c = record("b", [9], ["x"]), record("c", [9], ["x"])
+    b, c = progress_record("b", [9], ["x"]), progress_record("c", [9], ["x"])
     cu, ctx = catch_up([b, c])
     ctx.cfg.run = SimpleNamespace(round_timeout=1.0)
     cu.peers = table([b, c])
@@ -232,7 +232,7 @@ def test_only_a_refusal_of_a_claim_nobody_delivered_counts_against_its_donor(mon
         assert asyncio.run(cu._download(0, [b, c])) is not None
     assert not ctx.cooldown.active("b") and "unbacked_claim" not in ctx.stats.rejected_by_kind
     # Now c holds another (lighter) replica: what b claimed was never delivered, so b's failures count.
-    c = record("c", [8], ["y"])
+    c = progress_record("c", [8], ["y"])
     cu.peers = table([b, c])
     monkeypatch.setattr(catchup_module, "download_state", serve(c.fragment(0)))
     for _ in range(UNBACKED_OFFENCES):
@@ -357,7 +357,7 @@ def test_a_donor_that_moved_on_is_asked_for_what_it_holds_now_if_that_would_be_v
         t.everyone = lambda: {peer.peer_id: peer for peer in peers}
         return t
 
-    a = record("a", [9], ["x"])
+    a = progress_record("a", [9], ["x"])
     cu, ctx = catch_up([a])
     ctx.cfg.run = SimpleNamespace(round_timeout=1.0)
     cu.peers = table([a])
@@ -368,7 +368,7 @@ def test_a_donor_that_moved_on_is_asked_for_what_it_holds_now_if_that_would_be_v
     assert asked == [{"a": a.fragment(0)}, {"a": now}]
     assert not ctx.cooldown.active("a")
     # Among three live peers, one's newer claim alone is not vouched for: not asked for.
-    b, c = record("b", [9], ["x"]), record("c", [5], ["z"])
+    b, c = progress_record("b", [9], ["x"]), progress_record("c", [5], ["z"])
     asked.clear()
     cu.peers = table([a, b, c])
     monkeypatch.setattr(catchup_module, "download_state", serve({"a": now, "b": (10, 10.0, "w")}))
@@ -400,13 +400,13 @@ def test_a_vouched_replica_unlike_ours_is_vetted_first_and_one_like_ours_is_adop
     for params in (torch.zeros(4), torch.tensor([1.0, -1.0, 1.0, -1.0]),  # zeros; a scrambled sign pattern
                    torch.ones(4) * (1 + 1.01 * MAX_VOUCHED_DISTANCE)):
         sent["state"] = ReplicaState(9, 90.0, "made-up", params, torch.full((4,), 0.1), 0, "m", 0, ("made-up",))
-        asyncio.run(cu._catch_up(0, [record("m", [9], ["made-up"])]))
+        asyncio.run(cu._catch_up(0, [progress_record("m", [9], ["made-up"])]))
         assert ctx.replica.identity(0)[0] == 5 and cu.take_adopted() == []
         assert cu.take_candidates() == [sent["state"]]
     assert not cu.settle(sent["state"], passed=False) and ctx.replica.identity(0)[0] == 5
     near = ReplicaState(7, 7.0, "swarm", torch.ones(4) * 1.05, torch.full((4,), 0.1), 0, "b", 0, ("swarm",))
     sent["state"] = near
-    asyncio.run(cu._catch_up(0, [record("b", [7], ["swarm"])]))
+    asyncio.run(cu._catch_up(0, [progress_record("b", [7], ["swarm"])]))
     assert ctx.replica.identity(0)[0] == 7 and cu.take_adopted() == [near] and cu.take_candidates() == []
 
 
@@ -415,7 +415,7 @@ def test_a_replica_that_failed_vetting_is_not_downloaded_again():
     (446 to 1,092 times in a one-minute run)."""
     from atoll.protocols.state_sync import ReplicaState
 
-    made_up = [record("m", [9], ["made-up"]), record("n", [9], ["made-up"])]
+    made_up = [progress_record("m", [9], ["made-up"]), progress_record("n", [9], ["made-up"])]
     cu, ctx = catch_up(made_up)
     cu.peers = Table(made_up)
     assert [peer.peer_id for peer in cu.heavier_peers(0)] == ["m", "n"]

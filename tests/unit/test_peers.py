@@ -14,7 +14,7 @@ from atoll.node.peers import ALL_READ_UP_TO, READ_BUDGET, WRITE_ALL_UP_TO, PeerT
 from atoll.protocols.cooldown import Cooldown
 from atoll.protocols.records import ALL_SHARDS, PROGRESS_SHARDS, Status, progress_key, progress_shard
 from atoll.protocols.stats import TrafficStats
-from test_state_sync import record
+from support.records import progress_record
 
 
 def counting_table(delay: float = 0.0) -> tuple[PeerTable, list[int]]:
@@ -92,7 +92,7 @@ class ShardedDHT:
 
 def sharded_table(monkeypatch, peers: int, clock: list[float]) -> tuple[PeerTable, ShardedDHT, TrafficStats]:
     now = get_dht_time()
-    records = [record(f"p{i}", [1], ["x"]) for i in range(peers)]
+    records = [progress_record(f"p{i}", [1], ["x"]) for i in range(peers)]
     for rec in records:
         rec.time = now
     dht = ShardedDHT(records, all_too=peers <= WRITE_ALL_UP_TO)
@@ -124,7 +124,7 @@ def test_a_swarm_that_grows_past_the_budget_reads_shards_and_one_that_shrinks_on
 
     def grow(to: int) -> None:
         for i in range(len(table.peers()), to):
-            rec = record(f"p{i}", [1], ["x"])
+            rec = progress_record(f"p{i}", [1], ["x"])
             rec.time = now
             dht.put(rec, all_too=True)  # every writer's table is within WRITE_ALL_UP_TO
 
@@ -200,7 +200,7 @@ def test_a_large_swarm_reads_its_shard_and_the_others_in_turns_within_the_budget
 def test_a_record_in_the_wrong_shard_is_refused_and_counted(monkeypatch):
     clock = [0.0]
     table, dht, stats = sharded_table(monkeypatch, 4, clock)
-    stray = record("stray", [1], ["x"])
+    stray = progress_record("stray", [1], ["x"])
     stray.time = get_dht_time()
     dht.put(stray, shard=(progress_shard("stray") + 1) % PROGRESS_SHARDS)
     assert set(asyncio.run(table.refresh())) == {"p0", "p1", "p2", "p3"}
@@ -219,7 +219,7 @@ def test_a_progress_record_from_the_future_is_left_out_and_counted(monkeypatch, 
     """A member's record claiming a time ahead of the reader's clock (to outlive its expiry in others' eyes, or to
     look fresher than it is) is not a live peer; it is counted, not held against the key (clocks drift)."""
     now = get_dht_time()
-    fresh, ahead = record("b", [1], ["x"]), record("m", [1], ["x"])
+    fresh, ahead = progress_record("b", [1], ["x"]), progress_record("m", [1], ["x"])
     fresh.time, ahead.time = now, now + 3600
     held: dict[str, dict] = {}
     for subkey, rec in ((b"kb", fresh), (b"km", ahead)):

@@ -19,24 +19,13 @@ from atoll.protocols.records import (
     progress_shard,
     unwrap_subkeys,
 )
-
-
-def good_progress(**changes):
-    rec = dict(
-        peer_id="QmPeer", status="training", device="cpu", ranks=1, algorithm="diloco", step=10, version=2,
-        fragment_versions=[2], fragment_weights=[1024.0], fragment_hashes=["abc"], schedule_step=3, tokens=4096,
-        tokens_per_s=100.0, loss=2.5, held_out_loss=None, rounds=2, rounds_skipped=0, forks_healed=0, tokens_lost=0,
-        goodput=0.9, blocked_s=1.5, bytes_sent=10, bytes_received=20, rejected=0,
-        rejected_by_kind={"shape": 2, "nonfinite": 1}, clipped=3, time=get_dht_time(), reachable=True,
-    )
-    rec.update(changes)
-    return rec
+from support.records import busy_progress
 
 
 def test_good_progress_record_parses():
-    assert parse_progress(good_progress()).version == 2
-    assert parse_progress(good_progress()).held_out_step is None  # a record without it (an older daemon's) parses
-    assert parse_progress(good_progress(held_out_loss=2.4, held_out_step=8)).held_out_step == 8
+    assert parse_progress(busy_progress()).version == 2
+    assert parse_progress(busy_progress()).held_out_step is None  # a record without it (an older daemon's) parses
+    assert parse_progress(busy_progress(held_out_loss=2.4, held_out_step=8)).held_out_step == 8
 
 
 @pytest.mark.parametrize(
@@ -53,11 +42,11 @@ def test_good_progress_record_parses():
     ],
 )
 def test_malformed_progress_records_are_rejected(changes):
-    assert parse_progress(good_progress(**changes)) is None
+    assert parse_progress(busy_progress(**changes)) is None
 
 
 def test_missing_field_and_non_dict_are_rejected():
-    rec = good_progress()
+    rec = busy_progress()
     del rec["version"]
     assert parse_progress(rec) is None
     assert parse_progress([1, 2]) is None
@@ -93,20 +82,20 @@ def test_the_run_validator_checks_progress_values_and_their_shard():
     rules = make_validators("run1")[2]
     owner = RSASignatureValidator().local_public_key
     key = progress_key("run1", progress_shard("QmPeer"))
-    assert rules.validate(_record(key, owner, good_progress()))
-    assert not rules.validate(_record(key, owner, good_progress(step=-5)))
+    assert rules.validate(_record(key, owner, busy_progress()))
+    assert not rules.validate(_record(key, owner, busy_progress(step=-5)))
     elsewhere = progress_key("run1", (progress_shard("QmPeer") + 1) % PROGRESS_SHARDS)
-    assert not rules.validate(_record(elsewhere, owner, good_progress()))  # crowding another shard's key
+    assert not rules.validate(_record(elsewhere, owner, busy_progress()))  # crowding another shard's key
     assert rules.refused == {"dht_schema": 1, "dht_shard": 1}
     everyone = progress_key("run1", ALL_SHARDS)  # a small swarm's one key: any peer's record, still a progress one
-    assert rules.validate(_record(everyone, owner, good_progress()))
+    assert rules.validate(_record(everyone, owner, busy_progress()))
     assert not rules.validate(_record(everyone, owner, {"peer_id": "QmPeer", "weight": 1.0, "time": 1.0}))
     assert rules.refused == {"dht_schema": 2, "dht_shard": 1}
 
 
 def test_signature_validator_refuses_unsigned_owner_records():
     validator = RSASignatureValidator()
-    record = _record(progress_key("run1", 0), validator.local_public_key, good_progress())
+    record = _record(progress_key("run1", 0), validator.local_public_key, busy_progress())
     assert not validator.validate(record)  # an owner subkey without the owner's signature
     signed = DHTRecord(record.key, record.subkey, validator.sign_value(record), record.expiration_time)
     assert validator.validate(signed)

@@ -11,10 +11,10 @@ import torch
 
 from atoll.models.outer import tensor_hash
 from atoll.node.catchup import donor_order
-from atoll.protocols.records import ProgressRecord
 from atoll.protocols.state_sync import ReplicaState, StateServicer, download_state
 from atoll.protocols.stats import TrafficStats
 from atoll.protocols.wire import pack_request, unpack
+from support.records import progress_record
 
 CONTEXT = SimpleNamespace(remote_id="QmRequester")  # what the servicer reads of hivemind's P2PContext
 
@@ -142,24 +142,14 @@ def test_bad_offsets_are_refused_and_counted():
     assert past_the_end["ok"] and past_the_end["offset"] == 0
 
 
-def record(peer_id, versions, hashes):
-    n = len(versions)
-    return ProgressRecord(
-        peer_id=peer_id, status="training", device="cpu", ranks=1, algorithm="decoupled", step=1, version=sum(versions),
-        fragment_versions=versions, fragment_weights=[float(v) for v in versions], fragment_hashes=hashes,
-        schedule_step=1, tokens=1, tokens_per_s=1.0, loss=None, held_out_loss=None, rounds=0, rounds_skipped=0,
-        forks_healed=0, tokens_lost=0, goodput=1.0, blocked_s=0.0, bytes_sent=0, bytes_received=0, rejected=0,
-        rejected_by_kind={}, clipped=0, time=1.0, reachable=True)
-
-
 def test_donor_order_spreads_fragments_over_the_holders_of_the_heaviest_replica():
-    peers = [record("p1", [5, 5, 5, 5], list("abcd")), record("p2", [5, 5, 5, 5], list("abcd")),
-             record("p3", [5, 5, 5, 5], list("abcd")), record("old", [4, 4, 4, 4], list("wxyz"))]
+    peers = [progress_record("p1", [5, 5, 5, 5], list("abcd")), progress_record("p2", [5, 5, 5, 5], list("abcd")),
+             progress_record("p3", [5, 5, 5, 5], list("abcd")), progress_record("old", [4, 4, 4, 4], list("wxyz"))]
     orders = [[peer.peer_id for peer in donor_order(p, peers)] for p in range(4)]
     assert orders == [["p1", "p2", "p3", "old"], ["p2", "p3", "p1", "old"], ["p3", "p1", "p2", "old"],
                       ["p1", "p2", "p3", "old"]]
     # A peer with a different replica of the same version is not a holder of the heaviest one.
-    peers[1] = record("p2", [5, 6, 5, 5], list("abcd"))
+    peers[1] = progress_record("p2", [5, 6, 5, 5], list("abcd"))
     assert [peer.peer_id for peer in donor_order(1, peers)] == ["p2", "p1", "p3", "old"]
     assert donor_order(0, []) == []
 

@@ -29,7 +29,7 @@ from atoll.protocols.summary import (
     summary_key,
     totals,
 )
-from test_records import good_progress
+from support.records import busy_progress
 
 
 def _records(n: int, seed: int = 0) -> list:
@@ -37,7 +37,7 @@ def _records(n: int, seed: int = 0) -> list:
     out = []
     for i in range(n):
         version = rng.randint(0, 50)
-        out.append(parse_progress(good_progress(
+        out.append(parse_progress(busy_progress(
             peer_id=f"p{i}", status=rng.choice(["joining", "training", "training", "leaving"]),
             ranks=rng.randint(1, 8), tokens=rng.randint(0, 10**9), tokens_per_s=rng.uniform(0, 1e5), version=version,
             fragment_versions=[version], bytes_sent=rng.randint(0, 10**9), bytes_received=rng.randint(0, 10**9))))

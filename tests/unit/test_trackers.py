@@ -2,7 +2,6 @@
 offline run read back with their own readers, and a missing extra as one line."""
 
 import glob
-import struct
 import sys
 
 import pytest
@@ -10,6 +9,7 @@ import pytest
 from atoll.node.config import ConfigError, NodeConfig
 from atoll.node.metrics import MetricsLog
 from atoll.node.trackers import FIGURES, HELD_OUT, TensorBoard, Tracking, WandB, open_trackers
+from support.trackers import wandb_history
 
 
 class Recorder:
@@ -67,32 +67,6 @@ def test_tensorboard_event_files_read_back(tmp_path):
     assert set(acc.Tags()["scalars"]) == set(FIGURES) | {HELD_OUT}
     assert [(e.step, round(e.value, 4)) for e in acc.Scalars(HELD_OUT)] == [(10, 2.1), (20, 2.2), (30, 2.3)]
     assert [e.step for e in acc.Scalars("train/tokens")] == [10, 20, 30]
-
-
-def wandb_history(run_dir):
-    """The history rows of a W&B run directory's ``run-*.wandb`` file (a LevelDB-style log of protobuf records:
-    32 KiB blocks, each record a 7-byte header of crc32, length and type, then its bytes)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    [path] = glob.glob(f"{run_dir}/run-*.wandb")
-    data, pos, pending, rows, block = open(path, "rb").read(), 7, b"", [], 32768
-    assert data[:4] == b":W&B"
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:
-            pos += block - pos % block
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if length == 0 and kind == 0:
-            break
-        pending += data[pos + 7:pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):  # a whole record, or the last piece of one
-            record = pb.Record()
-            record.ParseFromString(pending)
-            pending = b""
-            if record.WhichOneof("record_type") == "history":
-                rows.append({i.key or "/".join(i.nested_key): i.value_json for i in record.history.item})
-    return rows
 
 
 def test_a_wandb_offline_run_holds_the_history(tmp_path, monkeypatch):

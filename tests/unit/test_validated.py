@@ -7,7 +7,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from test_dht_records import _progress
+from support.records import progress as progress_fields
 
 from atoll.protocols import validated
 from atoll.protocols.auth import RevocationList, RunKey, peer_id_of
@@ -80,7 +80,7 @@ def test_a_revoked_members_record_that_passed_is_refused_once_the_list_is_applie
                            MSGPackSerializer.dumps(value), get_dht_time() + 30)
         return dataclasses.replace(record, value=CompositeValidator(writer).sign_value(record))
 
-    progress = signed(progress_key(RUN, progress_shard(me)), _progress(me))
+    progress = signed(progress_key(RUN, progress_shard(me)), progress_fields(me))
     assert memory.validate(reader, progress) and memory.validate(reader, progress) and memory.hits == 1
     revocation = signed(revoked_key(RUN), RevocationList(RUN, 1, (me,), 1.0).signed(run_key).to_record())
     assert memory.validate(reader, revocation)  # read through this node: applied
