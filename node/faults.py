@@ -52,6 +52,8 @@ from atoll.protocols.averaging import HONEST, Answer, GroupSpec, Tamper
 
 logger = logging.getLogger("atoll")
 
+SPLIT_SIDES = 4  # a split swarm's sides: namespaces ``<run>-side{0..3}``
+
 KINDS: dict[str, type] = {"kill_in_round": int, "step_delay": float, "corrupt_round": int, "split_side": int,
                           "split_until": int, "byzantine": str, "byzantine_from": int, "start_together": int,
                           "kill_in_checkpoint": int, "checkpoint_kill_signal": int, "kill_rank": int,
@@ -79,6 +81,8 @@ def parse_faults(items: Sequence[str]) -> dict[str, Any]:
             raise ValueError(f"unknown byzantine kind {value!r}; known: {', '.join(BYZANTINE)}")
         if name == "reducer" and value not in REDUCERS:
             raise ValueError(f"unknown reducer kind {value!r}; known: {', '.join(REDUCERS)}")
+        if name == "split_side" and not 0 <= out[name] < SPLIT_SIDES:
+            raise ValueError(f"split_side must be 0 to {SPLIT_SIDES - 1}, got {value}")
     return out
 
 
@@ -236,6 +240,13 @@ class Faults:
         if side is not None and step < self.spec.get("split_until", 0):
             return f"{run_id}-side{side}"
         return run_id
+
+    def namespaces(self, run_id: str) -> tuple[str, ...]:
+        """The namespaces other than the run's whose records this daemon's DHT node must accept: every side's, when
+        the swarm is split (a node of one side stores records of the others: the DHT itself is not split)."""
+        if self.spec.get("split_side") is None:
+            return ()
+        return tuple(f"{run_id}-side{side}" for side in range(SPLIT_SIDES))
 
     def group_formed(self, rounds_done: int, version: int) -> None:
         """A round's group formed; ``rounds_done`` rounds have merged before it."""

@@ -261,7 +261,7 @@ class Island:
         if cfg.metrics_port >= 0:  # bound first: a port that is taken fails before the DHT is joined
             endpoint = MetricsEndpoint(cfg)
             self._exit.callback(endpoint.stop)
-        dht, token, self.revocation, validators = start_member_dht(cfg)
+        dht, token, self.revocation, validators = start_member_dht(cfg, self.faults.namespaces(cfg.run_id))
         self._exit.callback(dht.shutdown)
         subkey = validators[0].local_public_key
         self.dht = dht

@@ -14,7 +14,7 @@ import os
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from hivemind import DHT
@@ -187,13 +187,15 @@ def identity_file(cfg: NodeConfig, token: JoinToken | None) -> tuple[str | None,
     return tmp, True
 
 
-def start_member_dht(cfg: NodeConfig) -> tuple[DHT, JoinToken | None, RevocationList | None, list]:
+def start_member_dht(cfg: NodeConfig, namespaces: Sequence[str] = ()) -> tuple[DHT, JoinToken | None,
+                                                                               RevocationList | None, list]:
     """The DHT node of a member of ``cfg``'s run, started with its credentials: (dht, join token or None for an open
     run, the revocation list it knows, its record validators, the first of which signs its records). The caller
-    shuts the DHT down. ``ConfigError`` for credentials or peers the user must fix."""
+    shuts the DHT down. ``ConfigError`` for credentials or peers the user must fix. ``namespaces``: more names its
+    node accepts the run's static records under (``make_validators``)."""
     token = membership(cfg)
     revocation = load_revocation(cfg, token)
-    validators = make_validators(cfg.run_id, token, revocation)
+    validators = make_validators(cfg.run_id, token, revocation, namespaces)
     identity, temporary = identity_file(cfg, token)
     try:
         dht = start_dht(cfg, validators, identity_path=identity)

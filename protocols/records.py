@@ -16,7 +16,7 @@ import hashlib
 import logging
 import math
 import time as _time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import pydantic.v1 as pydantic
 from hivemind.dht.protocol import DHTProtocol
@@ -58,7 +58,6 @@ PROGRESS_SHARDS = 16
 # The key under which the daemons of a small swarm also write their record, so that one key holds the whole table:
 # a read of 16 keys costs a small swarm several times a read of one (``node/peers.py``, docs/results.md).
 ALL_SHARDS = -1
-SPLIT_SIDES = 4  # fault injection's split namespaces ``<run>-side{0..3}`` whose static keys are known (faults.py)
 
 # How far in the future a record's expiration may lie, per kind of key (seconds; a clock skew is added). Each is
 # above what honest daemons use: progress 3 heartbeats (heartbeat <= 200 s), round registrations and group
@@ -252,21 +251,23 @@ class RunSchema(pydantic.BaseModel):
     head: Dict[BytesWithPublicKey, Optional[HeadRecord]]
 
 
-def make_validators(run_id: str, token: Optional[JoinToken] = None,
-                    revocation: Optional[RevocationList] = None) -> list[RecordValidatorBase]:
+def make_validators(run_id: str, token: Optional[JoinToken] = None, revocation: Optional[RevocationList] = None,
+                    namespaces: Sequence[str] = ()) -> list[RecordValidatorBase]:
     """Validators for a daemon's DHT: signatures on owner subkeys, membership, the run's records, and its schema.
 
     With a join token the daemon signs its records with the token's member key and accepts only records of members
     of the token's run (a private run) that are not revoked (``revocation``: the list known at start); without one,
     it signs with a key of its own and accepts any signed record (an open run). The first validator is the
     signature validator (its ``local_public_key`` is the owner subkey); the last is the pydantic schema.
+    ``namespaces``: more names under which the run's static keys (head, progress) may be written
+    (``RunRecordValidator``).
     """
     if token is None:
-        return [RSASignatureValidator(), MembershipValidator(run_id), RunRecordValidator(run_id),
+        return [RSASignatureValidator(), MembershipValidator(run_id), RunRecordValidator(run_id, namespaces=namespaces),
                 SchemaValidator(RunSchema, prefix=run_id)]
     return [RSASignatureValidator(token.member_key),
             MembershipValidator(run_id, token.run_public_key, token.certificate.to_bytes()),
-            RunRecordValidator(run_id, token.run_public_key, revocation),
+            RunRecordValidator(run_id, token.run_public_key, revocation, namespaces=namespaces),
             SchemaValidator(RunSchema, prefix=run_id)]
 
 
@@ -316,7 +317,7 @@ class RunRecordValidator(RecordValidatorBase):
     - The subkey is exactly one owner marker (``auth.owner_of_subkey``): one record per owner key and key.
     - The value is at most ``MAX_VALUE_BYTES`` of its kind and expires at most ``MAX_EXPIRY`` of its kind from now.
     - The value has its kind's shape. The kind of the run's static keys (progress shards, config, summaries,
-      head, revocations, also under fault injection's split namespaces) is known from the key's DHTID. Round
+      head, revocations; head and progress also under the ``namespaces`` given) is known from the key's DHTID. Round
       registrations, group decisions and open-round announcements live under dynamic keys
       (``<run>_round_{fragment}_{version}_{base}``, ``<run>_open_...``) that a DHTID cannot be mapped back to: any
       other key must hold one of those three (in an open run, whose nodes may also hold other runs' records, any of
@@ -332,14 +333,15 @@ class RunRecordValidator(RecordValidatorBase):
     """
 
     def __init__(self, run_id: str, run_public_key: Optional[bytes] = None,
-                 revocation: Optional[RevocationList] = None, clock: Callable[[], float] = get_dht_time) -> None:
+                 revocation: Optional[RevocationList] = None, clock: Callable[[], float] = get_dht_time,
+                 namespaces: Sequence[str] = ()) -> None:
         self.run_id, self.run_public_key, self.clock = run_id, run_public_key, clock
         self.revocation = revocation
         self.refused: dict[str, int] = {}
         self._last_log: dict[str, float] = {}
         self._kinds: dict[bytes, str] = {}
         self._shards: dict[bytes, int] = {}  # a progress key's shard
-        for ns in [run_id, *(f"{run_id}-side{i}" for i in range(SPLIT_SIDES))]:
+        for ns in [run_id, *namespaces]:
             self._kinds[DHTID.generate(source=head_key(ns)).to_bytes()] = "head"
             for shard, name in enumerate(progress_keys(ns)):
                 key = DHTID.generate(source=name).to_bytes()

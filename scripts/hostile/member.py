@@ -106,7 +106,9 @@ class HostileMember:
 
     # ---- set-up --------------------------------------------------------------------------------------------------
     def __enter__(self) -> HostileMember:
-        validators = make_validators(self.run_id, self.token)
+        # Its own node takes the records it writes under a split swarm's side.
+        sides = [self.namespace] if self.namespace != self.run_id else []
+        validators = make_validators(self.run_id, self.token, namespaces=sides)
         self.subkey = validators[0].local_public_key
         # A member's peer id is its member key's (readers check it), as a daemon's is.
         with tempfile.TemporaryDirectory() as folder:

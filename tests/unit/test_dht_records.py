@@ -15,6 +15,7 @@ import msgpack
 
 from atoll.node.cli import main
 from atoll.node.config import ConfigError, NodeConfig
+from atoll.node.faults import Faults
 from atoll.node.join import identity_file, load_revocation, save_revocation
 from atoll.protocols.auth import (
     RevocationList,
@@ -39,6 +40,7 @@ from atoll.protocols.records import (
     revoked_key,
     round_key,
 )
+from support.records import progress
 from atoll.protocols.summary import summary_key
 
 RUN = "run1"
@@ -80,18 +82,6 @@ def _accepts(validators, record) -> bool:
     return CompositeValidator(validators).validate(record)
 
 
-def _progress(peer: str, fragments: int = 1, **changes) -> dict:
-    rec = {"peer_id": peer, "status": "training", "device": "cpu", "ranks": 1, "algorithm": "diloco", "step": 1,
-           "version": 0,
-           "fragment_versions": [0] * fragments, "fragment_weights": [1.0] * fragments,
-           "fragment_hashes": ["f" * 16] * fragments, "schedule_step": 1, "tokens": 1, "tokens_per_s": 1.0,
-           "loss": None, "held_out_loss": None, "rounds": 0, "rounds_skipped": 0, "forks_healed": 0,
-           "tokens_lost": 0, "goodput": 1.0, "blocked_s": 0.0, "bytes_sent": 0, "bytes_received": 0, "rejected": 0,
-           "rejected_by_kind": {}, "clipped": 0, "time": float(get_dht_time()), "reachable": True}
-    rec.update(changes)
-    return rec
-
-
 def _registration(peer: str) -> dict:
     return {"peer_id": peer, "weight": 1.0, "time": float(get_dht_time())}
 
@@ -109,10 +99,10 @@ def _refusals(validators) -> dict:
 def test_subkey_must_be_exactly_one_owner_marker(member, reader):
     validators, me = member
     owner, mine = validators[0].local_public_key, progress_key(RUN, progress_shard(me))
-    assert _accepts(reader, _record(validators, mine, _progress(me)))
+    assert _accepts(reader, _record(validators, mine, progress(me)))
     for subkey in (owner + b"fake1", b"x" + owner, owner + owner, owner[:-1] + b" x]"):
         # hivemind's signature check alone accepts each of these (the owner signed them): 50 fake records did.
-        assert not _accepts(reader, _record(validators, mine, _progress(me), subkey=subkey)), subkey
+        assert not _accepts(reader, _record(validators, mine, progress(me), subkey=subkey)), subkey
     membership = next(v for v in reader if type(v).__name__ == "MembershipValidator")
     assert membership.refused["dht_member"] >= 3  # a private run's certificate check refuses them first
     assert owner_of_subkey(MSGPackSerializer.dumps(owner)) is not None
@@ -125,8 +115,8 @@ def test_open_runs_check_the_subkey_too_but_owner_keys_are_free():
     writer, reader = make_validators(RUN), make_validators(RUN)
     owner = writer[0].local_public_key
     key = progress_key(RUN, progress_shard("anyone"))
-    assert _accepts(reader, _record(writer, key, _progress("anyone")))  # no binding: keys are free
-    assert not _accepts(reader, _record(writer, key, _progress("anyone"), subkey=owner + b"2"))
+    assert _accepts(reader, _record(writer, key, progress("anyone")))  # no binding: keys are free
+    assert not _accepts(reader, _record(writer, key, progress("anyone"), subkey=owner + b"2"))
     assert _refusals(reader)["dht_subkey"] == 1
 
 
@@ -142,7 +132,7 @@ def test_a_record_claiming_another_peer_id_is_refused(member, reader, run_key):
     validators, me = member
     other = peer_id_of(run_key.issue_token(RUN).member_key.get_public_key().to_bytes())
     mine = progress_key(RUN, progress_shard(me))
-    for key, value in ((mine, _progress(other)), (head_key(RUN), {"peer_id": other, "version": 3, "time": 1.0}),
+    for key, value in ((mine, progress(other)), (head_key(RUN), {"peer_id": other, "version": 3, "time": 1.0}),
                        (round_key(RUN, 0, 5, "ab"), _registration(other)),
                        (open_rounds_key(RUN, 0, 5, "ab"), {"peer_id": other, "fragment": 0, "version": 5}),
                        (summary_key(RUN), _summary(other))):
@@ -160,7 +150,7 @@ def test_a_record_claiming_another_peer_id_is_refused(member, reader, run_key):
 def test_expiry_is_capped_per_kind(member, reader, key, value, cap):
     validators, me = member
     key = progress_key(RUN, progress_shard(me)) if key == "progress" else key
-    value = {"progress": _progress(me), "round": _registration(me), "group": {"groups": [[me]], "time": 1.0},
+    value = {"progress": progress(me), "round": _registration(me), "group": {"groups": [[me]], "time": 1.0},
              "open": {"peer_id": me, "fragment": 1, "version": 2}, "head": {"peer_id": me, "version": 1,
                                                                                "time": 1.0},
              "summary": _summary(me)}[value]
@@ -171,7 +161,7 @@ def test_expiry_is_capped_per_kind(member, reader, key, value, cap):
 
 def test_sizes_are_capped_and_a_full_progress_record_fits(member, reader):
     validators, me = member
-    big = _progress(me, MAX_FRAGMENTS, device="d" * 128, fragment_hashes=["f" * 64] * MAX_FRAGMENTS,
+    big = progress(me, MAX_FRAGMENTS, device="d" * 128, fragment_hashes=["f" * 64] * MAX_FRAGMENTS,
                     rejected_by_kind={f"{i:032d}": 10**9 for i in range(MAX_REJECTION_KINDS)})
     assert _accepts(reader, _record(validators, progress_key(RUN, progress_shard(me)), big))
     huge_group = {"groups": [[f"{i:0100d}" for i in range(1000)]], "time": 1.0}  # 100 KB
@@ -191,7 +181,7 @@ def test_dynamic_round_keys_hold_registrations_or_group_decisions_only(member, r
     assert _accepts(reader, _record(validators, gkey, {"groups": [sorted([me, "Qmother"])], "time": 1.0}))
     ext = msgpack.packb({"peer_id": me, "weight": msgpack.ExtType(42, b"boom"), "time": 1.0}, use_bin_type=True)
     for value, raw in ((_registration(me) | {"weight": float("nan")}, None), ({"groups": [["b", "a"]], "time": 1.0}, None),
-                       (_progress(me), None), ("junk", None), (None, ext), (None, b"\xc1garbage"),
+                       (progress(me), None), ("junk", None), (None, ext), (None, b"\xc1garbage"),
                        ({"groups": [[me]], "time": 1.0, "extra": 1}, None)):
         assert not _accepts(reader, _record(validators, rkey, value, raw=raw)), (value, raw)
     assert _refusals(reader)["dht_schema"] == 7
@@ -227,14 +217,14 @@ def test_one_invalid_subkey_is_dropped_alone():
 def test_revocation_list_signature_serial_and_refusal(run_key, member, reader):
     validators, me = member
     rules = next(v for v in reader if isinstance(v, RunRecordValidator))
-    assert _accepts(reader, _record(validators, progress_key(RUN, progress_shard(me)), _progress(me)))
+    assert _accepts(reader, _record(validators, progress_key(RUN, progress_shard(me)), progress(me)))
     first = RevocationList(RUN, 1, (me,), 1.0).signed(run_key)
     forged = RevocationList(RUN, 9, (me,), 1.0).signed(RunKey.generate())
     assert not _accepts(reader, _record(validators, revoked_key(RUN), forged.to_record()))
     assert rules.revocation is None
     assert _accepts(reader, _record(validators, revoked_key(RUN), first.to_record()))  # read: applied
     assert rules.revoked == {me}
-    assert not _accepts(reader, _record(validators, progress_key(RUN, progress_shard(me)), _progress(me)))
+    assert not _accepts(reader, _record(validators, progress_key(RUN, progress_shard(me)), progress(me)))
     assert not _accepts(reader, _record(validators, round_key(RUN, 0, 1), _registration(me)))
     assert _refusals(reader)["dht_revoked"] == 2
     # An older (replayed) list takes nobody off: the serial only grows.
@@ -305,3 +295,16 @@ def test_config_bounds_keep_honest_records_under_the_caps():
     with pytest.raises(ConfigError, match="gather_timeout: at most 885"):
         RunConfig(gather_timeout=900).validate()
     assert time.time() > 0
+
+
+def test_a_split_sides_records_count_only_on_nodes_told_of_its_namespaces(run_key, member):
+    """Fault injection's split sides write the run's progress under namespaces of their own; a node takes them only
+    when started with those namespaces (``Faults.namespaces``): the production validators know no fault's names."""
+    validators, me = member
+    side = Faults(["split_side=2", "split_until=10"]).namespace(RUN, 0)
+    record = _record(validators, progress_key(side, progress_shard(me)), progress(me))
+    plain = make_validators(RUN, run_key.issue_token(RUN))
+    assert not _accepts(plain, record) and _refusals(plain)
+    told = make_validators(RUN, run_key.issue_token(RUN), namespaces=Faults(["split_side=0"]).namespaces(RUN))
+    assert _accepts(told, record) and side in Faults(["split_side=0"]).namespaces(RUN)
+    assert Faults().namespaces(RUN) == ()

@@ -61,6 +61,8 @@ def test_split_side_until_its_step_and_start_barrier():
     faults = Faults(["split_side=1", "split_until=50", "start_together=3"])
     assert faults.namespace("run", 49) == "run-side1" and faults.namespace("run", 50) == "run"
     assert faults.start_barrier() == 3
+    with pytest.raises(ValueError, match="split_side must be 0 to 3"):
+        Faults(["split_side=4"])
 
 
 def test_checkpoint_kill_at_its_number_only():
