@@ -9,7 +9,9 @@ Per seed, two runs of three honest daemons in a private run (`decoupled`, nano, 
 round settings, every daemon sleeping ``--step-delay`` s a step, started together): a clean one, and one where a member
 holding a join token (``scripts/hostile/member.py``, a process of its own) runs ``--attack`` from the first merged
 round until the honest daemons stop; or, for ``--attack byzantine=K`` or ``reducer=K``, a fourth daemon with a
-join token that trains and merges with that ``--fault`` (``node/faults.py``) from that round on. ``--attackers 2``:
+join token that trains and merges with that ``--fault`` (``node/faults.py``) from that round on; with ``--control
+honest`` the clean run has the same fourth daemon without the fault (a like-for-like count of processes on a
+machine whose cores the daemons share, and of members per round). ``--attackers 2``:
 two of either, each with a token of its own (colluders). The order of the two alternates from seed to seed. Measured from the honest
 daemons' own metrics: the held-out loss of their final replicas (mean over a, b, c), multi-member merges a minute
 per daemon, adoptions (and any whose donors include the member, or whose replica is one the member served), and
@@ -47,6 +49,10 @@ def common(args: argparse.Namespace, seed: int) -> list[str]:
             *(["--robust-merge", args.robust_merge] if args.robust_merge else [])]
 
 
+def daemon_attack(args: argparse.Namespace) -> bool:
+    return args.attack.startswith(("byzantine=", "reducer="))
+
+
 def run(root: Path, args: argparse.Namespace, seed: int, attack: bool) -> dict:
     from atoll.protocols.auth import RunKey
 
@@ -57,9 +63,9 @@ def run(root: Path, args: argparse.Namespace, seed: int, attack: bool) -> dict:
         a = swarm.daemons["a"]
         wait_for(lambda: any(len(r["contributors"]) > 1 for r in a.rounds()), 300, "a's first merged round")
         members, results = [], [root / f"member{i}.json" for i in range(args.attackers)]
-        if attack and args.attack.startswith(("byzantine=", "reducer=")):
+        if daemon_attack(args) and (attack or args.control == "honest"):
             for name in ATTACKERS[: args.attackers]:  # daemons of the run, lying in every round they merge
-                swarm.start(name, ["--fault", args.attack])
+                swarm.start(name, ["--fault", args.attack] if attack else [])
         elif attack:
             for i, result in enumerate(results):  # members.py processes of their own, one token each
                 token = root / f"member{i}.token"
@@ -68,8 +74,8 @@ def run(root: Path, args: argparse.Namespace, seed: int, attack: bool) -> dict:
                        "--token", str(token), "--out", str(result), "--algorithm", "decoupled",
                        "--sync-every", str(args.sync_every), f"{args.attack}={args.attack_seconds}"]
                 with open(root / f"member{i}.log", "wb") as log:
-                    members.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                                    start_new_session=True))
+                    members.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                                    preexec_fn=lambda: os.nice(args.attacker_nice)))
         try:
             codes = {n: d.proc.wait(args.run_timeout) for n, d in swarm.daemons.items()}
         finally:
@@ -128,22 +134,39 @@ def main() -> int:
     p.add_argument("--attackers", type=int, default=1, choices=(1, 2),
                    help="attackers, each with a token of its own: member.py processes, or daemons running a "
                         "byzantine= or reducer= fault (2: two colluding tokens)")
+    p.add_argument("--control", choices=("alone", "honest"), default="alone",
+                   help="the clean run: the honest daemons alone, or (daemon attacks) with the attacking daemons "
+                        "running honestly")
+    p.add_argument("--attacker-nice", type=int, default=0,
+                   help="member.py attacks: the member's niceness (19: it runs on cycles the honest daemons leave, "
+                        "as an attacker with a machine of its own would, on a machine whose cores they share)")
+    p.add_argument("--keep", default=None, help="keep each run's daemons' folders (logs, metrics) under this folder")
+    p.add_argument("--only", choices=("clean", "attacked"), default=None, help="run one side of each pair only")
     p.add_argument("--label", default="default")
     p.add_argument("--out", default="docs/results/hostile")
     args = p.parse_args()
+    if args.control == "honest" and not daemon_attack(args):
+        p.error("--control honest needs a daemon attack (byzantine=K or reducer=K)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "bench_hostile.json"
     doc = json.loads(path.read_text()) if path.exists() else {"runs": []}
     for seed in args.seeds:
         order = (False, True) if seed % 2 == 0 else (True, False)
+        if args.only:
+            order = tuple(o for o in order if o == (args.only == "attacked"))
         pair = {}
         for attack in order:
-            with tempfile.TemporaryDirectory(prefix="atoll-hostile-") as root:
+            with tempfile.TemporaryDirectory(prefix="atoll-hostile-") as tmp:
+                root = Path(args.keep) / f"{args.label}-seed{seed}-{'attacked' if attack else 'clean'}" \
+                    if args.keep else Path(tmp)
+                root.mkdir(parents=True, exist_ok=True)
                 started = time.monotonic()
-                r = run(Path(root), args, seed, attack)
+                r = run(root, args, seed, attack)
             name = args.attack if args.attackers == 1 else f"{args.attack} x{args.attackers}"
-            r.update(seed=seed, label=args.label, attack_name=name, wall_s=time.monotonic() - started,
+            r.update(seed=seed, label=args.label, attack_name=name, control=args.control,
+                     attacker_nice=args.attacker_nice,
+                     wall_s=time.monotonic() - started,
                      command="python scripts/bench_hostile.py " + " ".join(sys.argv[1:]))
             pair[attack] = r
             doc["runs"].append(r)
@@ -151,8 +174,9 @@ def main() -> int:
                   f"merges/min {r['merges_per_min']:.1f}, adoptions {r['adoptions']} (from the member "
                   f"{r['adoptions_from_member']}), member's replicas held {r['member_replicas_held']}, refused "
                   f"{ {k: v for k, v in r['rejected_by_kind'].items() if v} }", flush=True)
-        print(f"  held-out ratio {pair[True]['held_out'] / pair[False]['held_out']:.3f}, merges ratio "
-              f"{pair[True]['merges_per_min'] / pair[False]['merges_per_min']:.2f}", flush=True)
+        if len(pair) == 2:
+            print(f"  held-out ratio {pair[True]['held_out'] / pair[False]['held_out']:.3f}, merges ratio "
+                  f"{pair[True]['merges_per_min'] / pair[False]['merges_per_min']:.2f}", flush=True)
         path.write_text(json.dumps(summarize(doc), indent=1))
     return 0
 
@@ -170,6 +194,7 @@ def summarize(doc: dict) -> dict:
         held = [s[True]["held_out"] / s[False]["held_out"] for s in pairs]
         merges = [s[True]["merges_per_min"] / s[False]["merges_per_min"] for s in pairs]
         doc["summary"].append({"label": label, "attack": attack, "seeds": len(pairs),
+                               "control": pairs[0][False].get("control", "alone"),
                                "held_out_ratio": interval(held), "merges_ratio": interval(merges),
                                "held_out_within_5pct": sum(x <= 1.05 for x in held),
                                "merges_at_least_80pct": sum(x >= 0.8 for x in merges)})
