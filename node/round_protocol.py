@@ -25,7 +25,7 @@ from atoll.models.robust import MergeRule
 from atoll.protocols import dht_io
 from atoll.protocols.averaging import HONEST, AllreduceResult, AveragingServicer, GroupSpec, Tamper, allreduce
 from atoll.protocols.cooldown import Strikes
-from atoll.protocols.matchmaking import POLL_INTERVAL, SilentCoordinators, SpentDecisions, form_group, sibling_group
+from atoll.protocols.matchmaking import POLL_INTERVAL, SilentCoordinators, form_group, sibling_group
 from atoll.protocols.nudges import Nudges
 from atoll.protocols.records import Status, open_rounds_key, parse_open_round, unwrap_subkeys
 
@@ -114,7 +114,6 @@ class RoundProtocol:
         self._deferred: dict[int, tuple[int, int]] = {}  # fragment -> (version, lone rounds deferred at it)
         self.nudges = Nudges()  # its ``send`` is set once the event loop has started
         self.silent = SilentCoordinators()  # coordinators bypassed, rounds in a row (an offence after a few)
-        self.spent = SpentDecisions()  # decisions followed: a round retried at its version needs a new one
         self.refusals = Strikes(REFUSAL_OFFENCES)  # members that refused our group, rounds in a row
 
     def grace(self) -> float:
@@ -161,7 +160,7 @@ class RoundProtocol:
                 expects=lambda peer: peer not in forked,
                 shunned=ctx.revoked,
                 base=digest, not_before=ctx.started_at, on_groups=decided.append, nudges=self.nudges,
-                silent=self.silent, spent=self.spent,
+                silent=self.silent,
             )
             formed = time.monotonic()
             if members is None:

@@ -83,15 +83,12 @@ def sibling_group(groups: list[list[str]], peer_id: str) -> list[str] | None:
     return [members[position] for members in groups]
 
 
-async def form_group(dht: DHT, *, silent: SilentCoordinators | None = None, spent: SpentDecisions | None = None,
-                     **kwargs: Any) -> list[str] | None:
+async def form_group(dht: DHT, *, silent: SilentCoordinators | None = None, **kwargs: Any) -> list[str] | None:
     """Register for the round and return its sorted member list (``_form_group``'s arguments). ``silent``:
-    remembers, across rounds, the coordinators this daemon bypassed (``SilentCoordinators``); ``spent``: the
-    decisions this daemon already followed (``SpentDecisions``)."""
+    remembers, across rounds, the coordinators this daemon bypassed (``SilentCoordinators``)."""
     watch = _Watch()
-    key = round_key(kwargs["run_id"], kwargs["fragment"], kwargs["version"], kwargs.get("base", ""))
     try:
-        return await _form_group(dht, watch=watch, spent=spent.of(key) if spent is not None else set(), **kwargs)
+        return await _form_group(dht, watch=watch, **kwargs)
     finally:
         if silent is not None:
             watch.passed.discard(kwargs["peer_id"])
@@ -122,27 +119,6 @@ class SilentCoordinators:
             on_reject("silent_coordinator", None)
             if self.strikes.miss(peer):
                 on_reject("silent_coordinator_offence", peer)
-
-
-class SpentDecisions:
-    """The group decisions this daemon already followed, per round key: each is followed once. A round that failed
-    after its group formed (a member refused the group, a reducer failed) is tried again at its next sync point at
-    the same version, under the same key, where the decision it failed on is still valid for a while (and still
-    the earliest): following it again repeats the failure. With a member that refuses every group (the second
-    review's squatter), honest daemons ran one stale decision over and over for as long as it stayed valid, a
-    dozen times a fragment, and still after they had cooled the member down. Bounded: the last ``MAX_KEYS``
-    rounds."""
-
-    MAX_KEYS = 256
-
-    def __init__(self) -> None:
-        self._by_key: dict[str, set[tuple[bytes, float]]] = {}
-
-    def of(self, key: str) -> set[tuple[bytes, float]]:
-        """The (signer, time) of each decision of round ``key`` followed so far (a set the round adds to)."""
-        if key not in self._by_key and len(self._by_key) >= self.MAX_KEYS:
-            del self._by_key[next(iter(self._by_key))]  # the oldest round first (dicts keep insertion order)
-        return self._by_key.setdefault(key, set())
 
 
 def coordinator_rank(key: str, peer_id: str) -> bytes:
@@ -180,7 +156,6 @@ async def _form_group(
     expects: Callable[[str], bool] = lambda peer: True,
     nudges: Nudges | None = None,
     watch: _Watch | None = None,
-    spent: set[tuple[bytes, float]] | None = None,
 ) -> list[str] | None:
     """Register for the round and return its sorted member list.
 
@@ -215,8 +190,6 @@ async def _form_group(
     a daemon restarted mid-round finds its previous life's registration listed in it, and following it would
     run that round's all-reduce again, from reducers that answer with their results of the first run — a replica
     none of the others holds.
-    ``spent``: the (signer, time) of this round's decisions this daemon followed before (``SpentDecisions``): they
-    are not followed again, and the one followed now is added.
     """
     # ``base``: the digest of the replica this round updates; only daemons holding that very replica meet.
     key, gkey = round_key(run_id, fragment, version, base), group_key(run_id, fragment, version, base)
@@ -230,7 +203,6 @@ async def _form_group(
     quorum_since: float | None = None
     entry, read_at, coordinating, told = None, -float("inf"), True, nudges is None
     watch = watch if watch is not None else _Watch()
-    spent = spent if spent is not None else set()
     first_seen: dict[str, float] = {}  # registrant -> its registration's time as we first read it
     listening = nudges or Nudges()  # without nudges nothing wakes these listeners: the loop sleeps instead
     with listening.listen([key]) as registrations, listening.listen([gkey]) as decisions:
@@ -279,10 +251,8 @@ async def _form_group(
                     registered[rec["peer_id"]] = first
                     signers[source] = rec["peer_id"]
             deciders = Deciders(registered, signers, peer_id, now, gather_timeout, max_group, watch.decided)
-            first = _first_decision(group_entry, gather_timeout, on_reject, shunned, not_before, deciders, spent)
-            if first is not None:
-                groups, decision = first
-                spent.add(decision)
+            groups = _first_decision(group_entry, gather_timeout, on_reject, shunned, not_before, deciders)
+            if groups is not None:
                 on_groups(groups)
                 return next((members for members in groups if peer_id in members), [])
             coordinator, deadline = _coordinator(registered, key, t, now, gather_timeout, watch.passed)
@@ -298,19 +268,17 @@ async def _form_group(
                     quorum_since = t if quorum_since is None else quorum_since
                     close = close or t >= quorum_since + grace()
                 if close:
-                    groups, decided_at = split_groups(registered, max_group), float(get_dht_time())
-                    await dht_io.store(dht, gkey, {"groups": groups, "time": decided_at}, expiration, subkey,
+                    groups = split_groups(registered, max_group)
+                    await dht_io.store(dht, gkey, {"groups": groups, "time": float(get_dht_time())}, expiration, subkey,
                                        on_timeout=timed_out)
                     if nudges is not None:
                         nudges.tell([p for p in registered if p != peer_id], gkey)
                     # Another registrant whose view of the DHT lacked our registration may have decided first, taking
                     # itself for the coordinator: everyone follows the earliest decision, so we do too.
                     first = _first_decision(await dht_io.get(dht, gkey, on_timeout=timed_out), gather_timeout,
-                                            on_reject, shunned, not_before, deciders, spent)
-                    groups, decision = first if first is not None else (groups, (subkey, decided_at))
-                    spent.add(decision)
-                    on_groups(groups)
-                    return next((members for members in groups if peer_id in members), [])
+                                            on_reject, shunned, not_before, deciders)
+                    on_groups(first or groups)
+                    return next((members for members in (first or groups) if peer_id in members), [])
             if nudges is None:
                 await asyncio.sleep(poll_interval)
             elif coordinating:  # told of registrations; its own deadlines wake it too
@@ -381,12 +349,10 @@ HONEST_NEVER = ("group_record_writer", "group_record_split")  # what no honest c
 
 
 def _first_decision(group_entry: Any, gather_timeout: float, on_reject: Callable[..., None],
-                    shunned: Callable[[str], bool], not_before: float = 0.0, deciders: Deciders | None = None,
-                    spent: set[tuple[bytes, float]] | frozenset = frozenset(),
-                    ) -> tuple[list[list[str]], tuple[bytes, float]] | None:
-    """The earliest valid, recent group decision of a round (the one every daemon follows) and its (signer, time),
-    or None. With ``deciders``, only decisions by one of the round's registrants count (see ``Deciders``); those
-    in ``spent`` (followed before) do not."""
+                    shunned: Callable[[str], bool], not_before: float = 0.0,
+                    deciders: Deciders | None = None) -> list[list[str]] | None:
+    """The earliest valid, recent group decision of a round (the one every daemon follows), or None. With
+    ``deciders``, only decisions by one of the round's registrants count (see ``Deciders``)."""
     decisions = []
     stale_before = max(get_dht_time() - DECISION_LIFETIME_FACTOR * gather_timeout, not_before)
     for source, value in unwrap_subkeys(group_entry).items():
@@ -395,21 +361,16 @@ def _first_decision(group_entry: Any, gather_timeout: float, on_reject: Callable
             on_reject("group_record", source)
         elif any(shunned(m) for members in groups for m in members):
             continue
-        elif not isinstance(value["time"], float) or (source, value["time"]) in spent:
-            continue
-        elif value["time"] >= stale_before:
+        elif isinstance(value["time"], float) and value["time"] >= stale_before:
             # An older decision belongs to a round that ended (or never ran) long ago: ignore it, or a daemon left
             # out of it would be shut out of this version forever.
             problem = deciders.problem(source, groups, value["time"]) if deciders is not None else None
             if problem is None:
-                decisions.append((value["time"], groups, (source, value["time"])))
+                decisions.append((value["time"], groups))
                 if deciders is not None and source in deciders.signers:
                     deciders.decided.add(deciders.signers[source])
             elif problem != "group_record_signer":  # a registration we do not see yet is no offence
                 # A late decision or one that missed us is counted, not held against its writer: an honest
                 # coordinator that was frozen, or read the registrations slowly, writes one too.
                 on_reject(problem, source if problem in HONEST_NEVER else None)
-    if not decisions:
-        return None
-    _, groups, decision = min(decisions, key=lambda d: (d[0], d[1]))
-    return groups, decision
+    return min(decisions, key=lambda d: (d[0], d[1]))[1] if decisions else None

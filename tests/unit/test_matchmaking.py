@@ -392,35 +392,3 @@ def test_a_decision_listing_a_peer_we_cool_down_is_followed_unless_that_peer_wro
     shared = {key: dict(registrations), gkey: {b"b": {"groups": [["a", "b", "x"]], "time": 5000.5}}}
     members, _ = _form(shared, "a", monkeypatch, 5000, {"b": 13}, shunned=lambda peer: peer == "x")
     assert members == ["a", "b"]  # x revoked: b's decision is not followed; a decided without x
-
-
-def test_a_decision_is_followed_once_and_a_round_retried_at_its_version_needs_a_new_one(monkeypatch):
-    """a followed b's decision, and the round failed (a member refused the group, say): at its next sync point a
-    registers for the same round again, where b's decision is still valid and still the earliest. Following it
-    again would repeat the failure for as long as it stays valid (the second review's squatter kept honest daemons
-    on one stale decision a dozen times a fragment); a waits for a new decision instead, here its own."""
-    from atoll.protocols.matchmaking import SpentDecisions, group_key, round_key
-
-    key, gkey = round_key("run", 0, 13, "D"), group_key("run", 0, 13, "D")
-    shared = {key: {b"b": {"peer_id": "b", "weight": 1.0, "time": 4999.0}},
-              gkey: {b"b": {"groups": [["a", "b"]], "time": 5000.5}}}
-    spent = SpentDecisions()
-    members, _ = _form(shared, "a", monkeypatch, 5000, {"b": 13}, spent=spent)
-    assert members == ["a", "b"] and b"a" not in shared[gkey]  # b's decision, followed
-    members, _ = _form(shared, "a", monkeypatch, 5010, {"b": 13})
-    assert members == ["a", "b"] and b"a" not in shared[gkey]  # the defect: the same decision again
-    members, _ = _form(shared, "a", monkeypatch, 5010, {"b": 13}, spent=spent)
-    assert members == ["a", "b"] and shared[gkey][b"a"]["time"] > 5010  # a new decision: a's, b never decided again
-    members, _ = _form(shared, "a", monkeypatch, 5020, {"b": 13}, spent=spent)
-    assert shared[gkey][b"a"]["time"] > 5020  # and a's own is not followed twice either
-
-
-def test_spent_decisions_are_remembered_for_the_latest_rounds_only():
-    from atoll.protocols.matchmaking import SpentDecisions
-
-    spent = SpentDecisions()
-    spent.of("r0").add((b"b", 1.0))
-    for i in range(1, SpentDecisions.MAX_KEYS + 1):
-        spent.of(f"r{i}")
-    assert spent.of(f"r{SpentDecisions.MAX_KEYS}") == set() and len(spent._by_key) == SpentDecisions.MAX_KEYS
-    assert spent.of("r0") == set()  # the oldest round was forgotten
