@@ -36,8 +36,8 @@ shard's direction without the other parts: a reducer can still send a wrong shar
 A member that never sends its part costs its reducer at most ``timeout``; the shard is reduced without it. A
 reducer that has not answered once at least as many others have gets a grace (``answer_grace``: ``ANSWER_GRACE`` s
 and its shard's bytes at ``ANSWER_MIN_RATE``, or ``ANSWER_GRACE_FACTOR`` × the time the others took); then it is
-left out, and ``LATE_OFFENCES`` rounds in a row make it an offender. A reducer that fails is reported in ``AllreduceResult.failed`` so the caller can retry the
-round without it.
+left out, and ``LATE_OFFENCES`` rounds in a row make it an offender. A reducer that fails is reported in
+``AllreduceResult.failed`` so the caller can retry the round without it.
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ EXCHANGE_ATTEMPTS = 3  # a broken stream to a reducer is asked again this many t
 # ANSWER_MIN_RATE (or ANSWER_GRACE_FACTOR × the time the others took, if longer): they hold the same parts the
 # others did, so their answer is only a reduce and a transfer away. A reducer that misses it is left out of the
 # round, and LATE_OFFENCES times in a row an offender. Every second of grace is a second a silent reducer holds its
-# fragment's round: a fixed 10 s cost the second review's silent reducer a third of the merges. The rate term keeps
-# a large shard behind a slow uplink in its round when the others answered fast.
+# fragment's round (docs/security.md); the rate term keeps a large shard behind a slow uplink in its round when the
+# others answered fast.
 ANSWER_GRACE = 2.0
 ANSWER_MIN_RATE = 32 * 1024  # bytes a second: a 256 kbit/s uplink
 ANSWER_GRACE_FACTOR = 2.0
