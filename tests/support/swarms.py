@@ -25,9 +25,9 @@ def last_step(d):
     return steps[-1] if steps else 0
 
 
-def assert_replicas_agree(swarm, names):
-    """Any two of ``names`` that recorded the same round (fragment, version and group) ended it with the same Θ
-    and the same contributors, and every one of them shared at least one such round with another."""
+def _paired_rounds(swarm, names):
+    """Per daemon of ``names``, how many of its rounds another of them recorded too (same fragment, version and
+    group), checking that each such pair ended with the same Θ and the same contributors."""
     by_peer = {peer_id(swarm.daemons[n]): n for n in names}
     shared = {n: 0 for n in names}
     for name in names:
@@ -44,7 +44,18 @@ def assert_replicas_agree(swarm, names):
                         shared[name] += 1
                         assert (o["hash"], sorted(o["contributors"])) == (r["hash"], sorted(r["contributors"])), (
                             f"round f{r['fragment']} v{r['version']}: {name} and {by_peer[other]} ended it apart")
-    assert all(shared.values()), f"daemons that shared no round with another: {shared}"
+    return shared
+
+
+def assert_replicas_agree(swarm, names, settle=30):
+    """Any two of ``names`` that recorded the same round (fragment, version and group) ended it with the same Θ
+    and the same contributors, and every one of them shared at least one such round with another. A round's
+    members write their records a moment apart: up to ``settle`` seconds for the others' records of a round one
+    daemon already wrote."""
+    try:
+        wait_for(lambda: all(_paired_rounds(swarm, names).values()), settle, "rounds recorded by two daemons")
+    except AssertionError:
+        raise AssertionError(f"daemons that shared no round with another: {_paired_rounds(swarm, names)}") from None
 
 
 def held_out_losses(daemon):
