@@ -25,7 +25,8 @@ from atoll.models.robust import MergeRule
 from atoll.protocols import dht_io
 from atoll.protocols.averaging import HONEST, AllreduceResult, AveragingServicer, GroupSpec, Tamper, allreduce
 from atoll.protocols.cooldown import Strikes
-from atoll.protocols.matchmaking import POLL_INTERVAL, SilentCoordinators, form_group, sibling_group
+from atoll.protocols.matchmaking import (POLL_INTERVAL, Decision, SilentCoordinators, SpentDecisions, form_group,
+                                         sibling_group)
 from atoll.protocols.nudges import Nudges
 from atoll.protocols.records import Status, open_rounds_key, parse_open_round, unwrap_subkeys
 
@@ -114,6 +115,7 @@ class RoundProtocol:
         self._deferred: dict[int, tuple[int, int]] = {}  # fragment -> (version, lone rounds deferred at it)
         self.nudges = Nudges()  # its ``send`` is set once the event loop has started
         self.silent = SilentCoordinators()  # coordinators bypassed, rounds in a row (an offence after a few)
+        self.spent = SpentDecisions()  # decisions whose all-reduce failed: a retry at their round needs a new one
         self.refusals = Strikes(REFUSAL_OFFENCES)  # members that refused our group, rounds in a row
 
     def grace(self) -> float:
@@ -149,7 +151,8 @@ class RoundProtocol:
                         if peer.status == Status.TRAINING}
 
             self._last_round[p] = version
-            decided: list[list[list[str]]] = []
+            decided: list[Decision] = []
+            spent = self.spent.of((p, version, digest))
             if algo.joins_open_rounds and self._announced.get(p) != version:
                 ctx.spawn(self._announce(p, version, digest))
             members = await form_group(
@@ -159,8 +162,8 @@ class RoundProtocol:
                 grace=self.grace, on_reject=ctx.reject, max_group=run.max_group, look_up=self.peers.look_up,
                 expects=lambda peer: peer not in forked,
                 shunned=ctx.revoked,
-                base=digest, not_before=ctx.started_at, on_groups=decided.append, nudges=self.nudges,
-                silent=self.silent,
+                base=digest, not_before=ctx.started_at, on_decision=decided.append, nudges=self.nudges,
+                silent=self.silent, spent=spent,
             )
             formed = time.monotonic()
             if members is None:
@@ -168,9 +171,10 @@ class RoundProtocol:
                 return RoundOutcome(Outcome.BEHIND, version, seconds=formed - started)
             if not members:
                 if decided:  # left out: its members will hold the replica to catch up to
-                    self.peers.follow([m for group in decided[-1] for m in group])
+                    self.peers.follow([m for group in decided[-1].groups for m in group])
                 return RoundOutcome(Outcome.FAILED, version, seconds=formed - started)
-            split = bool(decided) and len(decided[-1]) > 1  # a group of one in a split round merges with its siblings
+            # A group of one in a split round merges with its siblings.
+            split = bool(decided) and len(decided[-1].groups) > 1
             if algo.quorum and members == [ctx.peer_id] and not split:
                 refused = await self._refuse_alone(p, version, digest)
                 if refused is not None:
@@ -198,12 +202,14 @@ class RoundProtocol:
                                                  base=digest)
             ctx.faults.round_ended(tamper, result is not None)
             if result is None:
+                if decided:
+                    spent.add(decided[-1].id)
                 return RoundOutcome(Outcome.FAILED, version, members, seconds=time.monotonic() - started)
             self.sync_time.update(time.monotonic() - formed)
             if use_ef and result.sent is not None:
                 ctx.error_feedback.commit(str(p), target, result.sent)
-            if decided and len(decided[-1]) > 1:
-                result = await self._merge_siblings(p, version, decided[-1], result, digest)
+            if decided and len(decided[-1].groups) > 1:
+                result = await self._merge_siblings(p, version, decided[-1].groups, result, digest)
             applied = await asyncio.get_running_loop().run_in_executor(
                 None, ctx.replica.apply_outer_step, p, version, result.merged, result.weight, ctx.outer, digest,
                 result.shards, result.rda_norm)

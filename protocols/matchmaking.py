@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+from dataclasses import dataclass
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -121,6 +122,41 @@ class SilentCoordinators:
                 on_reject("silent_coordinator_offence", peer)
 
 
+@dataclass(frozen=True)
+class Decision:
+    """A round's group decision as one daemon followed it: the groups, and who signed it when (its identity)."""
+
+    groups: list[list[str]]
+    signer: bytes
+    time: float
+
+    @property
+    def id(self) -> tuple[bytes, float]:
+        return self.signer, self.time
+
+
+class SpentDecisions:
+    """Per round (fragment, version, replica), the decisions whose all-reduce failed for this daemon (a member
+    refused the group, a reducer failed): a round retried at that version does not follow them again. The
+    decision stays valid for a while after its all-reduce failed, and stays the earliest: followed again, it
+    repeats the failure. A member that refuses every group it is put in (the second review's squatter) kept honest
+    daemons on one stale decision a dozen times a fragment, even after they had cooled it down. Only a failed
+    all-reduce spends a decision: a daemon a decision left out still follows it (it is left out alike), or in a
+    synchronous round it would decide a group of its own with peers that moved on. Bounded: the last
+    ``MAX_ROUNDS`` rounds."""
+
+    MAX_ROUNDS = 256
+
+    def __init__(self) -> None:
+        self._by_round: dict[Any, set[tuple[bytes, float]]] = {}
+
+    def of(self, round_id: Any) -> set[tuple[bytes, float]]:
+        """The ids (``Decision.id``) of round ``round_id``'s spent decisions (a set the caller adds to)."""
+        if round_id not in self._by_round and len(self._by_round) >= self.MAX_ROUNDS:
+            del self._by_round[next(iter(self._by_round))]  # the oldest round first (dicts keep insertion order)
+        return self._by_round.setdefault(round_id, set())
+
+
 def coordinator_rank(key: str, peer_id: str) -> bytes:
     """A registrant's place in a round's order of coordinators: a hash of the round's key and its peer id."""
     return hashlib.sha256(f"{key}|{peer_id}".encode()).digest()
@@ -151,11 +187,12 @@ async def _form_group(
     shunned: Callable[[str], bool] = lambda peer: False,
     base: str = "",
     not_before: float = 0.0,
-    on_groups: Callable[[list[list[str]]], None] = lambda groups: None,
+    on_decision: Callable[[Decision], None] = lambda decision: None,
     look_up: Callable[[set[str]], Awaitable[Any]] | None = None,
     expects: Callable[[str], bool] = lambda peer: True,
     nudges: Nudges | None = None,
     watch: _Watch | None = None,
+    spent: set[tuple[bytes, float]] | frozenset = frozenset(),
 ) -> list[str] | None:
     """Register for the round and return its sorted member list.
 
@@ -176,7 +213,8 @@ async def _form_group(
     out, and a shard it spoils or withholds is refused or times out, and every member retries without it alike.
     ``shunned(peer)``: members a decision must not list for us to follow it (revoked ones: they may not see our
     part at all).
-    ``on_groups(groups)`` hears the round's decision, every group of it (``sibling_group``).
+    ``on_decision(decision)`` hears the round's decision, every group of it (``sibling_group``), and its id.
+    ``spent``: ids of this round's decisions not to follow (their all-reduce failed here: ``SpentDecisions``).
     ``look_up(peer_ids)``: registrants that ``live_peers`` does not list are looked up (a large swarm's table is
     read in turns: a newcomer may not be in it yet), and ``live_peers`` is asked again.
     ``expects(peer)``: whether the coordinator waits for a live peer's registration (not for one whose record shows
@@ -251,10 +289,10 @@ async def _form_group(
                     registered[rec["peer_id"]] = first
                     signers[source] = rec["peer_id"]
             deciders = Deciders(registered, signers, peer_id, now, gather_timeout, max_group, watch.decided)
-            groups = _first_decision(group_entry, gather_timeout, on_reject, shunned, not_before, deciders)
-            if groups is not None:
-                on_groups(groups)
-                return next((members for members in groups if peer_id in members), [])
+            decision = _first_decision(group_entry, gather_timeout, on_reject, shunned, not_before, deciders, spent)
+            if decision is not None:
+                on_decision(decision)
+                return next((members for members in decision.groups if peer_id in members), [])
             coordinator, deadline = _coordinator(registered, key, t, now, gather_timeout, watch.passed)
             if coordinator is None:
                 logger.warning("round v%d: no group was decided in time", version)
@@ -268,17 +306,17 @@ async def _form_group(
                     quorum_since = t if quorum_since is None else quorum_since
                     close = close or t >= quorum_since + grace()
                 if close:
-                    groups = split_groups(registered, max_group)
-                    await dht_io.store(dht, gkey, {"groups": groups, "time": float(get_dht_time())}, expiration, subkey,
+                    ours = Decision(split_groups(registered, max_group), subkey, float(get_dht_time()))
+                    await dht_io.store(dht, gkey, {"groups": ours.groups, "time": ours.time}, expiration, subkey,
                                        on_timeout=timed_out)
                     if nudges is not None:
                         nudges.tell([p for p in registered if p != peer_id], gkey)
                     # Another registrant whose view of the DHT lacked our registration may have decided first, taking
                     # itself for the coordinator: everyone follows the earliest decision, so we do too.
                     first = _first_decision(await dht_io.get(dht, gkey, on_timeout=timed_out), gather_timeout,
-                                            on_reject, shunned, not_before, deciders)
-                    on_groups(first or groups)
-                    return next((members for members in (first or groups) if peer_id in members), [])
+                                            on_reject, shunned, not_before, deciders, spent) or ours
+                    on_decision(first)
+                    return next((members for members in first.groups if peer_id in members), [])
             if nudges is None:
                 await asyncio.sleep(poll_interval)
             elif coordinating:  # told of registrations; its own deadlines wake it too
@@ -349,10 +387,10 @@ HONEST_NEVER = ("group_record_writer", "group_record_split")  # what no honest c
 
 
 def _first_decision(group_entry: Any, gather_timeout: float, on_reject: Callable[..., None],
-                    shunned: Callable[[str], bool], not_before: float = 0.0,
-                    deciders: Deciders | None = None) -> list[list[str]] | None:
+                    shunned: Callable[[str], bool], not_before: float = 0.0, deciders: Deciders | None = None,
+                    spent: set[tuple[bytes, float]] | frozenset = frozenset()) -> Decision | None:
     """The earliest valid, recent group decision of a round (the one every daemon follows), or None. With
-    ``deciders``, only decisions by one of the round's registrants count (see ``Deciders``)."""
+    ``deciders``, only decisions by one of the round's registrants count (see ``Deciders``); none in ``spent``."""
     decisions = []
     stale_before = max(get_dht_time() - DECISION_LIFETIME_FACTOR * gather_timeout, not_before)
     for source, value in unwrap_subkeys(group_entry).items():
@@ -361,16 +399,18 @@ def _first_decision(group_entry: Any, gather_timeout: float, on_reject: Callable
             on_reject("group_record", source)
         elif any(shunned(m) for members in groups for m in members):
             continue
-        elif isinstance(value["time"], float) and value["time"] >= stale_before:
+        elif not isinstance(value["time"], float) or (source, value["time"]) in spent:
+            continue  # spent: its all-reduce failed here (``SpentDecisions``)
+        elif value["time"] >= stale_before:
             # An older decision belongs to a round that ended (or never ran) long ago: ignore it, or a daemon left
             # out of it would be shut out of this version forever.
             problem = deciders.problem(source, groups, value["time"]) if deciders is not None else None
             if problem is None:
-                decisions.append((value["time"], groups))
+                decisions.append(Decision(groups, source, value["time"]))
                 if deciders is not None and source in deciders.signers:
                     deciders.decided.add(deciders.signers[source])
             elif problem != "group_record_signer":  # a registration we do not see yet is no offence
                 # A late decision or one that missed us is counted, not held against its writer: an honest
                 # coordinator that was frozen, or read the registrations slowly, writes one too.
                 on_reject(problem, source if problem in HONEST_NEVER else None)
-    return min(decisions, key=lambda d: (d[0], d[1]))[1] if decisions else None
+    return min(decisions, key=lambda d: (d.time, d.groups)) if decisions else None

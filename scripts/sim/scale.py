@@ -389,7 +389,7 @@ class Island:
         version, _, digest = self.replica.identity()
         self.in_round, self.last_round_version = True, version
         started = sim.clock.now
-        decided: list[list[list[str]]] = []
+        decided: list[matchmaking.Decision] = []
         try:
             if self.announced != version:
                 await self.ctx.dht.store(open_rounds_key(sim.run_id, 0, version, digest),
@@ -414,18 +414,18 @@ class Island:
                 subkey=self.subkey, weight=float(cfg.sync_every * TOKENS_PER_STEP), live_peers=live_peers,
                 gather_timeout=cfg.gather_timeout, abort=lambda: bool(self.heavier_peers()), quorum=1,
                 grace=lambda: grace, max_group=cfg.max_group, base=digest, not_before=self.joins_at,
-                on_groups=decided.append, look_up=self.table.look_up,
+                on_decision=decided.append, look_up=self.table.look_up,
                 expects=lambda peer: peer not in forked)
             if not members:
                 if decided:  # as ``RoundProtocol.run``: left out, follow the members
-                    self.table.follow([m for group in decided[-1] for m in group])
+                    self.table.follow([m for group in decided[-1].groups for m in group])
                 return
             if sim.measure_from <= sim.clock.now < sim.rounds_stop_at:
                 self.formation.append(sim.clock.now - started)
             merged = await sim.allreduce(self, version, digest, tuple(members))
-            if (merged is not None and cfg.merge_groups and len(decided[-1]) > 1
-                    and matchmaking.sibling_group(decided[-1], self.peer_id)):
-                merged = await sim.merge_siblings(version, digest, decided[-1], merged) or merged
+            if (merged is not None and cfg.merge_groups and len(decided[-1].groups) > 1
+                    and matchmaking.sibling_group(decided[-1].groups, self.peer_id)):
+                merged = await sim.merge_siblings(version, digest, decided[-1].groups, merged) or merged
             if merged is None or self.replica.identity() != (version, self.replica.weight, digest):
                 return  # the round failed, or we adopted another replica meanwhile
             self.replica.version, self.replica.weight, self.replica.digest = merged[0], merged[1], merged[2]

@@ -392,3 +392,36 @@ def test_a_decision_listing_a_peer_we_cool_down_is_followed_unless_that_peer_wro
     shared = {key: dict(registrations), gkey: {b"b": {"groups": [["a", "b", "x"]], "time": 5000.5}}}
     members, _ = _form(shared, "a", monkeypatch, 5000, {"b": 13}, shunned=lambda peer: peer == "x")
     assert members == ["a", "b"]  # x revoked: b's decision is not followed; a decided without x
+
+
+def test_a_spent_decision_is_not_followed_again_and_a_new_one_is_made(monkeypatch):
+    """a followed b's decision and its all-reduce failed (a member refused the group, say): at its next sync point a
+    registers for the same round again, where b's decision is still valid and still the earliest. Followed again it
+    repeats the failure for as long as it stays valid (the second review's squatter kept honest daemons on one stale
+    decision a dozen times a fragment); spent, a waits for a new decision instead, here its own."""
+    from atoll.protocols.matchmaking import group_key, round_key
+
+    key, gkey = round_key("run", 0, 13, "D"), group_key("run", 0, 13, "D")
+    shared = {key: {b"b": {"peer_id": "b", "weight": 1.0, "time": 4999.0}},
+              gkey: {b"b": {"groups": [["a", "b"]], "time": 5000.5}}}
+    followed = []
+    members, _ = _form(shared, "a", monkeypatch, 5000, {"b": 13}, on_decision=followed.append)
+    assert members == ["a", "b"] and b"a" not in shared[gkey] and followed[-1].id == (b"b", 5000.5)
+    members, _ = _form(shared, "a", monkeypatch, 5010, {"b": 13})
+    assert members == ["a", "b"] and b"a" not in shared[gkey]  # unspent, the same decision again
+    spent = {followed[-1].id}
+    members, _ = _form(shared, "a", monkeypatch, 5010, {"b": 13}, spent=spent, on_decision=followed.append)
+    assert members == ["a", "b"] and shared[gkey][b"a"]["time"] > 5010  # a new decision: a's (b never decided again)
+    assert followed[-1].id == (b"a", shared[gkey][b"a"]["time"])
+
+
+def test_spent_decisions_are_remembered_for_the_latest_rounds_only():
+    from atoll.protocols.matchmaking import SpentDecisions
+
+    spent = SpentDecisions()
+    spent.of((0, 1, "D")).add((b"b", 1.0))
+    assert spent.of((0, 1, "D")) == {(b"b", 1.0)}
+    for i in range(2, SpentDecisions.MAX_ROUNDS + 2):
+        spent.of((0, i, "D"))
+    assert len(spent._by_round) == SpentDecisions.MAX_ROUNDS
+    assert spent.of((0, 1, "D")) == set()  # the oldest round was forgotten
