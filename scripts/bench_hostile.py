@@ -27,6 +27,7 @@ import json
 import os
 import signal
 import statistics
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -104,7 +105,11 @@ def measure(swarm: LocalSwarm, codes: dict, members: list[dict], attack: bool) -
         d = swarm.daemons[name]
         metrics = d.metrics()
         rounds = [m for m in metrics if m.get("event") == "round"]
-        losses.append([r["held_out_loss"] for r in rounds if r.get("held_out_loss") is not None][-1])
+        evaluated = [r["held_out_loss"] for r in rounds if r.get("held_out_loss") is not None]
+        if not evaluated:
+            raise RuntimeError(f"{name} (exit code {codes.get(name)}) recorded {len(rounds)} rounds, none with a "
+                               f"held-out loss")
+        losses.append(evaluated[-1])
         merged = [r for r in rounds if len(r["contributors"]) > 1]
         minutes = (rounds[-1]["time"] - rounds[0]["time"]) / 60  # from the first round to the last
         rates.append(len(merged) / minutes)
@@ -162,7 +167,15 @@ def main() -> int:
                     if args.keep else Path(tmp)
                 root.mkdir(parents=True, exist_ok=True)
                 started = time.monotonic()
-                r = run(root, args, seed, attack)
+                try:
+                    r = run(root, args, seed, attack)
+                except Exception:
+                    if not args.keep:  # the daemons' folders say why: keep them
+                        kept = Path(tempfile.mkdtemp(prefix=f"atoll-hostile-failed-seed{seed}-"))
+                        shutil.copytree(root, kept, dirs_exist_ok=True)
+                        print(f"{args.label} seed {seed}: the run failed; its daemons' folders are in {kept}",
+                              flush=True)
+                    raise
             name = args.attack if args.attackers == 1 else f"{args.attack} x{args.attackers}"
             r.update(seed=seed, label=args.label, attack_name=name, control=args.control,
                      attacker_nice=args.attacker_nice,
