@@ -25,6 +25,7 @@ from atoll.protocols.codecs import CODECS
 
 from .algorithm import AlgorithmName, LocalMerge, SnapshotAt, algorithm
 from .faults import parse_faults
+from .harness import Harness
 from .pause import Mode, PolicyError, check_spec, deadline_of, parse_window
 
 ALGORITHMS = tuple(name.value for name in AlgorithmName)
@@ -330,6 +331,9 @@ class NodeConfig:
     # Deterministic fault injection for tests and scripts/chaos.py: the kinds are listed in atoll.node.faults.
     faults: tuple[str, ...] = opt((), help="deterministic fault injection for tests", metavar="NAME=VALUE",
                                   repeat=True, flag="--fault", hidden=True)
+    # Benchmarks' and tests' settings that make runs compare (a step delay, a common start): atoll.node.harness.
+    harness: tuple[str, ...] = opt((), help="settings of a benchmark or test harness", metavar="NAME=VALUE",
+                                   repeat=True, hidden=True)
 
     def validate(self) -> None:
         self.run.validate()
@@ -387,6 +391,7 @@ class NodeConfig:
         if self.open and (self.join_token is not None or self.run_key is not None):
             raise ConfigError("open: an open run takes no join token or run key")
         self.parsed_faults()
+        self.parsed_harness()
         self._check_lending()
         if self.tensorboard is not None and not self.tensorboard.strip():
             raise ConfigError("tensorboard: name the directory to write TensorBoard's event files in")
@@ -436,6 +441,12 @@ class NodeConfig:
             return parse_faults(self.faults)
         except ValueError as e:
             raise ConfigError(f"faults: {e}") from None
+
+    def parsed_harness(self) -> Harness:
+        try:
+            return Harness.parse(self.harness)
+        except ValueError as e:
+            raise ConfigError(f"harness: {e}") from None
 
     @property
     def run_key_path(self) -> str | None:

@@ -233,7 +233,7 @@ class Daemon:
         except ValueError as e:
             raise ConfigError(f"data: {e}") from None
         accumulate = micro_batches(cfg, self.ranks.world * self.device.devices)
-        shard = Faults(cfg.faults).data_shard(shard_for_peer(peer_id, run.num_shards), run.num_shards)
+        shard = cfg.parsed_harness().shard(shard_for_peer(peer_id, run.num_shards), run.num_shards)
         precision = None if cfg.precision == "auto" else cfg.precision  # None: the device's default
         return corpus, shard, cfg.batch_size, precision, model, corpus.held_out(cfg.eval_batches, cfg.batch_size), \
             accumulate
@@ -340,7 +340,7 @@ class Daemon:
                                 peak_rss_mib())
                 break
             t0 = time.monotonic()
-            island.faults.before_step()
+            island.harness.pace()
             island.faults.island_step(0, learner.step)
             before = learner.step
             if ddp is not None:

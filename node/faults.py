@@ -8,7 +8,6 @@ The faults, each triggered by the daemon's own step or round count (never by a c
 
 - ``kill_in_round=N``: SIGKILL this daemon's process group (its DHT child and p2pd too) once the group of its
   N-th merged round has formed.
-- ``step_delay=S``: sleep S seconds per inner step (a slow daemon).
 - ``corrupt_round=N``: from the N-th multi-member round on, send malformed parts (truncated, bad header,
   unknown codec, NaN), each kind until it has reached two completed rounds.
 - ``split_side=S`` with ``split_until=N``: until step N the daemon sees and meets only daemons of side S (a split
@@ -21,16 +20,15 @@ The faults, each triggered by the daemon's own step or round count (never by a c
 - ``reducer=K`` (scale, silent): the shards this daemon reduces leave it hostile (it merges honestly itself):
   ``scale`` answers every member with the reduced shard ×``REDUCER_SCALE`` under honest scalars, ``silent`` holds
   every member's stream open without an answer (the second review's reducer attacks).
-- ``start_together=N``: hold the first step until N daemons train (runs compared step for step start in lockstep).
 - ``kill_in_checkpoint=N``: SIGKILL the process group in the middle of the N-th checkpoint write (the tensors'
   temporary file half written); ``checkpoint_kill_signal=1``: SIGUSR1 arms the same crash for the next write.
 - ``slow_checkpoint=S``: each checkpoint write takes S seconds longer (a slow disk), held in the middle of it.
 - ``kill_rank=R`` with ``kill_rank_at=S``: in an island of several ranks, rank R SIGKILLs its process group (for
   rank 0: its DHT child and p2pd too) before its step S+1, in the launcher's first attempt only (a restarted island,
   which resumes from an earlier step, does not die again).
-- ``data_shard=K``: read shard K of the corpus, not the one the peer id picks. Daemons that start from one model
-  and read one shard train identically; a test whose daemons must make different lines pins different shards
-  (three peer ids hash into one of 16 shards together about one time in six).
+
+A benchmark's settings that make runs compare (a step delay, a common start, a pinned data shard) are not faults:
+they are ``--harness`` settings (``node/harness.py``).
 """
 
 from __future__ import annotations
@@ -50,14 +48,16 @@ import torch
 from atoll.protocols import codecs
 from atoll.protocols.averaging import HONEST, Answer, GroupSpec, Tamper
 
+from .harness import KINDS as HARNESS_KINDS
+
 logger = logging.getLogger("atoll")
 
 SPLIT_SIDES = 4  # a split swarm's sides: namespaces ``<run>-side{0..3}``
 
-KINDS: dict[str, type] = {"kill_in_round": int, "step_delay": float, "corrupt_round": int, "split_side": int,
-                          "split_until": int, "byzantine": str, "byzantine_from": int, "start_together": int,
-                          "kill_in_checkpoint": int, "checkpoint_kill_signal": int, "kill_rank": int,
-                          "kill_rank_at": int, "slow_checkpoint": float, "data_shard": int, "reducer": str}
+KINDS: dict[str, type] = {"kill_in_round": int, "corrupt_round": int, "split_side": int, "split_until": int,
+                          "byzantine": str, "byzantine_from": int, "kill_in_checkpoint": int,
+                          "checkpoint_kill_signal": int, "kill_rank": int, "kill_rank_at": int,
+                          "slow_checkpoint": float, "reducer": str}
 BYZANTINE = ("scale", "nan", "shape", "direction", "edge")
 REDUCERS = ("scale", "silent")
 REDUCER_SCALE = -5.0
@@ -71,6 +71,8 @@ def parse_faults(items: Sequence[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in items:
         name, _, value = item.partition("=")
+        if name in HARNESS_KINDS:
+            raise ValueError(f"{name} is a harness setting, not a fault: --harness {item}")
         if name not in KINDS or not value:
             raise ValueError(f"unknown fault {item!r}; known: {', '.join(f'{k}=...' for k in KINDS)}")
         try:
@@ -202,19 +204,6 @@ class Faults:
                 self._checkpoint_kill_armed = True
 
             signal.signal(signal.SIGUSR1, arm)
-
-    def data_shard(self, shard: int, num_shards: int) -> int:
-        """The corpus shard this daemon reads, ``shard`` unless ``data_shard`` pins another."""
-        return self.spec.get("data_shard", shard) % num_shards
-
-    def start_barrier(self) -> int:
-        """How many daemons (this one included) must train before the first step; 0 for none."""
-        return self.spec.get("start_together", 0)
-
-    def before_step(self) -> None:
-        delay = self.spec.get("step_delay", 0.0)
-        if delay:
-            time.sleep(delay)
 
     def island_step(self, rank: int, step: int) -> None:
         """Rank ``rank`` of an island is about to train step ``step`` + 1."""

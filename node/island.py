@@ -167,6 +167,7 @@ class Island:
         self.device, self.stop_event, self._print_addresses = device, stop, print_addresses
         codecs.set_threads(codec_threads(cfg.codec_threads, device.kind))
         self.faults = Faults(cfg.faults)
+        self.harness = cfg.parsed_harness()
         self.counters = Counters()
         self.counters.device = device.describe()
         self.metrics = MetricsLog(None)
@@ -316,7 +317,7 @@ class Island:
         self.ddp = DDP(trainee, self.replica, self.local[0], syncer, self.counters, self.metrics, self.held_out,
                        self.stop_event) if algo.gradient_allreduce else None
         self.counters.status = Status.TRAINING
-        self._wait_for_peers(run.quorum if algo.gradient_allreduce else self.faults.start_barrier())
+        self._wait_for_peers(run.quorum if algo.gradient_allreduce else self.harness.start_together)
         self._training = True
         self.counters.started = self._window_start = self._step_end = time.monotonic()
         self._window_tokens = 0

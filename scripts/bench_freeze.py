@@ -34,7 +34,7 @@ def last_step(d) -> int:
 def once(args: argparse.Namespace, root: Path) -> dict:
     """One run: three daemons, one frozen and resumed; the figures of the ``--after`` seconds after the thaw."""
     common = ["--model", args.model, "--algorithm", "decoupled", "--batch-size", "4", "--sync-every", "40",
-              "--heartbeat", "1", "--fault", f"step_delay={args.step_delay}"]
+              "--heartbeat", "1", "--harness", f"step_delay={args.step_delay}"]
     shutil.rmtree(root, ignore_errors=True)  # a fresh run: leftover checkpoints would be resumed
     with LocalSwarm(root, common) as swarm:
         for i, name in enumerate(("a", "b", "frozen")):

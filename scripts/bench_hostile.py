@@ -45,8 +45,8 @@ ATTACKERS = ("m", "n")
 
 def common(args: argparse.Namespace, seed: int) -> list[str]:
     return ["--model", "nano", "--batch-size", "4", "--algorithm", "decoupled", "--sync-every", str(args.sync_every),
-            "--max-steps", str(args.steps), "--fault", f"step_delay={args.step_delay}",
-            "--fault", f"start_together={len(HONEST)}", "--seed", str(seed), "--eval-budget", "1",
+            "--max-steps", str(args.steps), "--harness", f"step_delay={args.step_delay}",
+            "--harness", f"start_together={len(HONEST)}", "--seed", str(seed), "--eval-budget", "1",
             *(["--robust-merge", args.robust_merge] if args.robust_merge else [])]
 
 

@@ -33,7 +33,7 @@ def main() -> int:
     parser.add_argument("--out", default="docs/results")
     args = parser.parse_args()
     run_args = argparse.Namespace(model="nano", sync_every=100 * args.steps, seed=0, run_timeout=600,
-                                  straggler_wait=30, daemon_args=["--fault", f"step_delay={args.step_delay}"])
+                                  straggler_wait=30, daemon_args=["--harness", f"step_delay={args.step_delay}"])
     regions = [wan.Region(r, rate_mbit=args.rate, delay_ms=0) for r in bench_wan.REGIONS]
     samples: list[tuple[float, dict[str, int]]] = []
     stop = threading.Event()

@@ -113,7 +113,7 @@ def one(seed: int, args: argparse.Namespace) -> dict:
     regions = [wan.Region(r, rate_mbit=args.rate, delay_ms=args.rtt / 4) for r in REGIONS]
     common = ["--model", args.model, "--algorithm", "decoupled", "--sync-every", str(args.sync_every),
               "--batch-size", str(BATCH), "--threads", "1", "--seed", str(seed), "--gather-timeout", "20",
-              "--round-timeout", "20", "--fault", f"start_together={len(REGIONS)}"]
+              "--round-timeout", "20", "--harness", f"start_together={len(REGIONS)}"]
     with wan.Wan(regions, tag="bp") as w, LocalSwarm(root, common) as swarm:
         def launch(i: int) -> None:
             r = REGIONS[i]

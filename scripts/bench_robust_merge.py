@@ -45,7 +45,7 @@ FOURTH = "x"
 def common_args(steps: int, sync_every: int, seed: int) -> list[str]:
     return ["--model", "nano", "--batch-size", "4", "--algorithm", "diloco", "--sync-every", str(sync_every),
             "--max-steps", str(steps), "--gather-timeout", "20", "--round-timeout", "8", "--heartbeat", "1",
-            "--fault", "step_delay=0.1", "--eval-budget", "1", "--seed", str(seed), "--open"]
+            "--harness", "step_delay=0.1", "--eval-budget", "1", "--seed", str(seed), "--open"]
 
 
 def run_swarm(root: Path, identities: Path, args: list[str], rule: str, attack: str) -> dict:
@@ -60,7 +60,7 @@ def run_swarm(root: Path, identities: Path, args: list[str], rule: str, attack: 
         peers = ["--initial-peers", str(bootstrap.get_visible_maddrs()[0]), "--new-run"]
         names = HONEST + (FOURTH,)
         with LocalSwarm(root, [*args, "--robust-merge", rule]) as swarm:
-            together = ["--fault", f"start_together={len(names)}", *peers]
+            together = ["--harness", f"start_together={len(names)}", *peers]
             daemons = [(n, ["--identity", str(identities / f"{n}.key"), *together]) for n in names]
             if attack != "none":
                 daemons[-1][1].extend(["--fault", f"byzantine={attack}"])

@@ -104,7 +104,7 @@ def training(d: Any) -> bool:
 
 
 def measure(n: int, seconds: float, root: Path, model: str) -> dict[str, Any]:
-    common = [*COMMON, "--model", model, "--fault", f"step_delay={STEP_DELAY}"]
+    common = [*COMMON, "--model", model, "--harness", f"step_delay={STEP_DELAY}"]
     with LocalSwarm(root, common) as swarm:
         started = time.monotonic()
         for i in range(n):

@@ -63,9 +63,9 @@ def run_once(root: Path, algorithm: str, extra: list[str], variant: str, args: a
             # 3x slower: three times the per-step delay plus twice an estimate of the compute it would also do.
             delay = 3 * FAST_DELAY + 2 * args.compute_estimate if variant != "fast" and name == slow else FAST_DELAY
             if variant == "control" and name == slow:  # a run of its own: the same load, nobody to wait for it
-                swarm.start(name, ["--fault", f"step_delay={delay}", "--run-id", "control"], join=False)
+                swarm.start(name, ["--harness", f"step_delay={delay}", "--run-id", "control"], join=False)
             else:
-                swarm.start(name, ["--fault", f"step_delay={delay}"], join=i > 0)
+                swarm.start(name, ["--harness", f"step_delay={delay}"], join=i > 0)
         time.sleep(args.seconds)
         swarm.stop_all(timeout=120)
     run = RunConfig(model=args.model, algorithm=algorithm, sync_every=args.sync_every)

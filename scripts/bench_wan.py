@@ -89,7 +89,7 @@ def run_atoll(w: wan.Wan, root: Path, algorithm: str, steps: int, args: argparse
               "--round-timeout", "20", "--threads", "1", "--quorum", str(DAEMONS if algorithm == "ddp" else 1),
               "--seed", str(seed)]
     if algorithm != "ddp":  # hold the first step until all four train (ddp's --quorum does that already)
-        common += ["--fault", f"start_together={DAEMONS}"]
+        common += ["--harness", f"start_together={DAEMONS}"]
     common += getattr(args, "daemon_args", [])  # bench_rounds_wan: a protocol setting under comparison
     shutil.rmtree(root, ignore_errors=True)
     before = tx_bytes(w)

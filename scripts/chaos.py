@@ -63,7 +63,7 @@ KINDS = ("kill", "freeze", "leave", "join", "checkpoint_kill")
 def daemon_args(args: argparse.Namespace) -> list[str]:
     return ["--model", args.model, "--algorithm", args.algorithm, "--sync-every", str(args.sync_every),
             "--batch-size", str(args.batch_size), "--gather-timeout", "10", "--round-timeout", "10",
-            "--heartbeat", "1", "--threads", "1", "--fault", f"step_delay={args.step_delay}",
+            "--heartbeat", "1", "--threads", "1", "--harness", f"step_delay={args.step_delay}",
             "--fault", "checkpoint_kill_signal=1", "--eval-budget", "1",  # the window-end loss needs every round's
             *args.daemon_args.split()]
 

@@ -61,7 +61,7 @@ def main() -> int:
     name = args.name or f"swarm_cpu_{args.daemons}"
     common = ["--model", "nano", "--algorithm", "decoupled", "--sync-every", "40", "--batch-size", "4",
               "--gather-timeout", "10", "--round-timeout", "10", "--heartbeat", "1", "--threads", "1",
-              "--fault", f"step_delay={args.step_delay}", "--eval-budget", "1", "--outer-lr", "1",
+              "--harness", f"step_delay={args.step_delay}", "--eval-budget", "1", "--outer-lr", "1",
               "--outer-momentum", "0"]
     root = Path("runs") / name
     shutil.rmtree(root, ignore_errors=True)

@@ -39,7 +39,7 @@ SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 STEPS = 800  # long enough for the member's phases and the outsider's attacks to meet a training swarm
 COMMON = ["--model", "nano", "--batch-size", "4", "--algorithm", "diloco", "--sync-every", "10",
           "--max-steps", str(STEPS), "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1",
-          "--fault", "step_delay=0.1", "--eval-budget", "1",
+          "--harness", "step_delay=0.1", "--eval-budget", "1",
           # A short cooldown: an offence in one attack must not hide the member from the next one's defence.
           "--peer-cooldown", "5"]
 HONEST = ("a", "b", "c")
@@ -70,7 +70,7 @@ def run(root: Path, credentials: Path, attack: bool) -> dict:
     """One swarm; returns what the comparison needs. Both swarms use the same ``credentials`` (run key, a's
     identity, b's and c's tokens), so the same peer ids read the same data shards."""
     with LocalSwarm(root, COMMON) as swarm:
-        together = ["--fault", f"start_together={len(HONEST)}"]
+        together = ["--harness", f"start_together={len(HONEST)}"]
         swarm.start("a", [*together, "--run-key", str(credentials / "run.key"), "--identity",
                           str(credentials / "a.key")], join=False)
         for name in HONEST[1:]:

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.integration
 @pytest.mark.parametrize("algorithm", ["streaming", "decoupled"])
 def test_three_daemons_train_with_fragments(algorithm, tmp_path):
     common = ["--model", "nano", "--batch-size", "4", "--algorithm", algorithm, "--sync-every", "40",
-              "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1", "--fault", "step_delay=0.03",
+              "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1", "--harness", "step_delay=0.03",
               "--overlap", "6", "--eval-budget", "1"]
     with LocalSwarm(tmp_path, common) as swarm:
         for name in "abc":

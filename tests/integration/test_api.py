@@ -136,7 +136,7 @@ def test_a_user_loop_under_torchrun_and_an_island_of_ranks_end_bit_identical(tmp
 
 def test_user_loops_join_a_daemon_and_restart(tmp_path):
     common = ["--batch-size", "4", "--algorithm", "diloco", "--sync-every", "20", "--gather-timeout", "8",
-              "--round-timeout", "8", "--heartbeat", "1", "--eval-budget", "1", "--fault", "step_delay=0.05"]
+              "--round-timeout", "8", "--heartbeat", "1", "--eval-budget", "1", "--harness", "step_delay=0.05"]
     own = ["--batch-size", "4", "--steps", "100000", "--step-delay", "0.05",
            *(f"--set={k}" for k in ("algorithm=diloco", "sync_every=20", "gather_timeout=8", "round_timeout=8",
                                     "heartbeat=1", "eval_budget=1"))]

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.integration
 STEPS, SYNC = 120, 30
 COMMON = ["--model", "nano", "--batch-size", "4", "--algorithm", "diloco", "--sync-every", str(SYNC),
           "--max-steps", str(STEPS), "--gather-timeout", "20", "--round-timeout", "8", "--heartbeat", "1",
-          "--fault", "step_delay=0.1", "--eval-budget", "1",  # the held-out loss of the last round is compared
+          "--harness", "step_delay=0.1", "--eval-budget", "1",  # the held-out loss of the last round is compared
           # What the norm clip and the rejections leave of an attack on the weighted mean: with the trimmed default
           # the three-daemon reference would be a coordinate median and the four-daemon runs a trimmed mean, two
           # different merges (the direction-robust rules are measured by scripts/bench_robust_merge.py).
@@ -49,7 +49,7 @@ def run_swarm(root, identities, byzantine=None, fourth=False):
             # A barrier: every daemon's first step at once, whoever booted first (a head start would shift the
             # others' sync schedule, and with it what the comparison measures).
             names = HONEST + ("x",) if byzantine is not None or fourth else HONEST
-            together = ["--fault", f"start_together={len(names)}", *peers]
+            together = ["--harness", f"start_together={len(names)}", *peers]
             daemons = [(n, ["--identity", str(identities / f"{n}.key"), *together]) for n in names]
             if byzantine is not None:
                 daemons[-1][1].extend(["--fault", f"byzantine={byzantine}"])

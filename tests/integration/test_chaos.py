@@ -17,7 +17,7 @@ from support.swarms import assert_replicas_agree, events, last_step, peer_id, wa
 pytestmark = pytest.mark.integration
 
 COMMON = ["--model", "nano", "--batch-size", "4", "--algorithm", "decoupled", "--sync-every", "40",
-          "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1", "--fault", "step_delay=0.03"]
+          "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1", "--harness", "step_delay=0.03"]
 KILL_CHECKPOINT = 3
 
 

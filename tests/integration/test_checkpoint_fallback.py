@@ -13,7 +13,7 @@ from swarm import LocalSwarm, wait_for
 pytestmark = pytest.mark.integration
 
 ARGS = ["--model", "nano", "--batch-size", "2", "--open", "--algorithm", "diloco", "--sync-every", "5",
-        "--fault", "step_delay=0.02"]
+        "--harness", "step_delay=0.02"]
 
 
 def misfit(json_path):

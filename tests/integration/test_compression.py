@@ -12,7 +12,7 @@ pytestmark = pytest.mark.integration
 
 def test_malformed_parts_are_rejected_and_replicas_still_agree(tmp_path):
     common = ["--model", "nano", "--batch-size", "4", "--algorithm", "diloco", "--sync-every", "20", "--compression", "int4",
-              "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1", "--fault", "step_delay=0.02",
+              "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1", "--harness", "step_delay=0.02",
               # A short cooldown: the corrupting daemon is left out for a few seconds after each offence, so that its
               # corrupt rounds (each kind until two reached the group) and the full rounds after them come in time.
               "--peer-cooldown", "3"]

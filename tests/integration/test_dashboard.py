@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = Path(os.environ.get("ATOLL_TEST_ARTIFACTS", ROOT / "build" / "test-artifacts"))
 COMMON = ["--model", "nano", "--batch-size", "4", "--algorithm", "diloco", "--sync-every", "20", "--heartbeat", "1",
-          "--eval-budget", "1", "--fault", "step_delay=0.05"]
+          "--eval-budget", "1", "--harness", "step_delay=0.05"]
 
 
 def browser():

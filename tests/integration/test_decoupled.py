@@ -20,9 +20,9 @@ COMMON = ["--model", "nano", "--batch-size", "4", "--algorithm", "decoupled", "-
 def swarm(tmp_path_factory):
     s = LocalSwarm(tmp_path_factory.mktemp("decoupled"), COMMON)
     try:
-        s.start("a", ["--fault", f"step_delay={FAST_DELAY}"], join=False)
-        s.start("b", ["--fault", f"step_delay={FAST_DELAY}"])
-        s.start("slow", ["--fault", f"step_delay={SLOW_DELAY}"])
+        s.start("a", ["--harness", f"step_delay={FAST_DELAY}"], join=False)
+        s.start("b", ["--harness", f"step_delay={FAST_DELAY}"])
+        s.start("slow", ["--harness", f"step_delay={SLOW_DELAY}"])
         yield s
     finally:
         s.stop_all(timeout=30)
@@ -84,7 +84,7 @@ def test_split_swarm_heals_into_identical_replicas(tmp_path):
     replicas, reports the work it lost (its part of the rounds its fork merged; the work no round merged is carried
     onto the new replicas), and afterwards rounds span both halves with identical replicas."""
     split = 250
-    with LocalSwarm(tmp_path, COMMON + ["--fragments", "2", "--fault", f"step_delay={FAST_DELAY}",
+    with LocalSwarm(tmp_path, COMMON + ["--fragments", "2", "--harness", f"step_delay={FAST_DELAY}",
                                         "--fault", f"split_until={split}"]) as swarm:
         for name, side in zip("abcd", "0011"):
             swarm.start(name, ["--fault", f"split_side={side}"], join=name != "a")

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.integration
 
 RUN = "atoll"
 COMMON = ["--model", "nano", "--batch-size", "4", "--algorithm", "diloco", "--sync-every", "20", "--gather-timeout", "8",
-          "--round-timeout", "8", "--heartbeat", "1", "--fault", "step_delay=0.03",
+          "--round-timeout", "8", "--heartbeat", "1", "--harness", "step_delay=0.03",
           # An open run: anyone may store signed records under the run's keys, so the daemons must parse garbage
           # (a private run's DHT refuses an outsider's records before they are stored).
           "--open"]

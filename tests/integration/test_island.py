@@ -43,7 +43,7 @@ def test_two_islands_of_two_ranks_train_together(tmp_path):
     # 0.4 s a step: the islands still train (they stop at ``steps``) for about 20 s after their first round, while
     # ``atoll status`` starts a DHT client and reads them. At 0.05 s they could be gone before it reached them.
     args = [*COMMON, "--algorithm", "diloco", "--sync-every", "10", "--max-steps", str(steps),
-            "--fault", "start_together=2", "--fault", "step_delay=0.4"]
+            "--harness", "start_together=2", "--harness", "step_delay=0.4"]
     with LocalSwarm(tmp_path, args) as swarm:
         swarm.start("a", join=False)
         swarm.start("b")
@@ -81,7 +81,7 @@ def test_a_killed_rank_restarts_its_island_and_the_other_keeps_training(tmp_path
     """Island b (data parallel, or sharded: its restore then loads the checkpoint into every rank's shards) loses
     rank 1 at step 40, restarts and merges with a again; a never stalls."""
     crash = 40
-    args = [*COMMON, "--sync-every", "10", "--fault", "step_delay=0.05", "--fault", "start_together=2"]
+    args = [*COMMON, "--sync-every", "10", "--harness", "step_delay=0.05", "--harness", "start_together=2"]
     with LocalSwarm(tmp_path, args) as swarm:
         # a trains long enough to still be training when b is back (b's restart takes seconds, a step 0.05 s).
         swarm.start("a", ["--max-steps", "600"], join=False)
@@ -119,7 +119,7 @@ def test_two_ranks_of_two_train_as_one_rank_of_four(tmp_path, sharding):
     # below) depends on the data, and a failed run met 1,173 of 575,054 on one peer id's shard, 0 on another's.
     common = ["--model", "nano", "--algorithm", "diloco", "--sync-every", "10", "--max-steps", "20", "--open",
               "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--warmup-steps", "0", "--inner-lr", str(lr),
-              "--fault", "data_shard=0"]
+              "--harness", "data_shard=0"]
     island, single = tmp_path / "island", tmp_path / "single"
     runs = [(island, ["--nproc-per-node", "2", "--batch-size", "2", *sharding]), (single, ["--batch-size", "4"])]
     logs = {}

@@ -32,7 +32,7 @@ SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 SPLIT = 300
 COMMON = ["--model", "nano", "--batch-size", "4", "--algorithm", "diloco", "--sync-every", "10",
           "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1", "--eval-budget", "1",
-          "--fault", "step_delay=0.1", "--fault", f"split_until={SPLIT}"]
+          "--harness", "step_delay=0.1", "--fault", f"split_until={SPLIT}"]
 HONEST = ("a", "b", "c")
 
 
@@ -43,7 +43,7 @@ def test_a_forked_swarm_heals_and_a_scrambled_model_is_refused(tmp_path):
     with LocalSwarm(tmp_path, COMMON) as swarm:
         for side, name in enumerate(HONEST):
             # Three lines need three shards: two daemons reading one shard from one model train identically.
-            swarm.start(name, ["--fault", f"split_side={side}", "--fault", f"data_shard={side}"], join=name != "a")
+            swarm.start(name, ["--fault", f"split_side={side}", "--harness", f"data_shard={side}"], join=name != "a")
         a = swarm.daemons["a"]
         wait_for(lambda: len(a.rounds()) >= 3, 180, "a's first rounds")
         members = {}

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 
 COMMON = ["--model", "nano", "--batch-size", "4", "--algorithm", "decoupled", "--sync-every", "40",
           "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1", "--compression", "int4",
-          "--fault", "step_delay=0.03"]
+          "--harness", "step_delay=0.03"]
 
 
 def atoll(*args, timeout=180):

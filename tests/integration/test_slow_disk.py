@@ -14,7 +14,7 @@ SYNC_EVERY = 5
 
 def test_training_goes_on_while_a_slow_checkpoint_is_written(tmp_path):
     args = ["--model", "nano", "--batch-size", "2", "--open", "--algorithm", "diloco", "--sync-every",
-            str(SYNC_EVERY), "--fault", "step_delay=0.02", "--fault", f"slow_checkpoint={SLOW}"]
+            str(SYNC_EVERY), "--harness", "step_delay=0.02", "--fault", f"slow_checkpoint={SLOW}"]
     with LocalSwarm(tmp_path, args) as swarm:
         d = swarm.start("a", join=False)
         wait_for(lambda: len([m for m in d.metrics() if m.get("event") == "checkpoint"]) >= 3, 180,

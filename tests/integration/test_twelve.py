@@ -1,7 +1,7 @@
 """Twelve daemons on this machine (#17): every one merges full rounds with the others on one replica, and
 ``atoll status`` lists every one of them.
 
-The steps are slowed (``--fault step_delay``) so that twelve training loops leave this 2-core machine's CPUs to
+The steps are slowed (``--harness step_delay``) so that twelve training loops leave this 2-core machine's CPUs to
 the protocol: unthrottled, twelve nano models each take a core, and rounds time out for want of CPU, not for
 anything the protocol does. DiLoCo's rounds wait for every live peer, so a round that all twelve merged is one
 replica on all twelve."""
@@ -21,7 +21,7 @@ COUNT = 12
 NAMES = [f"d{i:02d}" for i in range(COUNT)]
 COMMON = ["--model", "nano", "--batch-size", "2", "--algorithm", "diloco", "--sync-every", "20",
           "--gather-timeout", "20", "--round-timeout", "20", "--heartbeat", "2",
-          "--fault", "step_delay=0.1"]
+          "--harness", "step_delay=0.1"]
 
 
 def full_rounds(daemon):

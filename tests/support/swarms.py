@@ -11,7 +11,7 @@ from swarm import group_alive, peer_id, wait_for  # noqa: F401 (the tests take t
 # model is what these tests are about, not the algorithm).
 MODELS_COMMON = ["--batch-size", "4", "--algorithm", "diloco", "--sync-every", "20",
                  "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1", "--eval-budget", "1",
-                 "--fault", "step_delay=0.05"]
+                 "--harness", "step_delay=0.05"]
 
 
 def events(d, kind):

@@ -42,7 +42,7 @@ def test_help_shows_each_dataclass_default():
     for action in _subparser("start")._actions:
         if action.dest not in defaults:
             continue
-        if action.dest in ("faults", "model_digest", "tokenizer"):  # the hidden ones
+        if action.dest in ("faults", "harness", "model_digest", "tokenizer"):  # the hidden ones
             assert action.help == argparse.SUPPRESS and action.option_strings[0] + " " not in text
             continue
         shown = f"default: {show_default(defaults[action.dest])})"
@@ -70,11 +70,11 @@ def test_flags_parse_to_typed_overrides():
     assert overrides["initial_peers"] == ("a", "b")
     set_ = {"sync_every", "error_feedback", "initial_peers"}
     assert all(v is None for k, v in overrides.items() if k not in set_)
-    more = _start("--outer-lr", "1", "--rda", "true", "--open", "--fault", "step_delay=0.5", "--fault",
+    more = _start("--outer-lr", "1", "--rda", "true", "--open", "--harness", "step_delay=0.5", "--fault",
                   "kill_in_round=3", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--seed", "4", "--device", "cpu",
                   "--client-mode", "--initial-peers", PEER)
     assert more["outer_lr"] == 1.0 and type(more["outer_lr"]) is float and more["rda"] is True
-    assert more["open"] is True and more["faults"] == ("step_delay=0.5", "kill_in_round=3")
+    assert more["open"] is True and more["faults"] == ("kill_in_round=3",) and more["harness"] == ("step_delay=0.5",)
     assert more["host_maddrs"] == ("/ip4/127.0.0.1/tcp/0",) and more["seed"] == 4 and more["device"] == "cpu"
     assert more["client_mode"] is True
     cfg, explicit = load_config(more)
@@ -140,7 +140,7 @@ def test_toml_file_with_every_key(tmp_path, access):
                 pause_when=(), schedule="", resume_after=30.0, pause_to="checkpoint",
                 control_socket=str(tmp_path / "c.sock"), max_hours=8.0, until="06:00",
                 tensorboard=str(tmp_path / "tb"), wandb="my-project", wandb_name="island-7",
-                faults=("step_delay=0.1", "byzantine=nan"))
+                faults=("byzantine=nan",), harness=("step_delay=0.1", "start_together=3"))
     assert set(run) == set(RUN_FIELDS) and set(node) == NODE_FIELDS  # a new field needs a value here
     node.pop("run_key" if access == "join_token" else "join_token")
     path = tmp_path / "all.toml"

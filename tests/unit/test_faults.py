@@ -8,24 +8,20 @@ from atoll.protocols.averaging import HONEST
 
 
 def test_parse_types_values_and_rejects_unknown_ones():
-    assert parse_faults(["step_delay=0.5", "byzantine=nan", "byzantine_from=3"]) == {
-        "step_delay": 0.5, "byzantine": "nan", "byzantine_from": 3}
+    assert parse_faults(["slow_checkpoint=0.5", "byzantine=nan", "byzantine_from=3"]) == {
+        "slow_checkpoint": 0.5, "byzantine": "nan", "byzantine_from": 3}
     for bad in ("nope=1", "kill_in_round=", "kill_in_round=x", "byzantine=evil"):
         with pytest.raises(ValueError):
             parse_faults([bad])
+    with pytest.raises(ValueError, match="step_delay is a harness setting, not a fault: --harness step_delay=0.5"):
+        parse_faults(["step_delay=0.5"])
 
 
 def test_no_faults_means_every_hook_is_a_no_op():
     faults = Faults()
-    assert faults.tamper(4, 0, 0) is HONEST and faults.start_barrier() == 0
+    assert faults.tamper(4, 0, 0) is HONEST
     assert faults.namespace("run", 0) == "run" and faults.checkpoint_interrupt(1) is None
-    assert faults.data_shard(5, 16) == 5
     faults.group_formed(0, 0)  # would SIGKILL the test run if it did anything
-
-
-def test_data_shard_pins_the_shard_within_the_runs_count():
-    assert Faults(["data_shard=2"]).data_shard(9, 16) == 2
-    assert Faults(["data_shard=18"]).data_shard(9, 16) == 2
 
 
 def test_corrupt_kinds_advance_only_when_a_completed_round_carried_them():
@@ -57,10 +53,9 @@ def test_byzantine_from_its_nth_multi_member_round_and_scale_undone_for_error_fe
     assert isinstance(Faults(["byzantine=shape"]).tamper(2, 0, 0), Hostile)
 
 
-def test_split_side_until_its_step_and_start_barrier():
-    faults = Faults(["split_side=1", "split_until=50", "start_together=3"])
+def test_split_side_until_its_step():
+    faults = Faults(["split_side=1", "split_until=50"])
     assert faults.namespace("run", 49) == "run-side1" and faults.namespace("run", 50) == "run"
-    assert faults.start_barrier() == 3
     with pytest.raises(ValueError, match="split_side must be 0 to 3"):
         Faults(["split_side=4"])
 

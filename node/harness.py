@@ -1,0 +1,50 @@
+"""Settings a benchmark or a test gives its daemons so that runs compare: not faults (nothing goes wrong) and not
+product settings (no operator needs them). ``--harness NAME=VALUE`` (``NodeConfig.harness``), hidden from
+``--help``; a daemon without them gets ``Harness()``, which changes nothing.
+
+- ``step_delay=S``: sleep S seconds per inner step (a slower daemon, or cores left free on a shared machine).
+- ``start_together=N``: hold the first step until N daemons train (runs compared step for step start in lockstep).
+- ``data_shard=K``: read shard K of the corpus, not the one the peer id picks. Daemons that start from one model
+  and read one shard train identically; a test whose daemons must make different lines pins different shards
+  (three peer ids hash into one of 16 shards together about one time in six).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+KINDS: dict[str, type] = {"step_delay": float, "start_together": int, "data_shard": int}
+
+
+@dataclass(frozen=True)
+class Harness:
+    step_delay: float = 0.0
+    start_together: int = 0
+    data_shard: int | None = None
+
+    @classmethod
+    def parse(cls, items: Sequence[str]) -> Harness:
+        """``NAME=VALUE`` strings; ``ValueError`` with one line naming the bad item."""
+        values: dict[str, float | int] = {}
+        for item in items:
+            name, _, value = item.partition("=")
+            if name not in KINDS or not value:
+                raise ValueError(f"unknown harness setting {item!r}; known: {', '.join(f'{k}=...' for k in KINDS)}")
+            try:
+                values[name] = KINDS[name](value)
+            except ValueError:
+                raise ValueError(f"bad value in {item!r}") from None
+            if values[name] < 0:
+                raise ValueError(f"{name} must not be negative, got {value}")
+        return cls(**values)
+
+    def pace(self) -> None:
+        """Before each inner step: ``step_delay``."""
+        if self.step_delay:
+            time.sleep(self.step_delay)
+
+    def shard(self, shard: int, num_shards: int) -> int:
+        """The corpus shard this daemon reads: ``shard`` (the peer id's) unless ``data_shard`` pins another."""
+        return (shard if self.data_shard is None else self.data_shard) % num_shards
