@@ -152,7 +152,9 @@ class RoundProtocol:
 
             self._last_round[p] = version
             decided: list[Decision] = []
-            spent = self.spent.of((p, version, digest))
+            # Synchronous rounds follow a failed decision again: members that completed it moved on, and a new group
+            # of those that failed would fork from them (refused by the ones that moved on, they catch up instead).
+            spent = self.spent.of((p, version, digest)) if algo.quorum else set()
             if algo.joins_open_rounds and self._announced.get(p) != version:
                 ctx.spawn(self._announce(p, version, digest))
             members = await form_group(

@@ -35,7 +35,6 @@ import logging
 import time
 import weakref
 from collections.abc import Awaitable, Callable
-from contextlib import suppress
 from typing import Any
 
 from hivemind.p2p import P2P

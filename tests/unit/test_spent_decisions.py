@@ -13,7 +13,7 @@ from atoll.protocols.averaging import HONEST
 from atoll.protocols.matchmaking import Decision, SpentDecisions
 
 
-def _rounds(monkeypatch, decision, allreduce_result):
+def _rounds(monkeypatch, decision, allreduce_result, quorum=True):
     """A RoundProtocol whose ``form_group`` follows ``decision`` (recording the ``spent`` set it was given) and whose
     all-reduce returns ``allreduce_result``."""
     seen_spent = []
@@ -29,7 +29,7 @@ def _rounds(monkeypatch, decision, allreduce_result):
                           round_timeout=5.0, rda=False, join_window=False)
     faults = SimpleNamespace(group_formed=lambda *a: None, tamper=lambda *a: HONEST, round_ended=lambda *a: None)
     rounds.ctx = SimpleNamespace(
-        cfg=SimpleNamespace(run=run), algorithm=SimpleNamespace(joins_open_rounds=False, quorum=True, rda=False),
+        cfg=SimpleNamespace(run=run), algorithm=SimpleNamespace(joins_open_rounds=False, quorum=quorum, rda=False),
         in_round=set(), spawn=lambda coro: coro.close(), dht=None, namespace=lambda: "run", peer_id="a",
         subkey=b"a", reject=lambda *a: None, revoked=lambda peer: False, started_at=0.0, faults=faults,
         counters=SimpleNamespace(step_time=0.1, rounds_done=0), fragments=[SimpleNamespace(has_embedding=False)])
@@ -73,3 +73,14 @@ def test_a_daemon_left_out_of_a_decision_keeps_following_it(monkeypatch):
     assert _round(rounds) is Outcome.FAILED
     assert _round(rounds) is Outcome.FAILED
     assert seen_spent == [set(), set()] and followed == [["b", "c"], ["b", "c"]]
+
+
+def test_a_synchronous_round_follows_its_failed_decision_again(monkeypatch):
+    """diloco and streaming: the members whose all-reduce completed moved on; a new group of those whose all-reduce
+    failed would fork from them, so the decision is followed again (refused by those that moved on, the others
+    catch up)."""
+    decision = Decision([["a", "b"]], b"b", 100.0)
+    rounds, seen_spent, _ = _rounds(monkeypatch, decision, None, quorum=False)
+    assert _round(rounds) is Outcome.FAILED
+    assert _round(rounds) is Outcome.FAILED
+    assert seen_spent == [set(), set()]
