@@ -43,6 +43,8 @@ class SyncContext:
     leaving: bool = False
     settle_until: float = 0.0  # monotonic: until then a lone merge reads the table afresh (after a stall)
     realign: bool = False  # after a stall: the next replica adopted before settle_until brings its donor's schedule
+    loop_due: float = 0.0  # monotonic: when the stall watch is next due to run (0: not started)
+    gap_ended: float = float("-inf")  # monotonic: when the event loop last ran again after a gap of ANSWER_GRACE
     started_at: float = field(default_factory=get_dht_time)  # DHT time this process's syncer was made
     p2p: Any = None  # hivemind's P2P, once the event loop has started
     run_public_key: bytes | None = None  # a private run's run key (signs its revocation lists)

@@ -23,7 +23,8 @@ from hivemind.utils import get_dht_time
 
 from atoll.models.robust import MergeRule
 from atoll.protocols import dht_io
-from atoll.protocols.averaging import HONEST, AllreduceResult, AveragingServicer, GroupSpec, Tamper, allreduce
+from atoll.protocols.averaging import (ANSWER_GRACE, HONEST, AllreduceResult, AveragingServicer, GroupSpec, Tamper,
+                                       allreduce)
 from atoll.protocols.cooldown import Strikes
 from atoll.protocols.matchmaking import (POLL_INTERVAL, Decision, SilentCoordinators, SpentDecisions, form_group,
                                          sibling_group)
@@ -203,6 +204,11 @@ class RoundProtocol:
             result, alive = await self.allreduce(p, version, members, target, weight, mode, run.compression, tamper,
                                                  base=digest)
             ctx.faults.round_ended(tamper, result is not None)
+            if result is not None and self._stalled_since(formed):
+                logger.warning("round f%d v%d: this daemon did not run for a while during the all-reduce (frozen or "
+                               "starved): its members may have left its reducer out; not merging, catching up "
+                               "instead", p, version)
+                result, behind = None, True
             if result is None:
                 if decided:
                     spent.add(decided[-1].id)
@@ -227,6 +233,14 @@ class RoundProtocol:
             ctx.spawn(self.peers.publish())
             if behind:
                 self.catch_up.maybe_catch_up()
+
+    def _stalled_since(self, since: float) -> bool:
+        """Whether this daemon's event loop stopped for ``ANSWER_GRACE`` or more since ``since`` (monotonic). A
+        daemon frozen or starved while its all-reduce ran may have been left out as a reducer by the other members,
+        who then merged without it; the same attempt can still complete here once it runs again (every other shard
+        answered), and merging it would fork the replica from theirs."""
+        ctx, now = self.ctx, time.monotonic()
+        return ctx.gap_ended >= since or (ctx.loop_due > 0 and now - ctx.loop_due >= ANSWER_GRACE)
 
     async def _refuse_alone(self, p: int, version: int, digest: str) -> Outcome | None:
         """Why a decoupled round of fragment ``p`` at ``version`` (replica ``digest``) whose group is only ourselves

@@ -23,7 +23,7 @@ from hivemind import DHT
 
 from atoll.models.fragments import Fragment
 from atoll.models.outer import NesterovOuter
-from atoll.protocols.averaging import AveragingServicer
+from atoll.protocols.averaging import ANSWER_GRACE, AveragingServicer
 from atoll.protocols.cooldown import Cooldown
 from atoll.protocols.nudges import NudgeServicer, tell
 from atoll.protocols.p2p_guard import MemberGate, StreamGuard, install as install_p2p_guard
@@ -176,9 +176,12 @@ class Syncer:
         ``STALL_SETTLE_S`` read the table afresh before any round merges alone (``RoundProtocol._refuse_alone``)."""
         ctx, last = self.ctx, time.monotonic()
         while True:
+            ctx.loop_due = last + STALL_TICK_S
             await asyncio.sleep(STALL_TICK_S)
             now = time.monotonic()
             stalled, last = now - last - STALL_TICK_S, now
+            if stalled >= ANSWER_GRACE:  # long enough for a round's members to leave our reducer out
+                ctx.gap_ended = now
             if stalled < max(STALL_MIN_S, 3 * ctx.cfg.heartbeat):
                 continue
             ctx.settle_until, ctx.realign = now + STALL_SETTLE_S, True
