@@ -49,6 +49,7 @@ from atoll.protocols import codecs
 from atoll.protocols.averaging import HONEST, Answer, GroupSpec, Tamper
 
 from .harness import KINDS as HARNESS_KINDS
+from .harness import parse_items
 
 logger = logging.getLogger("atoll")
 
@@ -68,17 +69,12 @@ EDGE_FACTOR = 3.0  # below the default clip factor (4): neither the norm clip no
 
 def parse_faults(items: Sequence[str]) -> dict[str, Any]:
     """``NAME=VALUE`` strings as a dict of typed values; ``ValueError`` with one line naming the bad item."""
-    out: dict[str, Any] = {}
     for item in items:
-        name, _, value = item.partition("=")
+        name = item.partition("=")[0]
         if name in HARNESS_KINDS:
             raise ValueError(f"{name} is a harness setting, not a fault: --harness {item}")
-        if name not in KINDS or not value:
-            raise ValueError(f"unknown fault {item!r}; known: {', '.join(f'{k}=...' for k in KINDS)}")
-        try:
-            out[name] = KINDS[name](value)
-        except ValueError:
-            raise ValueError(f"bad value in {item!r}") from None
+    out = parse_items(items, KINDS, "fault")
+    for name, value in out.items():
         if name == "byzantine" and value not in BYZANTINE:
             raise ValueError(f"unknown byzantine kind {value!r}; known: {', '.join(BYZANTINE)}")
         if name == "reducer" and value not in REDUCERS:

@@ -14,8 +14,23 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 KINDS: dict[str, type] = {"step_delay": float, "start_together": int, "data_shard": int}
+
+
+def parse_items(items: Sequence[str], kinds: dict[str, type], noun: str) -> dict[str, Any]:
+    """``NAME=VALUE`` strings typed by ``kinds``; ``ValueError`` with one line naming the bad item (a ``noun``)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in kinds or not value:
+            raise ValueError(f"unknown {noun} {item!r}; known: {', '.join(f'{k}=...' for k in kinds)}")
+        try:
+            out[name] = kinds[name](value)
+        except ValueError:
+            raise ValueError(f"bad value in {item!r}") from None
+    return out
 
 
 @dataclass(frozen=True)
@@ -27,16 +42,9 @@ class Harness:
     @classmethod
     def parse(cls, items: Sequence[str]) -> Harness:
         """``NAME=VALUE`` strings; ``ValueError`` with one line naming the bad item."""
-        values: dict[str, float | int] = {}
-        for item in items:
-            name, _, value = item.partition("=")
-            if name not in KINDS or not value:
-                raise ValueError(f"unknown harness setting {item!r}; known: {', '.join(f'{k}=...' for k in KINDS)}")
-            try:
-                values[name] = KINDS[name](value)
-            except ValueError:
-                raise ValueError(f"bad value in {item!r}") from None
-            if values[name] < 0:
+        values = parse_items(items, KINDS, "harness setting")
+        for name, value in values.items():
+            if value < 0:
                 raise ValueError(f"{name} must not be negative, got {value}")
         return cls(**values)
 
