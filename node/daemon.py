@@ -41,7 +41,7 @@ from .island import Island
 from .learner import Learner, ShardedLearner
 from .metrics import peak_rss_mib
 from .pause import Mode, PauseState, PolicyError, deadline_of, policies_of
-from .ranks import IslandSync, Ranks, init_island, leave_island
+from .ranks import IslandSync, Ranks, ShardedSync, init_island, leave_island, step_boundary
 
 logger = logging.getLogger("atoll")
 RETRY_RESUME = 30.0  # seconds between attempts to take the device back when its memory is taken
@@ -84,6 +84,7 @@ class Daemon:
                 try:
                     if self.sync is not None:
                         self.sync.share_state(island.trainee)
+                    island.rank_sync = self.sync or self.sharded or island.rank_sync
                     self._train()
                 except RuntimeError as e:
                     if self.sync is None and self.sharded is None:
@@ -239,52 +240,40 @@ class Daemon:
             accumulate
 
     def _follow(self, control) -> int:
-        """A rank other than 0: the learner rank 0 describes, trained in lockstep with it until it stops."""
+        """A rank other than 0: the learner rank 0 describes, trained in lockstep with it until it stops. Its step
+        boundaries are rank 0's (``ranks.step_boundary``), without rank 0's part."""
         self._ignore_stop_signals()
-        sync = self.sync = IslandSync(self.ranks, [], control)
+        sync: IslandSync | ShardedSync = IslandSync(self.ranks, [], control)
         try:  # every collective here fails when rank 0 is gone (it failed, or found bad configuration and left)
             cfg, peer_id = sync.receive_config()
             self.cfg = cfg
             if cfg.fsdp:
-                return self._follow_sharded(cfg, peer_id, control)
-            learner = Learner(cfg.run, self.device, *self._prepare(cfg, peer_id), ranks=self.ranks)
-            sync.params = learner.params
-            sync.receive_state(learner)
+                learner: Learner = ShardedLearner(cfg.run, self.device, *self._prepare(cfg, peer_id), ranks=self.ranks,
+                                                  control=control)
+                sync = learner.sync
+                _log_shard(self.ranks, learner)
+                train = learner.train_step
+            else:
+                learner = Learner(cfg.run, self.device, *self._prepare(cfg, peer_id), ranks=self.ranks)
+                sync.params = learner.params
+                sync.receive_state(learner)
+                logger.info("rank %d of %d: training with rank 0 from step %d", self.ranks.rank, self.ranks.world,
+                            learner.step)
+                train = learner.train_step_lagged if self.device.kind != "cpu" else learner.train_step
             faults, every = Faults(cfg.faults), cfg.run.sync_every
-            logger.info("rank %d of %d: training with rank 0 from step %d", self.ranks.rank, self.ranks.world,
-                        learner.step)
-            while not sync.boundary(False):
+            stop = step_boundary(sync, None, every, None, lambda: False)  # rank 0's start and first boundary
+            while stop is False:
                 faults.island_step(self.ranks.rank, learner.step)
-                loss = learner.train_step_lagged() if self.device.kind != "cpu" else learner.train_step()
-                sync.mean_loss(loss)
-                if learner.step % every == 0:
-                    sync.check()
+                loss = train()  # before reading the step: the boundary is at the step it reached
+                stop = step_boundary(sync, learner.step, every, loss, lambda: False)
+            sync.finish(stop)
         except RuntimeError as e:
             logger.error("rank %d: another rank of this island is gone (%s); leaving", self.ranks.rank,
                          _first_line(e))
             return 1
-        logger.info("rank %d of %d: stopped with rank 0 at step %d, θ digest %s, peak resident memory %d MiB",
-                    self.ranks.rank, self.ranks.world, learner.step, sync.digest(), peak_rss_mib())
-        return 0
-
-    def _follow_sharded(self, cfg: NodeConfig, peer_id: str, control) -> int:
-        """A rank other than 0 of an --fsdp island: its shard of the learner, and rank 0's requests served at rank
-        0's start, at each boundary and after the last one (``ranks.ShardedSync``)."""
-        learner = ShardedLearner(cfg.run, self.device, *self._prepare(cfg, peer_id), ranks=self.ranks,
-                                 control=control)
-        self.sync = None
-        sharded = learner.sync
-        _log_shard(self.ranks, learner)
-        faults = Faults(cfg.faults)
-        stop = sharded.serve()  # rank 0's start and first boundary
-        while stop is False:
-            faults.island_step(self.ranks.rank, learner.step)
-            sharded.mean_loss(learner.train_step())
-            stop = sharded.serve()  # rank 0's boundary
-        if stop:  # rank 0 leaving: its last checkpoint and evaluation, until it terminates
-            sharded.serve()
-        logger.info("rank %d of %d: stopped with rank 0 at step %d, peak resident memory %d MiB", self.ranks.rank,
-                    self.ranks.world, learner.step, peak_rss_mib())
+        digest = f", θ digest {sync.digest()}" if isinstance(sync, IslandSync) else ""
+        logger.info("rank %d of %d: stopped with rank 0 at step %d%s, peak resident memory %d MiB", self.ranks.rank,
+                    self.ranks.world, learner.step, digest, peak_rss_mib())
         return 0
 
     def _ignore_stop_signals(self) -> None:
@@ -301,65 +290,52 @@ class Daemon:
     # ---- the training loop ----------------------------------------------------------------------------------
     def _train(self) -> None:
         """The learner's loop: never awaits the network. Rounds run in the syncer; results merge at step
-        boundaries. Only the synchronous algorithms (diloco, streaming) block when a merge is due. In an island of
-        several ranks, each boundary ends with what it wrote going to the other ranks (``IslandSync``)."""
-        island, cfg, sync = self.island, self.island.cfg, self.sync
-        learner, ddp = island.trainee, island.ddp
+        boundaries (``Island.boundary``, which also keeps an island's other ranks in step). Only the synchronous
+        algorithms (diloco, streaming) block when a merge is due."""
+        island, lending = self.island, self.lending
+        learner = island.trainee
         assert isinstance(learner, Learner)
         # On an accelerator, reading a step's loss waits for the device to finish that step; the previous step's
         # loss is ready, so the host traces step k+1 while the device runs step k (the reported loss lags a step).
-        lagged_loss = self.device.kind != "cpu"
-        every = cfg.run.sync_every
-        lending, pausable = self.lending, self._pausable()
-        while True:
-            island.before_step()
-            lending.step = learner.step
-            if lending.expired() and not self.stop.is_set():
-                logger.info("contributed for the time given (--max-hours/--until): leaving the run")
-                self.stop.set()
-            done = self.stop.is_set() or (cfg.max_steps > 0 and learner.step >= cfg.max_steps)
-            if not done and pausable:
-                reasons = lending.reasons()
-                if reasons:
-                    if not self._pause(reasons):
-                        break
-                    continue
-            if sync is not None:
-                sync.boundary(done)
-            if self.sharded is not None:
-                self.sharded.end(done)
-            if done:
-                if sync is not None:
-                    logger.info("rank 0 of %d: stopped at step %d, θ digest %s, peak resident memory %d MiB",
-                                self.ranks.world, learner.step, sync.digest(), peak_rss_mib())
-                elif self.sharded is not None:
-                    logger.info("rank 0 of %d: stopped at step %d, peak resident memory %d MiB", self.ranks.world,
-                                learner.step, peak_rss_mib())
-                else:
-                    logger.info("stopped training at step %d, peak resident memory %d MiB", learner.step,
-                                peak_rss_mib())
-                break
+        train = learner.train_step_lagged if self.device.kind != "cpu" else learner.train_step
+        if island.ddp is not None:
+            train = island.ddp.step  # the gradients averaged with the swarm's every step
+        stopping = island.boundary(stop=self._done)
+        while not stopping:
+            reasons = lending.reasons() if self._pausable() else []
+            if reasons:
+                if not self._pause(reasons):
+                    return
+                stopping = island.boundary(stop=self._done)  # the replicas adopted meanwhile load first
+                continue
             t0 = time.monotonic()
             island.harness.pace()
             island.faults.island_step(0, learner.step)
             before = learner.step
-            if ddp is not None:
-                loss = ddp.step()
-            else:
-                loss = learner.train_step_lagged() if lagged_loss else learner.train_step()
-            if self.sharded is not None:
-                loss = self.sharded.mean_loss(loss)
-            if sync is not None:
-                sync.mark()
-                loss = sync.mean_loss(loss)
-                if learner.step % every == 0:
-                    sync.check()
-                island.counters.rank_drift, island.counters.island_sync_seconds = sync.drifted, sync.seconds
-            elapsed = time.monotonic() - t0
+            loss = train()
+            seconds: float | None = time.monotonic() - t0
             if learner.step == before:  # ddp: the step could not be averaged and was dropped
-                island.counters.train_seconds += elapsed
-                continue
-            island.after_step(loss, elapsed)
+                island.counters.train_seconds += seconds
+                seconds = None
+            stopping = island.boundary(loss, seconds, self._done)
+        memory = f"peak resident memory {peak_rss_mib()} MiB"
+        if self.sync is not None:
+            logger.info("rank 0 of %d: stopped at step %d, θ digest %s, %s", self.ranks.world, learner.step,
+                        self.sync.digest(), memory)
+        elif self.sharded is not None:
+            logger.info("rank 0 of %d: stopped at step %d, %s", self.ranks.world, learner.step, memory)
+        else:
+            logger.info("stopped training at step %d, %s", learner.step, memory)
+
+    def _done(self) -> bool:
+        """Whether the loop stops at this boundary: asked to (a signal), the time lent is over (``--max-hours``,
+        ``--until``), or ``--max-steps`` reached."""
+        step = self.island.trainee.step
+        self.lending.step = step
+        if self.lending.expired() and not self.stop.is_set():
+            logger.info("contributed for the time given (--max-hours/--until): leaving the run")
+            self.stop.set()
+        return self.stop.is_set() or (self.cfg.max_steps > 0 and step >= self.cfg.max_steps)
 
     def _install_signal_handlers(self) -> None:
         daemon_pid = os.getpid()

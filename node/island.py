@@ -59,7 +59,7 @@ from .log import setup_logging
 from .metrics import Counters, HeldOut, MetricsLog, current_rss_mib, peak_rss_mib
 from .pause import Mode
 from .replica import Replica
-from .ranks import IslandSync, Ranks, init_island
+from .ranks import IslandSync, OneRank, Ranks, ShardedSync, init_island, step_boundary
 from .rounds import Rounds
 from .syncer import Syncer
 from .trainee import LoopTrainee, Trainee, device_of
@@ -143,6 +143,7 @@ class Island:
                 raise ConfigError("algorithm: ddp (a gradient all-reduce every step) runs in `atoll start` only")
             _, control = init_island(self._ranks, device.kind)
             self._sync = IslandSync(self._ranks, trainee.params, control)
+            self.rank_sync = self._sync
             self._own_trainee = trainee
         self._tokens_per_step, self._next_tokens, self._next_loss = tokens_per_step, None, None
         self._optimizer, self._hook = optimizer, None
@@ -178,6 +179,8 @@ class Island:
         self._exit = contextlib.ExitStack()
         self._training = self._closed = False
         self._sync: IslandSync | None = None
+        # The collectives of each step boundary with the island's other ranks (the daemon sets its own).
+        self.rank_sync: IslandSync | ShardedSync | OneRank = OneRank()
         self._stop_requested = threading.Event()
         self._agreed_stop = False
         self._paused: _Paused | None = None
@@ -356,6 +359,28 @@ class Island:
         return {**self.counters.progress(), "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received}
 
     # ---- step boundaries --------------------------------------------------------------------------------------
+    def boundary(self, loss: float | None = None, seconds: float | None = None,
+                 stop: Callable[[], bool] = lambda: False) -> bool:
+        """A step boundary, on every rank of the island at the same point (``ranks.step_boundary``): after a step
+        of ``seconds`` (None before the first step, or after one that did not count) with its ``loss``, the
+        island's ranks average the loss and mark θ; rank 0 counts the step, starts and merges rounds, checkpoints
+        (``after_step``) and loads the replicas the syncer adopted (``before_step``), and what it wrote goes to the
+        other ranks. Returns whether the island stops: ``stop()`` as every rank learns it."""
+        trainee = self.trainee
+        assert trainee is not None
+
+        def lead(mean_loss: float | None) -> None:
+            if seconds is not None:
+                self.after_step(mean_loss, seconds)
+            self.before_step()
+
+        step = trainee.step if seconds is not None else None
+        with torch.no_grad():  # merged values go into the leaf parameters in place
+            stopping = step_boundary(self.rank_sync, step, self.cfg.run.sync_every, loss, stop,
+                                     lead if self._ranks.leader else None)
+        self.counters.rank_drift, self.counters.island_sync_seconds = self.rank_sync.drifted, self.rank_sync.seconds
+        return bool(stopping)
+
     def before_step(self) -> None:
         """Load the replicas the syncer adopted into θ (a step boundary, before the loop's next step)."""
         self.rounds.before_step()
@@ -397,22 +422,10 @@ class Island:
         # On xla, cut the graph here: the user's step runs as the same graph every step, and what the boundary does
         # (a snapshot, a merge) is traced apart from it, so nothing in the step's graph depends on the schedule.
         self.device.sync()
-        sync = self._sync
-        with torch.no_grad():  # merged values go into the leaf parameters in place
-            if sync is not None and self._ranks.leader:
-                sync.mark()
-            self.trainee.advance(tokens)
-            if sync is not None and self.trainee.step % self.cfg.run.sync_every == 0:
-                sync.check()  # θ as the step left it, the same on every rank unless one drifted
-                self.counters.rank_drift = sync.drifted
-            if self._ranks.leader:
-                self.after_step(loss, seconds)
-                self.before_step()
-            if sync is not None:
-                if sync.boundary(self._stop_requested.is_set()):
-                    self._agreed_stop = True
-                    self.stop_event.set()
-                self.counters.island_sync_seconds = sync.seconds
+        self.trainee.advance(tokens)
+        if self.boundary(loss, seconds, self._stop_requested.is_set) and self._sync is not None:
+            self._agreed_stop = True
+            self.stop_event.set()
         self._step_end = time.monotonic()
 
     # ---- pausing (node/pause.py; atoll start's loop only) -------------------------------------------------------

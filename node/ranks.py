@@ -9,7 +9,8 @@ checkpoints, and it is the one that sends a fragment's delta and receives its me
 of many ranks"). The other ranks never touch the network beyond their island.
 
 What rank 0 does to θ at a step boundary (a merge, an adopted replica) every rank must do too. ``IslandSync`` is
-the contract, one collective per boundary, called by every rank at the same point of every step:
+the contract, one collective per boundary, called by every rank at the same point of every step through
+``step_boundary`` (``ShardedSync``: the same for an island whose θ is sharded; ``OneRank``: an island of one):
 
 - ``share_config`` / ``receive_config``: the run config rank 0 agreed with the swarm, and its peer id (the
   island's data shard), so that every rank builds the same learner;
@@ -33,7 +34,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,6 +106,50 @@ def init_island(ranks: Ranks, device_kind: str) -> tuple[Any, Any]:
                             timeout=COLLECTIVE_TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT) if backend != "gloo" else dist.group.WORLD
     return dist.group.WORLD, control
+
+
+def step_boundary(sync: IslandSync | ShardedSync | OneRank, step: int | None, every: int, loss: float | None,
+                  stop: Callable[[], bool], lead: Callable[[float | None], None] | None = None) -> bool | None:
+    """An island's step boundary: the same collectives in the same order on every rank, whoever runs the loop
+    (``atoll start``'s daemon, the optimizer hook of ``atoll.Island``, or a rank other than 0 following either).
+
+    After a step (``step``: the count it reached; None before the first step, or after one that did not count),
+    rank 0 marks θ (what its boundary writes next goes to the others), every rank's loss is averaged, and every
+    ``every`` steps the ranks compare θ. Then rank 0 does its part, ``lead(loss)`` (rounds, merges, adopted
+    replicas, checkpoints; None on the other ranks), and every rank learns whether the island stops: ``stop()``
+    as rank 0 (or, data parallel, any rank) sees it once its part is done. None: rank 0 ended the island
+    (``ShardedSync``)."""
+    if step is not None:
+        if lead is not None:
+            sync.mark()
+        loss = sync.mean_loss(loss)
+        if step % every == 0:
+            sync.check()
+    if lead is not None:
+        lead(loss)
+    return sync.boundary(stop())
+
+
+class OneRank:
+    """An island of one rank: its boundary has nobody to tell (``IslandSync``'s interface, doing nothing)."""
+
+    drifted = 0
+    seconds = 0.0
+
+    def mark(self) -> None:
+        pass
+
+    def mean_loss(self, loss: float | None) -> float | None:
+        return loss
+
+    def check(self) -> bool:
+        return True
+
+    def boundary(self, stop: bool) -> bool:
+        return stop
+
+    def finish(self, stop: bool | None) -> None:
+        pass
 
 
 class IslandSync:
@@ -180,6 +225,9 @@ class IslandSync:
         if leader:
             self.mark()
         return stop
+
+    def finish(self, stop: bool | None) -> None:
+        """A rank other than 0, after its last boundary: nothing more to do with rank 0."""
 
     def mean_loss(self, loss: float | None) -> float | None:
         """The mean of every rank's ``loss`` (None where no rank has one)."""
@@ -267,9 +315,31 @@ class ShardedSync:
     rank keeps its shard of what rank 0 writes (``distribute_tensor`` from its local copy, with no further
     communication)."""
 
+    drifted = 0  # θ is sharded: no rank holds another's values to compare
+
     def __init__(self, ranks: Ranks, learner: Any, control: Any) -> None:
         self.ranks, self.learner, self.control = ranks, learner, control
         self.seconds = 0.0
+
+    # ---- every rank, at a step boundary (``step_boundary``) -----------------------------------------------------
+    def mark(self) -> None:
+        pass  # rank 0's writes reach the other ranks as they are made (``write``)
+
+    def check(self) -> bool:
+        return True
+
+    def boundary(self, stop: bool) -> bool | None:
+        """Rank 0: the boundary is over (``end``); the others: rank 0's requests until then (``serve``)."""
+        if self.ranks.leader:
+            self.end(stop)
+            return stop
+        return self.serve()
+
+    def finish(self, stop: bool | None) -> None:
+        """A rank other than 0, after its last boundary: rank 0, leaving, still reads θ for its last checkpoint
+        and evaluation, until it terminates."""
+        if stop:
+            self.serve()
 
     # ---- rank 0 -------------------------------------------------------------------------------------------------
     def _ask(self, op: Op, arg: Any = None) -> None:
