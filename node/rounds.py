@@ -55,6 +55,17 @@ OPEN_ROUND_MIN_SHARE = 4
 # has moved far past) the work is dropped and counted. A contribution carrying more than about 4 periods meets the
 # reducers' weight clip (4x the lower median): it still counts, at that weight.
 CARRY_PERIODS = 5
+# Rounds timed before a synchronous daemon judges its round cadence against the heartbeat (the first steps include
+# warm-up).
+CADENCE_AFTER_ROUNDS = 3
+
+
+def records_lag(step_time: float, sync_every: int, heartbeat: float) -> float:
+    """How many of a fragment's rounds pass between two of a peer's progress records (0 before a step was timed).
+    A synchronous round waits only for the peers whose record is at most one version behind ours: past 1, live
+    peers read as further behind and groups close without them, and the replica forks (catch-up repairs it, at
+    the cost of their work)."""
+    return heartbeat / (step_time * sync_every) if step_time > 0 else 0.0
 
 
 @dataclass
@@ -115,6 +126,7 @@ class Rounds:
         self.snapshots: dict[int, _Snapshot] = {}  # rounds whose θ_p snapshot is still on its way to the host
         self.merged_rounds: dict[int, list[_MergedRound]] = {}  # per fragment, newest last
         self.vetting = Vetting(learner, fragments, replica)
+        self._cadence_checked = not algorithm.synchronous
 
     def before_step(self) -> None:
         """Load the replicas the syncer adopted into θ."""
@@ -224,6 +236,14 @@ class Rounds:
             return
         merge_at = self.replica.schedule_step + self.run.overlap_steps
         local.round_started()
+        if not self._cadence_checked and self.counters.rounds_done >= CADENCE_AFTER_ROUNDS:
+            self._cadence_checked = True
+            lag = records_lag(self.counters.step_time, self.run.sync_every, self.cfg.heartbeat)
+            if lag > 1:
+                logger.warning("a round every %.2f s is faster than the heartbeat (%.1f s): peers will read as %.0f "
+                               "rounds behind and synchronous rounds close without them; set --heartbeat below "
+                               "%.2f s or raise --sync-every", self.counters.step_time * self.run.sync_every,
+                               self.cfg.heartbeat, lag, self.counters.step_time * self.run.sync_every)
         if self.snapshot_at_formation:
             # The round registers now and asks for the snapshot once its group has formed (``_serve_contributions``).
             contribution = Contribution(self.algorithm.weight(local.tokens, local.steps))
