@@ -4,7 +4,7 @@ Its lifetime:
 
 - ``start()`` (entering the ``with`` block): start the DHT (retrying bootstrap) → agree on the run's
   configuration → build the trainee → check its model against the run's digest → restore a checkpoint, or download
-  the swarm's state → wait for the peers the run waits for. Every step of the loop comes after this, so state from
+  the swarm's state → wait for the peers the run waits for (those steps are ``arrival.py``'s). Every step of the loop comes after this, so state from
   peers (or from the checkpoint) is in the model before the first step.
 - Each inner step ends at a *step boundary*: ``after_step()`` counts the step, starts the rounds due (or opened by
   peers), merges the landed ones and checkpoints once the last fragment merged; ``before_step()`` loads the
@@ -25,40 +25,34 @@ each boundary, the parameters rank 0's boundary wrote, and ``stopping`` turns tr
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from hivemind.utils import get_dht_time
 
 from atoll.models.data import shard_for_peer
-from atoll.models.fragments import make_fragments
-from atoll.models.registry import embedding_of, model_digest
+from atoll.models.registry import model_digest
 from atoll.protocols import codecs
 from atoll.protocols.records import Status
 
-from . import persist
+from . import arrival, pausing, persist
 from .algorithm import algorithm
-from .checkpoint import CheckpointWriter, checkpoints, load_checkpoint
+from .checkpoint import CheckpointWriter
 from .config import OWN_MODEL, ConfigError, NodeConfig, RunConfig, load_config
 from .ddp import DDP
 from .device import Device
 from .exporter import MetricsEndpoint
 from .faults import Faults
 from .join import agree_on_run_config, start_member_dht
-from .local_state import LocalFragmentState
 from .log import context as log_context
 from .log import setup_logging
-from .metrics import Counters, HeldOut, MetricsLog, current_rss_mib, peak_rss_mib
+from .metrics import Counters, HeldOut, MetricsLog, peak_rss_mib
 from .pause import Mode
-from .replica import Replica
 from .ranks import IslandSync, OneRank, Ranks, ShardedSync, init_island, step_boundary
 from .rounds import Rounds
 from .syncer import Syncer
@@ -183,7 +177,7 @@ class Island:
         self.rank_sync: IslandSync | ShardedSync | OneRank = OneRank()
         self._stop_requested = threading.Event()
         self._agreed_stop = False
-        self._paused: _Paused | None = None
+        self._paused: pausing.Paused | None = None
 
     # ---- what a loop reads ----------------------------------------------------------------------------------
     @property
@@ -297,8 +291,14 @@ class Island:
             raise ConfigError(f"model: this island's model has parameters (names, shapes, dtypes: digest {digest}) "
                               f"other than the run's (digest {run.model_digest}); build the run's model")
         self.held_out = HeldOut(cfg.eval_budget, self.counters)
-        self._build_replica()
-        resumed, error_feedback = self._restore()
+        self.fragments, self.replica, self.local = arrival.build(trainee, cfg)
+        restored = None
+        if cfg.checkpoint_dir:
+            self.checkpointer = CheckpointWriter(cfg.checkpoint_dir, self._checkpoint_written)
+            restored = arrival.restore(cfg, trainee, self.fragments, self.local, self.counters, self.metrics)
+        resumed, error_feedback = restored is not None, restored[1] if restored is not None else {}
+        if restored is not None:
+            self.replica = restored[0]
         self.counters.step, self.counters.tokens = trainee.step, trainee.tokens  # a restored one's, from the start
         self.syncer = syncer = Syncer(cfg, dht, subkey, self.replica, self.fragments, self.counters, self.faults,
                                       private=token is not None, config_record=config_record,
@@ -309,9 +309,10 @@ class Island:
         if endpoint is not None:
             endpoint.serve(cfg, peer_id, self.counters, syncer, self.replica)
         if resumed:
-            self._catch_up()
+            arrival.catch_up(cfg, syncer, self.replica, self.metrics)
         else:
-            self._join()
+            arrival.join(cfg, syncer, trainee, self.fragments, self.replica, self.local, self.metrics, self.shard,
+                         self.stop_event)
         if algo.gradient_allreduce and self.replica.total_version > 0 and not resumed:
             raise ConfigError(f"algorithm: ddp runs have a fixed membership and this one is at step "
                               f"{self.replica.total_version}; start every ddp daemon together (see --quorum)")
@@ -320,7 +321,8 @@ class Island:
         self.ddp = DDP(trainee, self.replica, self.local[0], syncer, self.counters, self.metrics, self.held_out,
                        self.stop_event) if algo.gradient_allreduce else None
         self.counters.status = Status.TRAINING
-        self._wait_for_peers(run.quorum if algo.gradient_allreduce else self.harness.start_together)
+        arrival.wait_for_peers(syncer, run.quorum if algo.gradient_allreduce else self.harness.start_together,
+                               self.stop_event)
         self._training = True
         self.counters.started = self._window_start = self._step_end = time.monotonic()
         self._window_tokens = 0
@@ -343,7 +345,7 @@ class Island:
                 trainee, replica = self.trainee, self.replica
                 self.counters.status = Status.LEAVING
                 self.syncer.shutdown()
-                self._checkpoint(wait=True)
+                self.checkpoint(wait=True)
                 if self.checkpointer is not None:
                     self.checkpointer.wait()
                 logger.info("stopped at step %d, version %d, peak resident memory %d MiB", trainee.step,
@@ -407,11 +409,11 @@ class Island:
         if self.ddp is not None:
             if trainee.step % run.sync_every == 0:
                 self.ddp.report()
-                self._checkpoint()
+                self.checkpoint()
         elif self.rounds.after_step():
-            self._checkpoint()
+            self.checkpoint()
         if self._checkpoint_due:
-            self._checkpoint()
+            self.checkpoint()
 
     def _on_optimizer_step(self, _optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         """The user's ``optimizer.step()`` returned: a step boundary."""
@@ -428,207 +430,31 @@ class Island:
             self.stop_event.set()
         self._step_end = time.monotonic()
 
-    # ---- pausing (node/pause.py; atoll start's loop only) -------------------------------------------------------
+    # ---- pausing (node/pausing.py; atoll start's loop only) ----------------------------------------------------
     def pause(self, reasons: list[str], mode: Mode) -> None:
-        """Lend the machine back without leaving the run, between two steps: finish the rounds in flight, tell the
-        others we are ``paused`` (from then on no round expects us; we still serve our replica to whoever asks),
-        and free θ, its gradients and the optimizer's state from the device, kept in host memory or in a
-        checkpoint (``mode``). ``resume`` undoes it."""
-        trainee, counters = self.trainee, self.counters
-        began = time.monotonic()
-
-        def paused() -> None:
-            counters.status, counters.tokens_per_s = Status.PAUSED, 0.0
-            self.syncer.announce()
-
-        self.rounds.drain(2 * self.cfg.run.round_timeout + 2 * self.cfg.heartbeat, paused)
-        held, rss = trainee.held_bytes(), current_rss_mib()
-        if mode is Mode.CHECKPOINT:
-            failures = self.checkpointer.failures
-            self._checkpoint(wait=True)
-            self.checkpointer.wait()
-            if self.checkpointer.failures > failures:
-                logger.warning("the checkpoint could not be written: keeping the model's state in host memory instead")
-                mode = Mode.HOST
-        kept = trainee.release(keep=mode is Mode.HOST)
-        gc.collect()
-        self._paused = _Paused(time.monotonic(), mode, kept, held - trainee.held_bytes(), step=trainee.step)
-        counters.pauses += 1
-        rss_after = current_rss_mib()
-        logger.info("paused at step %d (%s): %.1f MiB of model and optimizer state freed, kept in %s; resident "
-                    "memory %d -> %d MiB; still serving our replica", trainee.step, ", ".join(reasons),
-                    self._paused.freed / 2**20, "host memory" if mode is Mode.HOST else "the checkpoint", rss,
-                    rss_after)
-        self.metrics.write(event="paused", step=trainee.step, reasons=reasons, mode=mode.value,
-                           freed_bytes=self._paused.freed, held_bytes=trainee.held_bytes(), rss_mib_before=rss,
-                           rss_mib=rss_after, seconds=time.monotonic() - began)
+        """Lend the machine back without leaving the run, between two steps (``pausing.pause``); ``resume`` undoes
+        it."""
+        self._paused = pausing.pause(self, reasons, mode)
 
     @property
-    def paused(self) -> _Paused | None:
+    def paused(self) -> pausing.Paused | None:
         return self._paused
 
     def resume(self, leaving: bool = False) -> None:
-        """Back from ``pause``: θ and the optimizer's state onto the device, ``training`` again, then the replicas the
-        swarm merged meanwhile, by replaying its rounds where the donors still hold them; the next ``before_step``
-        loads them into θ, and the work we had not merged is kept or counted lost as at any adoption (``Rounds``).
-        ``leaving``: θ back only, for the last checkpoint. If the device cannot take θ back (another job holds its
-        memory), the error is raised and the island stays paused."""
-        paused, trainee, counters = self._paused, self.trainee, self.counters
-        assert paused is not None
-        began = time.monotonic()
-        trainee.reclaim(paused.kept if paused.kept is not None else self._paused_checkpoint(paused.step))
+        """Back from ``pause`` (``pausing.resume``); ``leaving``: θ back only, for the last checkpoint. If the device
+        cannot take θ back, the error is raised and the island stays paused."""
+        assert self._paused is not None
+        pausing.resume(self, self._paused, leaving)
         self._paused = None
-        counters.paused_seconds += began - paused.since
-        if leaving:
-            return
-        counters.status = Status.TRAINING
-        self.syncer.announce()
-        self.syncer.take_open_rounds()  # opened while we were away: our own schedule follows the catch-up
-        try:
-            self._catch_up()
-        except TimeoutError:
-            logger.warning("the catch-up after the pause did not finish in time; training on, the background "
-                           "catch-up takes the replicas we are behind on")
-        self._window_start, self._window_tokens = time.monotonic(), 0
-        logger.info("resumed at step %d after %.0f s paused; ready to train in %.1f s", trainee.step,
-                    began - paused.since, time.monotonic() - began)
-        self.metrics.write(event="resumed", step=trainee.step, paused_seconds=began - paused.since,
-                           seconds=time.monotonic() - began, version=self.replica.total_version)
-
-    def _paused_checkpoint(self, step: int) -> dict[str, torch.Tensor]:
-        loaded = load_checkpoint(self.cfg.checkpoint_dir)
-        if loaded is None or loaded[1]["step"] != step:
-            raise RuntimeError(f"the checkpoint written when pausing at step {step} is gone or changed; restart "
-                               "the daemon (it resumes from its newest checkpoint)")
-        return loaded[0]
-
-    # ---- joining ----------------------------------------------------------------------------------------------
-    def _build_replica(self) -> None:
-        """The model's fragments, and Θ₀: the trainee's model as built (the same seed on every member)."""
-        trainee, run = self.trainee, self.cfg.run
-        try:
-            self.fragments = make_fragments(trainee.params, run.num_fragments, run.sync_every,
-                                            embedding=embedding_of(trainee.model))
-        except ValueError as e:
-            raise ConfigError(f"fragments: {e}") from None
-        self.replica = replica = Replica([trainee.gather(f) for f in self.fragments])
-        self.local = [LocalFragmentState(trainee.gather(f), _replica_id(replica, p))
-                      for p, f in enumerate(self.fragments)]
+        if not leaving:
+            self._window_start, self._window_tokens = time.monotonic(), 0
 
     def _checkpoint_written(self, meta: dict[str, Any]) -> None:
         self.counters.checkpoint_at = time.time()
         self.metrics.write(event="checkpoint", version=meta["version"], step=meta["step"], tokens=meta["tokens"])
 
-    def _restore(self) -> tuple[bool, dict[str, torch.Tensor]]:
-        """Resume from our newest good checkpoint, if there is one: whether we did, and the error-feedback state."""
-        cfg = self.cfg
-        if not cfg.checkpoint_dir:
-            return False, {}
-        self.checkpointer = CheckpointWriter(cfg.checkpoint_dir, self._checkpoint_written)
-        misfit = None
-        for tensors, meta in checkpoints(cfg.checkpoint_dir):
-            try:
-                self.replica, error_feedback = persist.restore(cfg, tensors, meta, self.trainee, self.fragments,
-                                                               self.local)
-                break
-            except persist.Mismatch as e:
-                misfit = misfit or e
-                logger.warning("checkpoint of step %s does not fit this model (%s); trying an older one",
-                               meta.get("step"), e)
-        else:
-            if misfit is not None:  # the learner may be loaded in part: no fresh start from it
-                raise ConfigError(f"checkpoint_dir: no checkpoint in {cfg.checkpoint_dir!r} fits this model "
-                                  f"({misfit}); move them away to start afresh")
-            return False, {}
-        self.counters.tokens_lost = meta["tokens_lost"]
-        self.counters.tokens_carried = meta.get("tokens_carried", 0)  # absent from checkpoints before the delta rule
-        log_context.step = self.trainee.step
-        logger.info("resumed from checkpoint: version %d, step %d, data position %d", meta["version"], meta["step"],
-                    meta["position"])
-        self.metrics.write(event="resumed", version=meta["version"], step=meta["step"], position=meta["position"])
-        return True, error_feedback
-
-    def _join(self) -> None:
-        """A new member: take every fragment's heaviest replica among live peers (or Θ₀ if there are none)."""
-        replica = self.replica
-        states = self._download_or_wait()
-        for p, fragment in enumerate(self.fragments):
-            theta_p, base_id = replica.params_and_id(p)
-            self.trainee.put(fragment, theta_p)
-            self.local[p] = LocalFragmentState(theta_p, base_id)
-        if len(states) == len(self.fragments):
-            replica.schedule_step = states[0].schedule_step
-            logger.info("joined at version %d from %s (shard %d)", replica.total_version,
-                        ", ".join(sorted({d[-8:] for st in states for d in st.donors})), self.shard)
-            self.metrics.write(event="joined", version=replica.total_version, donor=states[0].donor,
-                               donors=[list(s.donors) for s in states], resumed_bytes=[s.resumed_bytes for s in states],
-                               bytes_received=self.syncer.stats.bytes_received)  # what joining cost: the whole state
-        else:
-            logger.info("no peer holds state yet: starting from the seed's initial model (shard %d)", self.shard)
-
-    def _download_or_wait(self) -> list:
-        """Every fragment's heaviest replica among live peers. If none holds the state of a run that already got
-        somewhere (its members' notes say so), a newcomer must not start it over from the seed: it waits for a
-        holder to return, up to ``state_wait`` (then ``ConfigError``), unless ``restart_run`` says to."""
-        cfg = self.cfg
-        timeout = max(60.0, 4 * cfg.run.round_timeout)
-        states = self.syncer.download_initial_state(timeout=timeout)
-        if len(states) == len(self.fragments):
-            return states
-        head = self.syncer.run_head()
-        if head is None or head.version == 0:
-            return states  # a new run: start from the seed
-        if cfg.restart_run:
-            logger.warning("run %r got to version %d but no live daemon holds its state: starting it over from the "
-                           "seed's initial model, as --restart-run asks", cfg.run_id, head.version)
-            return states
-        deadline, said = time.monotonic() + cfg.state_wait, 0.0
-        while not self.stop_event.is_set():
-            if time.monotonic() - said > 30:
-                ago = max(0.0, get_dht_time() - head.time)
-                logger.warning("run %r got to version %d (noted by %s %.0f s ago) and no live daemon holds its state: "
-                               "waiting up to %.0f s for one to return (or pass --restart-run)", cfg.run_id,
-                               head.version, head.peer_id[-8:], ago, deadline - time.monotonic())
-                said = time.monotonic()
-            if time.monotonic() > deadline:
-                raise ConfigError(f"state_wait: run {cfg.run_id!r} got to version {head.version} and no daemon holding "
-                                  f"its state came back in {cfg.state_wait:.0f} s; start one that holds it (its "
-                                  "--checkpoint-dir), or pass --restart-run to start the run over from the seed")
-            self.stop_event.wait(5.0)
-            states = self.syncer.download_initial_state(timeout=timeout)
-            if len(states) == len(self.fragments):
-                return states
-            head = self.syncer.run_head() or head
-        return states
-
-    def _catch_up(self) -> None:
-        """A restarted member: download the fragments the swarm moved past while we were away, before training."""
-        states = self.syncer.catch_up_now(timeout=max(60.0, 4 * self.cfg.run.round_timeout))
-        if states:
-            # The run's sync schedule went on without us: take the donors' place in it, as a joiner does. Kept at
-            # the checkpoint's, our rounds fall due some steps after theirs, every time, and a decoupled round
-            # closes before we join it.
-            self.replica.schedule_step = states[0].schedule_step
-            logger.info("caught up on %d fragment(s) to version %d before training", len(states),
-                        self.replica.total_version)
-            self.metrics.write(event="caught_up", version=self.replica.total_version,
-                               fragments=[s.fragment for s in states], donors=[list(s.donors) for s in states],
-                               replayed=[len(s.rounds) for s in states])
-
-    def _wait_for_peers(self, count: int) -> None:
-        """Hold the first step until ``count`` members (this one included) are training."""
-        logged = False
-        while count and not self.stop_event.is_set():
-            training = sum(peer.status == Status.TRAINING for peer in self.syncer.peers().values()) + 1
-            if training >= count:
-                return
-            if not logged:
-                logger.info("waiting for %d daemons to start together (%d training)", count, training)
-                logged = True
-            self.stop_event.wait(0.2)
-
     # ---- checkpoints --------------------------------------------------------------------------------------------
-    def _checkpoint(self, wait: bool = False) -> None:
+    def checkpoint(self, wait: bool = False) -> None:
         """Copy the state to host memory (consistent at this step) and hand it to the background writer. While the
         previous write is still going (a slow disk), the checkpoint is taken at the first step boundary after it
         ends: the loop does not wait for a disk (``wait``: it does, when leaving)."""
@@ -646,15 +472,6 @@ class Island:
         self.checkpointer.submit(tensors, meta, interrupt=self.faults.checkpoint_interrupt(self.checkpoints_written))
 
 
-@dataclass
-class _Paused:
-    since: float  # monotonic
-    mode: Mode
-    kept: dict[str, torch.Tensor] | None  # θ and the optimizer's state in host memory, or None: in the checkpoint
-    freed: int  # bytes the trainee released
-    step: int
-
-
 def codec_threads(setting: int, device_kind: str) -> int:
     """The codec's threads for ``--codec-threads`` (0: 1 on a cpu device, whose cores train; else up to 8)."""
     if setting:
@@ -666,7 +483,3 @@ def optimizer_params(optimizer: torch.optim.Optimizer) -> list[int]:
     """The ids of the tensors ``optimizer`` steps."""
     return [id(p) for group in optimizer.param_groups for p in group["params"]]
 
-
-def _replica_id(replica: Replica, p: int) -> tuple[int, str]:
-    version, _, digest = replica.identity(p)
-    return version, digest
