@@ -26,8 +26,8 @@ from atoll.protocols import dht_io
 from atoll.protocols.averaging import (ANSWER_GRACE, HONEST, AllreduceResult, AveragingServicer, GroupSpec, Tamper,
                                        allreduce)
 from atoll.protocols.cooldown import Strikes
-from atoll.protocols.matchmaking import (POLL_INTERVAL, Decision, SilentCoordinators, SpentDecisions, form_group,
-                                         sibling_group)
+from atoll.protocols.matchmaking import (POLL_INTERVAL, Decision, PeerView, Policy, Registrant, Round,
+                                         SilentCoordinators, SpentDecisions, form_group, sibling_group)
 from atoll.protocols.nudges import Nudges
 from atoll.protocols.records import Status, open_rounds_key, parse_open_round, unwrap_subkeys
 
@@ -100,6 +100,32 @@ class EMA:
         self._seen = True
 
 
+class FragmentPeers(PeerView):
+    """The peer table as a round of fragment ``p`` against the replica ``base`` = (version, digest) sees it: the
+    live training peers at their version of p; a peer at our version with another replica is not waited for (it
+    meets in another round)."""
+
+    def __init__(self, table: PeerTable, p: int, base: tuple[int, str], revoked: Callable[[str], bool]) -> None:
+        self.table, self.p, self.base, self.revoked = table, p, base, revoked
+        self.forked: set[str] = set()
+
+    async def live(self) -> dict[str, int]:
+        peers, p, (version, digest) = await self.table.refresh(max_age=PEERS_MAX_AGE), self.p, self.base
+        self.forked = {peer.peer_id for peer in peers.values()
+                       if peer.fragment_versions[p] == version and peer.fragment_hashes[p] != digest}
+        return {peer.peer_id: peer.fragment_versions[p] for peer in peers.values() if peer.status == Status.TRAINING}
+
+    async def look_up(self, peer_ids: set[str]) -> bool:
+        await self.table.look_up(peer_ids)
+        return True
+
+    def expects(self, peer_id: str) -> bool:
+        return peer_id not in self.forked
+
+    def shunned(self, peer_id: str) -> bool:
+        return self.revoked(peer_id)
+
+
 class RoundProtocol:
     def __init__(self, ctx: SyncContext, peers: PeerTable, catch_up: CatchUp) -> None:
         self.ctx, self.peers, self.catch_up = ctx, peers, catch_up
@@ -141,16 +167,6 @@ class RoundProtocol:
         behind = False
         try:
 
-            forked: set[str] = set()  # a peer at our version with another replica meets in another round
-
-            async def live_peers() -> dict[str, int]:
-                peers = await self.peers.refresh(max_age=PEERS_MAX_AGE)
-                forked.clear()
-                forked.update(peer.peer_id for peer in peers.values()
-                              if peer.fragment_versions[p] == version and peer.fragment_hashes[p] != digest)
-                return {peer.peer_id: peer.fragment_versions[p] for peer in peers.values()
-                        if peer.status == Status.TRAINING}
-
             self._last_round[p] = version
             decided: list[Decision] = []
             # Synchronous rounds follow a failed decision again: members that completed it moved on, and a new group
@@ -159,15 +175,11 @@ class RoundProtocol:
             if algo.joins_open_rounds and self._announced.get(p) != version:
                 ctx.spawn(self._announce(p, version, digest))
             members = await form_group(
-                ctx.dht, run_id=ctx.namespace(), fragment=p, version=version, peer_id=ctx.peer_id,
-                subkey=ctx.subkey, weight=contribution.weight, live_peers=live_peers, gather_timeout=run.gather_timeout,
-                abort=lambda: self.catch_up.behind(p), quorum=run.quorum if algo.quorum else None,
-                grace=self.grace, on_reject=ctx.reject, max_group=run.max_group, look_up=self.peers.look_up,
-                expects=lambda peer: peer not in forked,
-                shunned=ctx.revoked,
-                base=digest, not_before=ctx.started_at, on_decision=decided.append, nudges=self.nudges,
-                silent=self.silent, spent=spent,
-            )
+                ctx.dht, Round(ctx.namespace(), p, version, digest),
+                Registrant(ctx.peer_id, ctx.subkey, contribution.weight, started=ctx.started_at),
+                Policy(run.gather_timeout, run.quorum if algo.quorum else None, self.grace, run.max_group),
+                FragmentPeers(self.peers, p, base, ctx.revoked), abort=lambda: self.catch_up.behind(p),
+                on_reject=ctx.reject, on_decision=decided.append, spent=spent, nudges=self.nudges, silent=self.silent)
             formed = time.monotonic()
             if members is None:
                 behind = True

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,16 +84,83 @@ def sibling_group(groups: list[list[str]], peer_id: str) -> list[str] | None:
     return [members[position] for members in groups]
 
 
-async def form_group(dht: DHT, *, silent: SilentCoordinators | None = None, **kwargs: Any) -> list[str] | None:
-    """Register for the round and return its sorted member list (``_form_group``'s arguments). ``silent``:
-    remembers, across rounds, the coordinators this daemon bypassed (``SilentCoordinators``)."""
+@dataclass(frozen=True)
+class Round:
+    """Which round: of ``fragment`` of run ``run_id``, at ``version``, updating the replica whose digest is ``base``
+    (only daemons holding that very replica meet)."""
+
+    run_id: str
+    fragment: int
+    version: int
+    base: str = ""
+
+
+@dataclass(frozen=True)
+class Registrant:
+    """This daemon as the round sees it: its peer id, the key that signs its records, the weight it declares,
+    and ``started``: the DHT time its process started (a decision made before was made without it)."""
+
+    peer_id: str
+    subkey: bytes
+    weight: float
+    started: float = 0.0
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How a round forms. ``quorum=None`` waits for every expected peer (synchronous algorithms); an integer K
+    closes the group once K members registered and ``grace()`` seconds passed since (or everyone expected is in).
+    More than ``max_group`` registrants are split into several groups (``split_groups``)."""
+
+    gather_timeout: float
+    quorum: int | None = None
+    grace: Callable[[], float] = lambda: 0.0
+    max_group: int = MAX_GROUP
+    poll_interval: float = POLL_INTERVAL
+
+
+class PeerView:
+    """The peers as this daemon sees them (the daemon's peer table; this base: a fixed set of live peers, from
+    ``live``'s override).
+
+    ``live()`` refreshes and returns ``{peer_id: version}`` of the live training peers (excluding this one).
+    Peers this daemon cools down (``protocols/cooldown.py``) or that were revoked are left out of it, so they are
+    neither expected nor registered here. ``look_up(peer_ids)``: registrants that ``live`` does not list are looked
+    up (a large swarm's table is read in turns: a newcomer may not be in it yet); True when it looked, and ``live``
+    is asked again. ``expects(peer)``: whether the coordinator waits for a live peer's registration (not for one
+    whose record shows another replica at this version: it meets in another round); its registration, under this
+    round's key, counts all the same (the record may be older than the registration). ``shunned(peer)``: members a
+    decision must not list for us to follow it (revoked ones: they may not see our part at all)."""
+
+    async def live(self) -> dict[str, int]:
+        return {}
+
+    async def look_up(self, peer_ids: set[str]) -> bool:
+        return False
+
+    def expects(self, peer_id: str) -> bool:
+        return True
+
+    def shunned(self, peer_id: str) -> bool:
+        return False
+
+
+async def form_group(dht: DHT, round: Round, me: Registrant, policy: Policy, peers: PeerView, *,
+                     abort: Callable[[], bool] = lambda: False,
+                     on_reject: Callable[..., None] = lambda kind, source=None: None,
+                     on_decision: Callable[[Decision], None] = lambda decision: None,
+                     spent: set[tuple[bytes, float]] | frozenset = frozenset(), nudges: Nudges | None = None,
+                     silent: SilentCoordinators | None = None) -> list[str] | None:
+    """Register for ``round`` and return its sorted member list (``_form_group``). ``silent``: remembers, across
+    rounds, the coordinators this daemon bypassed (``SilentCoordinators``)."""
     watch = _Watch()
     try:
-        return await _form_group(dht, watch=watch, **kwargs)
+        return await _form_group(dht, round, me, policy, peers, abort=abort, on_reject=on_reject,
+                                 on_decision=on_decision, spent=spent, nudges=nudges, watch=watch)
     finally:
         if silent is not None:
-            watch.passed.discard(kwargs["peer_id"])
-            silent.observe(watch, kwargs.get("on_reject", lambda kind, source=None: None))
+            watch.passed.discard(me.peer_id)
+            silent.observe(watch, on_reject)
 
 
 class _Watch:
@@ -170,67 +237,47 @@ def turn_seconds(gather_timeout: float) -> float:
 
 async def _form_group(
     dht: DHT,
+    round: Round,
+    me: Registrant,
+    policy: Policy,
+    view: PeerView,
     *,
-    run_id: str,
-    fragment: int,
-    version: int,
-    peer_id: str,
-    subkey: bytes,
-    weight: float,
-    live_peers: Callable[[], Awaitable[dict[str, int]]],
-    gather_timeout: float,
     abort: Callable[[], bool],
-    quorum: int | None = None,
-    grace: Callable[[], float] = lambda: 0.0,
-    poll_interval: float = POLL_INTERVAL,
-    on_reject: Callable[..., None] = lambda kind, source=None: None,
-    max_group: int = MAX_GROUP,
-    shunned: Callable[[str], bool] = lambda peer: False,
-    base: str = "",
-    not_before: float = 0.0,
-    on_decision: Callable[[Decision], None] = lambda decision: None,
-    look_up: Callable[[set[str]], Awaitable[Any]] | None = None,
-    expects: Callable[[str], bool] = lambda peer: True,
-    nudges: Nudges | None = None,
-    watch: _Watch | None = None,
-    spent: set[tuple[bytes, float]] | frozenset = frozenset(),
+    on_reject: Callable[..., None],
+    on_decision: Callable[[Decision], None],
+    spent: set[tuple[bytes, float]] | frozenset,
+    nudges: Nudges | None,
+    watch: _Watch,
 ) -> list[str] | None:
-    """Register for the round and return its sorted member list.
+    """Register for the round and return its sorted member list (``Round``, ``Registrant``, ``Policy`` and
+    ``PeerView`` say what each of those is).
 
-    ``live_peers()`` refreshes and returns ``{peer_id: version}`` of the live training peers (excluding this one).
-    ``quorum=None`` waits for every expected peer (synchronous algorithms); an integer K closes the group once K
-    members registered and ``grace()`` seconds passed since (or everyone expected is in).
-    More than ``max_group`` registrants are split into several groups (see ``split_groups``); each daemon gets
-    its own. Returns None when ``abort()`` becomes true (a heavier replica appeared: catch up instead), and an
-    empty list when this daemon is in none of the round's groups or no group was decided in time.
-    ``on_reject(kind, source)`` hears of every malformed record, with the key that signed it.
-    Peers this daemon cools down (``protocols/cooldown.py``) or that were revoked: ``live_peers`` leaves them out,
-    so they are neither expected nor registered here; this daemon never puts them in a group it decides, and a
-    decision they signed does not count (``Deciders``: not a registrant). A decision by a registrant we do not cool
-    down is followed even if it lists one we do: peers cool an offender down at different moments, and a daemon
-    that ignored such decisions missed every round the others' coordinators formed until they too cooled it down
-    (the second review's silent reducer and squatter cost most of their merges there: docs/security.md). The round
-    runs with the offender in it, as it does for the members that do not cool it down: our reducer leaves its part
-    out, and a shard it spoils or withholds is refused or times out, and every member retries without it alike.
-    ``shunned(peer)``: members a decision must not list for us to follow it (revoked ones: they may not see our
-    part at all).
+    Each daemon gets its own group of a split round. Returns None when ``abort()`` becomes true (a heavier replica
+    appeared: catch up instead), and an empty list when this daemon is in none of the round's groups or no group
+    was decided in time. ``on_reject(kind, source)`` hears of every malformed record, with the key that signed it.
+    This daemon never puts a peer ``view.live()`` leaves out (cooled down, revoked) in a group it decides, and a
+    decision such a peer signed does not count (``Deciders``: not a registrant). A decision by a registrant we do
+    not cool down is followed even if it lists one we do: peers cool an offender down at different moments, and a
+    daemon that ignored such decisions missed every round the others' coordinators formed until they too cooled it
+    down (the second review's silent reducer and squatter cost most of their merges there: docs/security.md). The
+    round runs with the offender in it, as it does for the members that do not cool it down: our reducer leaves
+    its part out, and a shard it spoils or withholds is refused or times out, and every member retries without it
+    alike.
     ``on_decision(decision)`` hears the round's decision, every group of it (``sibling_group``), and its id.
     ``spent``: ids of this round's decisions not to follow (their all-reduce failed here: ``SpentDecisions``).
-    ``look_up(peer_ids)``: registrants that ``live_peers`` does not list are looked up (a large swarm's table is
-    read in turns: a newcomer may not be in it yet), and ``live_peers`` is asked again.
-    ``expects(peer)``: whether the coordinator waits for a live peer's registration (not for one whose record shows
-    another replica at this version: it meets in another round). Its registration, under this round's key, counts
-    all the same: the record may be older than the registration.
     ``nudges``: a registrant tells the live peers that it registered, and the coordinator tells
     the registrants that it decided (``protocols/nudges.py``); each reads when told, and polls only every
     ``NUDGED_POLL`` seconds (and at the coordinator's deadlines) instead of every ``poll_interval``. Without it,
     everyone polls every ``poll_interval``.
-    ``not_before``: the DHT time this daemon's process started. A decision made earlier was made without us:
-    a daemon restarted mid-round finds its previous life's registration listed in it, and following it would
-    run that round's all-reduce again, from reducers that answer with their results of the first run — a replica
-    none of the others holds.
+    ``me.started``: a decision made earlier was made without us: a daemon restarted mid-round finds its previous
+    life's registration listed in it, and following it would run that round's all-reduce again, from reducers that
+    answer with their results of the first run — a replica none of the others holds.
     """
-    # ``base``: the digest of the replica this round updates; only daemons holding that very replica meet.
+    run_id, fragment, version, base = round.run_id, round.fragment, round.version, round.base
+    peer_id, subkey, weight, not_before = me.peer_id, me.subkey, me.weight, me.started
+    gather_timeout, quorum, grace = policy.gather_timeout, policy.quorum, policy.grace
+    max_group, poll_interval = policy.max_group, policy.poll_interval
+    live_peers, shunned = view.live, view.shunned
     key, gkey = round_key(run_id, fragment, version, base), group_key(run_id, fragment, version, base)
     now = get_dht_time()
     lifetime = 4 * gather_timeout + 60
@@ -241,7 +288,6 @@ async def _form_group(
         logger.warning("round v%d: could not store registration in the DHT", version)
     quorum_since: float | None = None
     entry, read_at, coordinating, told = None, -float("inf"), True, nudges is None
-    watch = watch if watch is not None else _Watch()
     first_seen: dict[str, float] = {}  # registrant -> its registration's time as we first read it
     listening = nudges or Nudges()  # without nudges nothing wakes these listeners: the loop sleeps instead
     with listening.listen([key]) as registrations, listening.listen([gkey]) as decisions:
@@ -265,12 +311,10 @@ async def _form_group(
             if not told:  # whoever coordinates reads the registrations now, not at its next poll
                 told = True
                 nudges.tell(list(peers), key)
-            if look_up is not None:
-                unknown = {rec["peer_id"] for rec in map(parse_round_record, unwrap_subkeys(entry).values())
-                           if rec is not None and rec["peer_id"] not in peers and rec["peer_id"] != peer_id}
-                if unknown:
-                    await look_up(unknown)
-                    peers = await live_peers()
+            unknown = {rec["peer_id"] for rec in map(parse_round_record, unwrap_subkeys(entry).values())
+                       if rec is not None and rec["peer_id"] not in peers and rec["peer_id"] != peer_id}
+            if unknown and await view.look_up(unknown):
+                peers = await live_peers()
             registered: dict[str, float] = {peer_id: now}
             signers: dict[bytes, str] = {subkey: peer_id}  # whose key signed each counted registration
             t = get_dht_time()
@@ -300,7 +344,7 @@ async def _form_group(
                 return []
             coordinating = coordinator == peer_id
             if coordinating:
-                expected = {p for p, v in peers.items() if version - 1 <= v <= version and expects(p)}
+                expected = {p for p, v in peers.items() if version - 1 <= v <= version and view.expects(p)}
                 t = get_dht_time()
                 close = expected <= set(registered) or t > deadline
                 if quorum is not None and len(registered) >= quorum:

@@ -44,7 +44,7 @@ import msgpack
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from atoll.node import peers as peers_module
-from atoll.node.round_protocol import OPEN_ROUND_POLL, grace_window, join_window
+from atoll.node.round_protocol import OPEN_ROUND_POLL, FragmentPeers, grace_window, join_window
 from atoll.protocols import dht_io, matchmaking, records
 from atoll.protocols.cooldown import Cooldown
 from atoll.protocols.dht_io import key_kind
@@ -396,26 +396,16 @@ class Island:
                                          {"peer_id": self.peer_id, "fragment": 0, "version": version},
                                          sim.clock.now + cfg.gather_timeout, self.subkey)
 
-            forked: set[str] = set()
-
-            async def live_peers() -> dict[str, int]:
-                table = await self.table.refresh(max_age=1.0)
-                forked.clear()
-                forked.update(peer.peer_id for peer in table.values()
-                              if peer.fragment_versions[0] == version and peer.fragment_hashes[0] != digest)
-                return {peer.peer_id: peer.fragment_versions[0] for peer in table.values()
-                        if peer.status == Status.TRAINING}
-
             grace = max(grace_window(cfg.grace_gamma, cfg.overlap, self.step_time, 0.0, cfg.allreduce_s),
                         join_window(self.step_time, cfg.latency, cfg.sync_every, OPEN_ROUND_POLL,
                                     matchmaking.POLL_INTERVAL))
             members = await matchmaking.form_group(
-                self.ctx.dht, run_id=sim.run_id, fragment=0, version=version, peer_id=self.peer_id,
-                subkey=self.subkey, weight=float(cfg.sync_every * TOKENS_PER_STEP), live_peers=live_peers,
-                gather_timeout=cfg.gather_timeout, abort=lambda: bool(self.heavier_peers()), quorum=1,
-                grace=lambda: grace, max_group=cfg.max_group, base=digest, not_before=self.joins_at,
-                on_decision=decided.append, look_up=self.table.look_up,
-                expects=lambda peer: peer not in forked)
+                self.ctx.dht, matchmaking.Round(sim.run_id, 0, version, digest),
+                matchmaking.Registrant(self.peer_id, self.subkey, float(cfg.sync_every * TOKENS_PER_STEP),
+                                       started=self.joins_at),
+                matchmaking.Policy(cfg.gather_timeout, quorum=1, grace=lambda: grace, max_group=cfg.max_group),
+                FragmentPeers(self.table, 0, (version, digest), lambda peer: False),
+                abort=lambda: bool(self.heavier_peers()), on_decision=decided.append)
             if not members:
                 if decided:  # as ``RoundProtocol.run``: left out, follow the members
                     self.table.follow([m for group in decided[-1].groups for m in group])

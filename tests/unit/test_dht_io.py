@@ -59,19 +59,15 @@ def test_a_completed_read_passes_its_value_through():
 def test_forming_a_group_over_a_dht_that_never_answers_ends(monkeypatch):
     """The reproduced attack: one malformed value under a round's key and every registrant waited forever. Now
     each read gives up; with nobody else seen, the registrant decides a group of its own and the round goes on."""
-    from atoll.protocols.matchmaking import form_group
+    from atoll.protocols.matchmaking import PeerView, Policy, Registrant, Round, form_group
 
     monkeypatch.setattr(dht_io, "READ_TIMEOUT", 0.05)
     rejected = []
 
-    async def live():
-        return {}
-
     async def run():
         return await asyncio.wait_for(form_group(
-            SilentDHT(), run_id="run", fragment=0, version=3, peer_id="me", subkey=b"me", weight=1.0,
-            live_peers=live, gather_timeout=2.0, abort=lambda: False, on_reject=lambda kind, src: rejected.append(kind),
-            base="D"), timeout=10)
+            SilentDHT(), Round("run", 0, 3, "D"), Registrant("me", b"me", 1.0), Policy(2.0), PeerView(),
+            on_reject=lambda kind, src: rejected.append(kind)), timeout=10)
 
     assert asyncio.run(run()) == ["me"]
     assert rejected and set(rejected) == {"dht_read_timeout"}

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 from hivemind.utils import get_dht_time
 
-from atoll.protocols.matchmaking import MAX_GROUP, parse_group_record, split_groups
+from atoll.protocols.matchmaking import MAX_GROUP, Policy, Registrant, Round, parse_group_record, split_groups
+from support.views import Peers
 
 
 def registrants(n):
@@ -95,9 +96,8 @@ def test_a_coordinator_that_decided_after_another_follows_the_earlier_decision(m
     async def live():
         return {"a": 13}
 
-    members = asyncio.run(form_group(Late(shared), run_id="run", fragment=0, version=13, peer_id="b", subkey=b"b",
-                                     weight=1.0, live_peers=live, gather_timeout=5.0, abort=lambda: False,
-                                     base="D"))
+    members = asyncio.run(form_group(Late(shared), Round("run", 0, 13, "D"), Registrant("b", b"b", 1.0),
+                                     Policy(5.0), Peers(live)))
     assert {s: v["groups"] for s, v in shared[gkey].items()} == {b"a": [["a"]], b"b": [["a", "b"]]}  # b decided
     assert members == []  # and followed the earlier decision
 
@@ -116,9 +116,8 @@ def test_a_restarted_daemon_does_not_follow_the_decision_its_previous_life_was_i
     def join(not_before):
         clock = iter(range(1600, 2600))
         monkeypatch.setattr("atoll.protocols.matchmaking.get_dht_time", lambda: float(next(clock)))
-        return asyncio.run(form_group(FakeDHT(shared), run_id="run", fragment=0, version=13, peer_id="c",
-                                      subkey=b"c", weight=1.0, live_peers=live, gather_timeout=5.0,
-                                      abort=lambda: False, base="D", not_before=not_before))
+        return asyncio.run(form_group(FakeDHT(shared), Round("run", 0, 13, "D"),
+                                      Registrant("c", b"c", 1.0, started=not_before), Policy(5.0), Peers(live)))
 
     shared = {key: {b"a": {"peer_id": "a", "weight": 1.0, "time": 1598.0}},
               gkey: {b"a": {"groups": [["a", "c"]], "time": 1599.0}}}  # recent: not stale by age
@@ -128,19 +127,16 @@ def test_a_restarted_daemon_does_not_follow_the_decision_its_previous_life_was_i
     assert shared[gkey][b"c"]["groups"] == [["a", "c"]]
 
 
-def _form(shared, peer, monkeypatch, start, live_versions, gather_timeout=5.0, dht=None, **options):
+def _form(shared, peer, monkeypatch, start, live_versions, gather_timeout=5.0, dht=None, shunned=lambda peer: False,
+          **options):
     from atoll.protocols.matchmaking import form_group
 
     clock = iter(range(start, start + 1000))  # DHT time: one second per reading
     monkeypatch.setattr("atoll.protocols.matchmaking.get_dht_time", lambda: float(next(clock)))
     rejected = []
-
-    async def live():
-        return live_versions
-
     members = asyncio.run(asyncio.wait_for(form_group(
-        (dht or FakeDHT)(shared), run_id="run", fragment=0, version=13, peer_id=peer, subkey=peer.encode(), weight=1.0,
-        live_peers=live, gather_timeout=gather_timeout, abort=lambda: False, base="D", poll_interval=0.0,
+        (dht or FakeDHT)(shared), Round("run", 0, 13, "D"), Registrant(peer, peer.encode(), 1.0),
+        Policy(gather_timeout, poll_interval=0.0), Peers(live_versions, shunned=shunned),
         on_reject=lambda kind, src: rejected.append((kind, src)), **options), timeout=30))
     return members, rejected
 
@@ -335,8 +331,7 @@ def test_a_registrant_waiting_for_the_decision_reads_the_registrations_rarely_an
     monkeypatch.setattr(matchmaking.asyncio, "sleep", sleep)
     try:
         members = loop.run_until_complete(form_group(
-            Counting(shared), run_id="run", fragment=0, version=13, peer_id="a", subkey=b"a", weight=1.0,
-            live_peers=live, gather_timeout=30.0, abort=lambda: False, base="D"))
+            Counting(shared), Round("run", 0, 13, "D"), Registrant("a", b"a", 1.0), Policy(30.0), Peers(live)))
     finally:
         loop.close()
     assert members == ["a", "b"] and reads[gkey] == polls
@@ -364,9 +359,8 @@ def test_a_registrant_missing_from_the_table_is_looked_up_and_counted(monkeypatc
         table.update({p: 13 for p in peer_ids})
 
     members = asyncio.run(form_group(
-        FakeDHT(shared), run_id="run", fragment=0, version=13, peer_id="c", subkey=b"c", weight=1.0,
-        live_peers=live, gather_timeout=5.0, abort=lambda: False, base="D", quorum=1, poll_interval=0.0,
-        look_up=look_up))
+        FakeDHT(shared), Round("run", 0, 13, "D"), Registrant("c", b"c", 1.0), Policy(5.0, quorum=1, poll_interval=0.0),
+        Peers(live, look_up=look_up)))
     assert asked[0] == {"n"} and "n" in members
 
 

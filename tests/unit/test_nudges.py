@@ -10,10 +10,11 @@ from types import SimpleNamespace
 import pytest
 
 from atoll.protocols import matchmaking
-from atoll.protocols.matchmaking import form_group, group_key, round_key
+from atoll.protocols.matchmaking import Policy, Registrant, Round, form_group, group_key, round_key
 from atoll.protocols.nudges import MAX_KEY_CHARS, Nudges, NudgeServicer
 from atoll.protocols.stats import TrafficStats
 from atoll.protocols.wire import pack_request, unpack
+from support.views import Peers
 
 
 def test_a_nudge_wakes_the_listeners_of_its_key_only():
@@ -117,12 +118,8 @@ def test_a_round_forms_from_nudges_with_a_few_reads_instead_of_a_poll(monkeypatc
         nudges[me].send = send
 
     def form(me, live):
-        async def live_peers():
-            return live
-
-        return form_group(CountingDHT(records, reads[me]), run_id="run", fragment=0, version=14, peer_id=me,
-                          subkey=me.encode(), weight=1.0, live_peers=live_peers, gather_timeout=30.0,
-                          abort=lambda: False, base="D", nudges=nudges[me])
+        return form_group(CountingDHT(records, reads[me]), Round("run", 0, 14, "D"), Registrant(me, me.encode(), 1.0),
+                          Policy(30.0), Peers(live), nudges=nudges[me])
 
     async def main():
         a = asyncio.create_task(form("a", {"b": 14}))
@@ -152,13 +149,10 @@ def test_without_nudges_the_round_still_forms_by_polling(monkeypatch):
                 records[key][b"b"] = {"peer_id": "b", "weight": 1.0, "time": matchmaking.get_dht_time()}
             return await super().get(k, latest, return_future)
 
-    async def live_peers():
-        return {"b": 14}
-
     async def main():
         return await asyncio.wait_for(form_group(
-            Late(records, reads), run_id="run", fragment=0, version=14, peer_id="a", subkey=b"a", weight=1.0,
-            live_peers=live_peers, gather_timeout=30.0, abort=lambda: False, base="D", nudges=Nudges()), 20.0)
+            Late(records, reads), Round("run", 0, 14, "D"), Registrant("a", b"a", 1.0), Policy(30.0),
+            Peers({"b": 14}), nudges=Nudges()), 20.0)
 
     # a, the coordinator, waits for b: it finds b's registration at a fallback read, not told of it.
     assert asyncio.run(main()) == ["a", "b"]

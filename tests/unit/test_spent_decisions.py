@@ -18,10 +18,10 @@ def _rounds(monkeypatch, decision, allreduce_result, quorum=True):
     all-reduce returns ``allreduce_result``."""
     seen_spent = []
 
-    async def form_group(dht, *, peer_id, on_decision, spent, **kwargs):
+    async def form_group(dht, round, me, policy, peers, *, on_decision, spent, **kwargs):
         seen_spent.append(set(spent))
         on_decision(decision)
-        return next((members for members in decision.groups if peer_id in members), [])
+        return next((members for members in decision.groups if me.peer_id in members), [])
 
     monkeypatch.setattr(round_protocol, "form_group", form_group)
     rounds = RoundProtocol.__new__(RoundProtocol)
