@@ -142,3 +142,10 @@ def resolve_device(name: str, spmd_devices: int = 0) -> Device:
             raise ConfigError(f"device: xla runtime failed to start ({type(e).__name__}: {e})") from None
         return Device("xla", device, precision, spmd)
     raise ConfigError(f"device: unknown {name!r}")
+
+
+def codec_threads(setting: int, device_kind: str) -> int:
+    """The codec's threads for ``--codec-threads`` (0: 1 on a cpu device, whose cores train; else up to 8)."""
+    if setting:
+        return setting
+    return 1 if device_kind == "cpu" else max(1, min(8, os.cpu_count() or 1))

@@ -25,8 +25,8 @@ each boundary, the parameters rank 0's boundary wrote, and ``stopping`` turns tr
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -45,7 +45,7 @@ from .algorithm import algorithm
 from .checkpoint import CheckpointWriter
 from .config import OWN_MODEL, ConfigError, NodeConfig, RunConfig, load_config
 from .ddp import DDP
-from .device import Device
+from .device import Device, codec_threads
 from .exporter import MetricsEndpoint
 from .faults import Faults
 from .join import agree_on_run_config, start_member_dht
@@ -56,7 +56,7 @@ from .pause import Mode
 from .ranks import IslandSync, OneRank, Ranks, ShardedSync, init_island, step_boundary
 from .rounds import Rounds
 from .syncer import Syncer
-from .trainee import LoopTrainee, Trainee, device_of
+from .trainee import LoopTrainee, Trainee, device_of, optimizer_params
 from .trackers import Tracking, open_trackers
 
 logger = logging.getLogger("atoll")
@@ -65,6 +65,14 @@ METRICS_EVERY = 10  # steps between progress events in metrics.jsonl
 
 BuildTrainee = Callable[[NodeConfig, str], Trainee]  # (the agreed config, our peer id) -> the trainee
 Derive = Callable[[RunConfig], dict[str, str]]  # the run config fields a starter derives and publishes
+
+
+class Stage(enum.Enum):
+    """Where an island is in its lifetime: built, started (its loop's steps are the run's), or left."""
+
+    NEW = "new"
+    TRAINING = "training"
+    CLOSED = "closed"
 
 
 class Island:
@@ -171,7 +179,7 @@ class Island:
         self._checkpoint_due = False  # a checkpoint came due while the previous write was still going
         self.trainee: Trainee | None = None
         self._exit = contextlib.ExitStack()
-        self._training = self._closed = False
+        self.stage = Stage.NEW
         self._sync: IslandSync | None = None
         # The collectives of each step boundary with the island's other ranks (the daemon sets its own).
         self.rank_sync: IslandSync | ShardedSync | OneRank = OneRank()
@@ -323,7 +331,7 @@ class Island:
         self.counters.status = Status.TRAINING
         arrival.wait_for_peers(syncer, run.quorum if algo.gradient_allreduce else self.harness.start_together,
                                self.stop_event)
-        self._training = True
+        self.stage = Stage.TRAINING
         self.counters.started = self._window_start = self._step_end = time.monotonic()
         self._window_tokens = 0
         if self._optimizer is not None:
@@ -334,14 +342,14 @@ class Island:
 
     def close(self) -> None:
         """Leave the run: announce it, write a last checkpoint, stop the DHT. Safe to call more than once."""
-        if self._closed:
+        if self.stage is Stage.CLOSED:
             return
-        self._closed = True
+        trained, self.stage = self.stage is Stage.TRAINING, Stage.CLOSED
         self.stop_event.set()
         if self._hook is not None:
             self._hook.remove()
         try:
-            if self._training:
+            if trained:
                 trainee, replica = self.trainee, self.replica
                 self.counters.status = Status.LEAVING
                 self.syncer.shutdown()
@@ -470,16 +478,4 @@ class Island:
                                         self.counters.tokens_carried)
         self.checkpoints_written += 1
         self.checkpointer.submit(tensors, meta, interrupt=self.faults.checkpoint_interrupt(self.checkpoints_written))
-
-
-def codec_threads(setting: int, device_kind: str) -> int:
-    """The codec's threads for ``--codec-threads`` (0: 1 on a cpu device, whose cores train; else up to 8)."""
-    if setting:
-        return setting
-    return 1 if device_kind == "cpu" else max(1, min(8, os.cpu_count() or 1))
-
-
-def optimizer_params(optimizer: torch.optim.Optimizer) -> list[int]:
-    """The ids of the tensors ``optimizer`` steps."""
-    return [id(p) for group in optimizer.param_groups for p in group["params"]]
 

@@ -232,3 +232,8 @@ def device_of(model: torch.nn.Module) -> Device:
     if kind not in ("cpu", "cuda", "xla"):
         raise ValueError(f"the model is on a {kind!r} device; atoll runs on cpu, cuda and xla")
     return Device(kind, p.device)
+
+
+def optimizer_params(optimizer: torch.optim.Optimizer) -> list[int]:
+    """The ids of the tensors ``optimizer`` steps."""
+    return [id(p) for group in optimizer.param_groups for p in group["params"]]

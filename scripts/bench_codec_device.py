@@ -194,7 +194,7 @@ def device_decode(payload: bytes, device, expected_numel: int | None = None):
 
 # ---- measuring ----------------------------------------------------------------------------------------------------
 def daemon_codec_threads(kind: str) -> int:
-    """``node.island.codec_threads(0, kind)``: the daemon's default (1 on a cpu device, else up to 8)."""
+    """``node.device.codec_threads(0, kind)``: the daemon's default (1 on a cpu device, else up to 8)."""
     return 1 if kind == "cpu" else max(1, min(8, os.cpu_count() or 1))
 
 
