@@ -21,7 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bars import each  # noqa: E402
 from bench_parity import BATCH, EVAL_BATCHES, make_learner  # noqa: E402
 from swarm import LocalSwarm  # noqa: E402

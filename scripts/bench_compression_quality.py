@@ -23,7 +23,6 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bars import each  # noqa: E402
 from bench_algorithms import run_swarm  # noqa: E402
 from bench_parity import BATCH  # noqa: E402

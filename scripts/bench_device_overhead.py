@@ -59,7 +59,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
 if str(ROOT) not in sys.path:  # atoll from this clone where it is not installed (last: an installed one wins)
     sys.path.append(str(ROOT))
 from bars import each  # noqa: E402

@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bars import each  # noqa: E402
 from bench_algorithms import DAEMONS, run_swarm  # noqa: E402
 from bench_parity import BATCH  # noqa: E402

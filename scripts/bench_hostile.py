@@ -35,7 +35,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 from stats import interval  # noqa: E402
 from swarm import LocalSwarm, peer_id, wait_for  # noqa: E402
 

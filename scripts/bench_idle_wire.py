@@ -20,7 +20,6 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_wan  # noqa: E402
 import wan  # noqa: E402
 

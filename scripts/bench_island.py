@@ -31,7 +31,6 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
 from bars import each  # noqa: E402
 from stats import fmt, interval  # noqa: E402
 

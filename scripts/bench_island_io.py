@@ -30,7 +30,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
 from bars import each  # noqa: E402
 from stats import fmt, interval  # noqa: E402
 

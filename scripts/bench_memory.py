@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bars import each  # noqa: E402
 from bench_scale import daemon_processes  # noqa: E402
 from swarm import LocalSwarm, wait_for  # noqa: E402

@@ -27,7 +27,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
 from inproc_swarm import Config, run_configs  # noqa: E402
 from stats import fmt, interval  # noqa: E402
 

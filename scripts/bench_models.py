@@ -39,7 +39,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bars import each  # noqa: E402
 from bench_outer import diloco  # noqa: E402  the same DiLoCo loop as the outer-step benchmark

@@ -32,7 +32,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import wan  # noqa: E402
 from bars import each  # noqa: E402
 from bench_parity import BATCH  # noqa: E402

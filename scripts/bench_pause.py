@@ -28,7 +28,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bars import each  # noqa: E402
 from stats import fmt, interval  # noqa: E402
 from swarm import LocalSwarm, peer_id, wait_for  # noqa: E402

@@ -33,7 +33,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bars import each  # noqa: E402
 from stats import fmt, interval  # noqa: E402
 from swarm import LocalSwarm  # noqa: E402

@@ -34,7 +34,6 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_wan  # noqa: E402
 import wan  # noqa: E402
 from bars import each  # noqa: E402

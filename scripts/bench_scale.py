@@ -41,7 +41,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bars import each  # noqa: E402
 from swarm import LocalSwarm, StatusReader, descendants, wait_for  # noqa: E402
 

@@ -35,7 +35,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bars import each  # noqa: E402
 from bench_scale import power_law  # noqa: E402
 from sim.scale import SimConfig, simulate  # noqa: E402

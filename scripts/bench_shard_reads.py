@@ -37,7 +37,6 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 from bars import each  # noqa: E402
 from bench_dht_reads import HOLD_CHUNK, _hold, cpu_seconds, progress_value  # noqa: E402
 from swarm import descendants  # noqa: E402

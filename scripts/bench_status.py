@@ -37,7 +37,6 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 from bars import each  # noqa: E402
 from bench_dht_reads import HOLD_CHUNK, RUN, _hold, members, progress_value, signed_records  # noqa: E402
 

@@ -31,7 +31,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bars import each  # noqa: E402
 from bench_algorithms import evaluate_swarm, summaries  # noqa: E402
 from bench_parity import BATCH  # noqa: E402

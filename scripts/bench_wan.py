@@ -41,7 +41,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import wan  # noqa: E402
 from bars import each  # noqa: E402
 from stats import fmt, interval  # noqa: E402

@@ -24,7 +24,6 @@ from collections import defaultdict
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 import bench_wan  # noqa: E402
 import wan  # noqa: E402
 

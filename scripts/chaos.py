@@ -49,7 +49,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bars import bar, each  # noqa: E402
 from bench_algorithms import evaluate_swarm  # noqa: E402
 from swarm import LocalSwarm  # noqa: E402

@@ -34,12 +34,10 @@ import platform
 import sys
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sim.bandwidth import bandwidth_study  # noqa: E402
 from sim.goodput import (  # noqa: E402

@@ -22,7 +22,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from chaos import busy_share, cpu_times, step_lines  # noqa: E402
 from swarm import LocalSwarm  # noqa: E402
 
