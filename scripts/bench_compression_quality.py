@@ -24,8 +24,7 @@ import sys
 from pathlib import Path
 
 from bars import each  # noqa: E402
-from bench_algorithms import run_swarm  # noqa: E402
-from bench_parity import BATCH  # noqa: E402
+from benchkit import BATCH, run_swarm  # noqa: E402
 
 from atoll.models.configs import get_model_config  # noqa: E402
 from atoll.node.config import RunConfig  # noqa: E402

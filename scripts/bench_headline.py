@@ -22,8 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from bars import each  # noqa: E402
-from bench_algorithms import DAEMONS, run_swarm  # noqa: E402
-from bench_parity import BATCH  # noqa: E402
+from benchkit import BATCH, DAEMONS, run_swarm  # noqa: E402
 from stats import fmt, interval  # noqa: E402
 
 NESTEROV = ["--outer-lr", "0.7", "--outer-momentum", "0.9"]  # the papers' outer step

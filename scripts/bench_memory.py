@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bars import each  # noqa: E402
-from bench_scale import daemon_processes  # noqa: E402
+from swarm import daemon_processes  # noqa: E402
 from swarm import LocalSwarm, wait_for  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

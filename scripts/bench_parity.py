@@ -22,26 +22,13 @@ from pathlib import Path
 import torch
 
 from bars import each  # noqa: E402
+from benchkit import BATCH, CURVE_BATCHES, EVAL_BATCHES, make_learner  # noqa: E402
 from swarm import LocalSwarm  # noqa: E402
 
 from atoll.models.configs import get_model_config  # noqa: E402
-from atoll.models.data import Corpus, load_corpus  # noqa: E402
 from atoll.models.fragments import make_fragments  # noqa: E402
 from atoll.node.checkpoint import load_checkpoint  # noqa: E402
 from atoll.node.config import RunConfig  # noqa: E402
-from atoll.node.device import resolve_device  # noqa: E402
-from atoll.node.learner import Learner  # noqa: E402
-
-EVAL_BATCHES = 32  # the final comparison
-CURVE_BATCHES = 8  # the curves: the batches a daemon evaluates on (its default --eval-batches, at batch BATCH)
-BATCH = 8
-
-
-def make_learner(run: RunConfig, shard: int) -> tuple[Learner, Corpus]:
-    tokens, _ = load_corpus(run.data)
-    corpus = Corpus(tokens, get_model_config(run.model).seq_len, run.num_shards)
-    return Learner(run, resolve_device("cpu"), corpus, shard, BATCH), corpus
-
 
 def solo(run: RunConfig, steps: int) -> dict:
     torch.set_num_threads(1)

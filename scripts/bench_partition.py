@@ -34,7 +34,7 @@ from pathlib import Path
 
 import wan  # noqa: E402
 from bars import each  # noqa: E402
-from bench_parity import BATCH  # noqa: E402
+from benchkit import BATCH  # noqa: E402
 from stats import fmt, interval  # noqa: E402
 from swarm import LocalSwarm  # noqa: E402
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shlex
 import statistics
@@ -42,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from bars import each  # noqa: E402
-from swarm import LocalSwarm, StatusReader, descendants, wait_for  # noqa: E402
+from stats import power_law  # noqa: E402
+from swarm import LocalSwarm, StatusReader, daemon_processes, wait_for  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP_DELAY = 0.25  # seconds per inner step on every daemon: keeps N daemons' compute off the protocol's path
@@ -62,19 +62,20 @@ def proc_figures(pid: int) -> dict[str, float] | None:
         return None
 
 
-def daemon_processes(pid: int) -> dict[str, int]:
-    """The daemon's own process, its DHT process (a Python child) and p2pd."""
-    found = {"daemon": pid}
-    for child in descendants(pid):
-        try:
-            comm = Path(f"/proc/{child}/comm").read_text().strip()
-        except FileNotFoundError:
-            continue
-        if comm == "p2pd":
-            found["p2pd"] = child
-        elif "dht" not in found and comm.startswith("python"):
-            found["dht"] = child
-    return found
+FIGURES = {  # figure: (label, unit)
+    "dht_calls_per_min": ("DHT calls per daemon", "per min"),
+    "table_read_s": ("peer-table read", "s"),
+    "table_entries_per_read": ("records per progress read", ""),
+    "dht_io_mib_per_min": ("DHT process I/O per daemon", "MiB/min"),
+    "p2pd_io_mib_per_min": ("p2pd I/O per daemon", "MiB/min"),
+    "formation_s": ("round formation", "s"),
+    "round_members": ("round size", "members"),
+    "status_s": ("atoll status", "s"),
+    "rss_daemon_mib": ("daemon RSS", "MiB"),
+    "rss_dht_mib": ("DHT process RSS", "MiB"),
+    "rss_p2pd_mib": ("p2pd RSS", "MiB"),
+    "cpu_dht": ("DHT process CPU", "cores"),
+}
 
 
 def sample(swarm: LocalSwarm) -> dict[str, dict[str, dict[str, float]]]:
@@ -206,32 +207,6 @@ def growth(rows: list[dict[str, Any]], cpus: int) -> dict[str, float | None]:
     free = [r for r in rows if not saturated(r, cpus)]
     sizes = [r["daemons"] for r in free]
     return {key: power_law(sizes, [r[key] for r in free]) for key in FIGURES}
-
-
-def power_law(sizes: list[int], values: list[float | None]) -> float | None:
-    """Least-squares slope of log(value) against log(N)."""
-    pts = [(math.log(n), math.log(v)) for n, v in zip(sizes, values) if v is not None and v > 0]
-    if len(pts) < 2:
-        return None
-    mx, my = statistics.fmean(x for x, _ in pts), statistics.fmean(y for _, y in pts)
-    sxx = sum((x - mx) ** 2 for x, _ in pts)
-    return sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx else None
-
-
-FIGURES = {  # figure: (label, unit)
-    "dht_calls_per_min": ("DHT calls per daemon", "per min"),
-    "table_read_s": ("peer-table read", "s"),
-    "table_entries_per_read": ("records per progress read", ""),
-    "dht_io_mib_per_min": ("DHT process I/O per daemon", "MiB/min"),
-    "p2pd_io_mib_per_min": ("p2pd I/O per daemon", "MiB/min"),
-    "formation_s": ("round formation", "s"),
-    "round_members": ("round size", "members"),
-    "status_s": ("atoll status", "s"),
-    "rss_daemon_mib": ("daemon RSS", "MiB"),
-    "rss_dht_mib": ("DHT process RSS", "MiB"),
-    "rss_p2pd_mib": ("p2pd RSS", "MiB"),
-    "cpu_dht": ("DHT process CPU", "cores"),
-}
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:

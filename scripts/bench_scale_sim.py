@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bars import each  # noqa: E402
-from bench_scale import power_law  # noqa: E402
+from stats import power_law  # noqa: E402
 from sim.scale import SimConfig, simulate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -32,8 +32,7 @@ import time
 from pathlib import Path
 
 from bars import each  # noqa: E402
-from bench_algorithms import evaluate_swarm, summaries  # noqa: E402
-from bench_parity import BATCH  # noqa: E402
+from benchkit import BATCH, evaluate_swarm, summaries  # noqa: E402
 from swarm import LocalSwarm  # noqa: E402
 
 from atoll.node.config import RunConfig  # noqa: E402

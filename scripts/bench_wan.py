@@ -44,8 +44,7 @@ from pathlib import Path
 import wan  # noqa: E402
 from bars import each  # noqa: E402
 from stats import fmt, interval  # noqa: E402
-from bench_algorithms import evaluate_global, evaluate_swarm, summaries  # noqa: E402
-from bench_parity import BATCH, make_learner  # noqa: E402
+from benchkit import BATCH, evaluate_global, evaluate_swarm, make_learner, summaries  # noqa: E402
 from swarm import LocalSwarm  # noqa: E402
 
 from atoll.node.config import RunConfig  # noqa: E402

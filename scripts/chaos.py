@@ -50,7 +50,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from bars import bar, each  # noqa: E402
-from bench_algorithms import evaluate_swarm  # noqa: E402
+from benchkit import evaluate_swarm  # noqa: E402
 from swarm import LocalSwarm  # noqa: E402
 
 from atoll.node.checkpoint import load_checkpoint  # noqa: E402

@@ -34,3 +34,14 @@ def fmt(summary: dict, digits: int = 3) -> str:
     if summary["n"] < 2:
         return f"{summary['mean']:.{digits}f} (n=1)"
     return f"{summary['mean']:.{digits}f} ± {summary['ci95']:.{digits}f} (n={summary['n']})"
+
+
+def power_law(sizes: list[int], values: list[float | None]) -> float | None:
+    """Least-squares slope of log(value) against log(N)."""
+    pts = [(math.log(n), math.log(v)) for n, v in zip(sizes, values) if v is not None and v > 0]
+    if len(pts) < 2:
+        return None
+    mx, my = statistics.fmean(x for x, _ in pts), statistics.fmean(y for _, y in pts)
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    return sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx else None
+

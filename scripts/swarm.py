@@ -201,6 +201,21 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def daemon_processes(pid: int) -> dict[str, int]:
+    """The daemon's own process, its DHT process (a Python child) and p2pd."""
+    found = {"daemon": pid}
+    for child in descendants(pid):
+        try:
+            comm = Path(f"/proc/{child}/comm").read_text().strip()
+        except FileNotFoundError:
+            continue
+        if comm == "p2pd":
+            found["p2pd"] = child
+        elif "dht" not in found and comm.startswith("python"):
+            found["dht"] = child
+    return found
+
+
 def process_groups(pid: int) -> set[int]:
     """The process groups of ``pid``'s descendants (from /proc; empty where there is none)."""
     groups = set()
