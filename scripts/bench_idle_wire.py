@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-import bench_wan  # noqa: E402
+import wan_runs  # noqa: E402
 import wan  # noqa: E402
 
 
@@ -33,19 +33,19 @@ def main() -> int:
     args = parser.parse_args()
     run_args = argparse.Namespace(model="nano", sync_every=100 * args.steps, seed=0, run_timeout=600,
                                   straggler_wait=30, daemon_args=["--harness", f"step_delay={args.step_delay}"])
-    regions = [wan.Region(r, rate_mbit=args.rate, delay_ms=0) for r in bench_wan.REGIONS]
+    regions = [wan.Region(r, rate_mbit=args.rate, delay_ms=0) for r in wan_runs.REGIONS]
     samples: list[tuple[float, dict[str, int]]] = []
     stop = threading.Event()
     root = Path("runs/bench_idle_wire")
     with wan.Wan(regions, tag="iw") as w:
         def sample() -> None:
             while not stop.is_set():
-                samples.append((time.time(), bench_wan.tx_bytes(w)))
+                samples.append((time.time(), wan_runs.tx_bytes(w)))
                 stop.wait(2.0)
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
-        bench_wan.run_atoll(w, root, "decoupled", args.steps, run_args)
+        wan_runs.run_atoll(w, root, "decoupled", args.steps, run_args)
         stop.set()
         sampler.join()
     records = [metrics(d) for d in sorted(root.glob("d*"))]
@@ -55,7 +55,7 @@ def main() -> int:
     begin, end = max(t[0] for t in steps), min(t[-1] for t in steps)
     span = [(t, tx) for t, tx in samples if begin <= t <= end]
     (t0, a), (t1, b) = span[0], span[-1]
-    rates = {r: (b[r] - a[r]) / (t1 - t0) for r in bench_wan.REGIONS}
+    rates = {r: (b[r] - a[r]) / (t1 - t0) for r in wan_runs.REGIONS}
     calls: dict[str, list[float]] = {}
     for x in s:
         for kind, c in x["dht_calls"].items():

@@ -41,7 +41,7 @@ import torch
 
 
 from bars import each  # noqa: E402
-from bench_outer import diloco  # noqa: E402  the same DiLoCo loop as the outer-step benchmark
+from benchkit import diloco  # noqa: E402  the same DiLoCo loop as the outer-step benchmark
 from stats import fmt, interval  # noqa: E402
 
 from atoll.models.data import Corpus, _builtin_files, load_corpus  # noqa: E402

@@ -36,12 +36,11 @@ import torch
 
 from atoll.models.configs import get_model_config
 from atoll.models.data import Corpus, load_corpus
-from atoll.models.fragments import copy_into, flatten
-from atoll.models.outer import NesterovOuter, pseudo_gradient, weighted_mean
 from atoll.node.config import RunConfig
 from atoll.node.device import resolve_device
 from atoll.node.learner import Learner
 from bars import each
+from benchkit import diloco
 
 LEARNERS = 4
 EVAL_BATCHES = 32
@@ -87,27 +86,6 @@ def train_ddp(run: RunConfig, steps: int, batch: int, schedule: str = "constant"
             learner.load_flat_grads(mean)
             learner.apply_step()
     return ls[0].evaluate(held_out)
-
-
-def diloco(ls: list[Learner], steps: int, sync_every: int, lr: float, momentum: float,
-           warm: tuple[int, int] = (0, 0)) -> torch.Tensor:
-    """Train ``ls`` with DiLoCo for ``steps`` inner steps each; returns the final Θ (flat fp32), also loaded into
-    every learner. ``warm`` = (H0, S0): rounds every H0 steps during the first S0 steps."""
-    theta = flatten(ls[0].params)
-    buf = torch.zeros_like(theta)
-    outer = NesterovOuter(lr, momentum)
-    last = 0
-    for step in range(1, steps + 1):
-        for learner in ls:
-            learner.train_step()
-        every = warm[0] if step <= warm[1] else sync_every
-        if step - last >= every or step == steps:  # the last round: Θ holds every step taken
-            last = step
-            deltas = [pseudo_gradient(theta, flatten(learner.params)) for learner in ls]
-            outer.step(theta, buf, weighted_mean(deltas, [1.0] * len(ls)))
-            for learner in ls:
-                copy_into(theta, learner.params)
-    return theta
 
 
 def train_diloco(run: RunConfig, steps: int, batch: int, sync_every: int, lr: float, momentum: float,

@@ -5,7 +5,7 @@
     python scripts/bench_rounds_wan.py --rtts 0 100 --seeds 0 1 2 [--label NAME] [--daemon-args="--flag value"]
         [--env NAME=VALUE ...]
 
-Each (RTT, seed) builds a fresh WAN and runs ``scripts/bench_wan.py``'s atoll run (the same model, budget,
+Each (RTT, seed) builds a fresh WAN and runs ``scripts/wan_runs.py``'s atoll run (``bench_wan.py``'s) (the same model, budget,
 start-together and timeouts) of ``decoupled``. From the daemons' own round records it reports:
 
 - how long a round takes to form (registration to the group's decision, ``formation_seconds``), median and 90th
@@ -34,7 +34,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import bench_wan  # noqa: E402
+import wan_runs  # noqa: E402
 import wan  # noqa: E402
 from bars import each  # noqa: E402
 from stats import fmt, interval  # noqa: E402
@@ -73,10 +73,10 @@ def pct(values: list[float], q: float) -> float | None:
 
 def one(rtt: float, seed: int, args: argparse.Namespace) -> dict:
     args.seed = seed
-    regions = [wan.Region(r, rate_mbit=args.rate, delay_ms=rtt / 4) for r in bench_wan.REGIONS]
+    regions = [wan.Region(r, rate_mbit=args.rate, delay_ms=rtt / 4) for r in wan_runs.REGIONS]
     root = Path("runs/bench_rounds_wan") / f"{args.label}-{rtt:g}-{seed}"
     with wan.Wan(regions, tag="br") as w:
-        r = bench_wan.run_atoll(w, root, "decoupled", args.steps, args)
+        r = wan_runs.run_atoll(w, root, "decoupled", args.steps, args)
     r.update(analyse(root), rtt_ms=rtt, seed=seed, label=args.label, rate_mbit=args.rate,
              daemon_args=args.daemon_args, env=args.env, lost_share=r["tokens_lost"] / max(r["tokens_total"], 1),
              carried_share=r["tokens_carried"] / max(r["tokens_total"], 1))

@@ -38,7 +38,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bars import each  # noqa: E402
-from bench_dht_reads import HOLD_CHUNK, _hold, cpu_seconds, progress_value  # noqa: E402
+from dht_fill import HOLD_CHUNK, cpu_seconds, hold, progress_value  # noqa: E402
 from swarm import descendants  # noqa: E402
 
 from atoll.protocols import dht_io  # noqa: E402
@@ -96,7 +96,7 @@ def measure(owners: list, nodes: int, reads: int, sharded: bool, cache_nearest: 
                 records = signed(owners, sharded)
                 for dht in dhts:
                     for j in range(0, len(records), HOLD_CHUNK):
-                        dht.run_coroutine(functools.partial(_hold, records[j:j + HOLD_CHUNK]))
+                        dht.run_coroutine(functools.partial(hold, records[j:j + HOLD_CHUNK]))
                 c0, s0, t0 = tree_cpu(client.pid), sum(tree_cpu(d.pid) for d in dhts), time.perf_counter()
                 found = dht_io.get_many_blocking(client, keys, timeout=60)
                 time.sleep(0.5)  # what the read set off (stores of what it found) ends before the CPU is read

@@ -38,7 +38,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bars import each  # noqa: E402
-from bench_dht_reads import HOLD_CHUNK, RUN, _hold, members, progress_value, signed_records  # noqa: E402
+from dht_fill import HOLD_CHUNK, RUN, hold, members, progress_value, signed_records  # noqa: E402
 
 from atoll.node.status import collect_status  # noqa: E402
 from atoll.protocols.auth import RunKey  # noqa: E402
@@ -119,7 +119,7 @@ def measure(chains: list, nodes: int, run_key: RunKey, order: tuple[str, ...]) -
         for dht in dhts:
             for i in range(0, len(records), HOLD_CHUNK):
                 chunk = records[i:i + HOLD_CHUNK]
-                assert dht.run_coroutine(functools.partial(_hold, chunk)) == len(chunk)
+                assert dht.run_coroutine(functools.partial(hold, chunk)) == len(chunk)
         bootstrap = [str(a) for a in dhts[0].get_visible_maddrs()]
         out = {}
         for variant in order:

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """What the control plane puts on the wire, by kind: four regions of the emulated WAN (``scripts/wan.py``), one
-decoupled daemon each, training with rounds (``bench_wan.py``'s run), with a probe in every daemon's processes
+decoupled daemon each, training with rounds (``wan_runs.py``'s run, as ``bench_wan.py``), with a probe in every daemon's processes
 (``scripts/wire_probe/sitecustomize.py``, loaded through ``PYTHONPATH``) that counts the payload of every p2p
 unary call by RPC (the DHT's ``rpc_find``/``rpc_store``/``rpc_ping``, atoll's nudges) and by the kind of record
 the DHT operation was for (progress, round, group, open, summary, ...; "background" for hivemind's own).
@@ -24,7 +24,7 @@ from collections import defaultdict
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-import bench_wan  # noqa: E402
+import wan_runs  # noqa: E402
 import wan  # noqa: E402
 
 
@@ -58,9 +58,9 @@ def main() -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE / "wire_probe"), os.environ.get("PYTHONPATH")]))
     run_args = argparse.Namespace(model="nano", sync_every=args.sync_every, seed=args.seed, run_timeout=600,
                                   straggler_wait=60, daemon_args=[])
-    regions = [wan.Region(r, rate_mbit=args.rate, delay_ms=args.rtt / 4) for r in bench_wan.REGIONS]
+    regions = [wan.Region(r, rate_mbit=args.rate, delay_ms=args.rtt / 4) for r in wan_runs.REGIONS]
     with wan.Wan(regions, tag="wk") as w:
-        r = bench_wan.run_atoll(w, Path("runs/bench_wire_kinds") / args.label, "decoupled", args.steps, run_args)
+        r = wan_runs.run_atoll(w, Path("runs/bench_wire_kinds") / args.label, "decoupled", args.steps, run_args)
     kinds = probe_totals(probe)
     payload = sum(c["sent"] + c["received"] for c in kinds.values())
     seconds = r["wall_seconds"]

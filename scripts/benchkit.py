@@ -1,6 +1,7 @@
 """The daemon benchmarks' shared spine: the learner they evaluate with (a daemon's, on the built-in corpus), a local
 swarm run to its end (``run_swarm``), what every daemon's final replica and the swarm's global model score on the
-same held-out batches, and the summaries the daemons wrote. The benches import this module, never each other."""
+same held-out batches, the summaries the daemons wrote, and DiLoCo in one process (``diloco``, the reference loop
+of the outer-step and model benches). The benches import this module, never each other."""
 
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ import statistics
 import time
 from pathlib import Path
 
+import torch
+
 from swarm import LocalSwarm
 
 from atoll.models.configs import get_model_config
 from atoll.models.data import Corpus, load_corpus
-from atoll.models.fragments import make_fragments
+from atoll.models.fragments import copy_into, flatten, make_fragments
+from atoll.models.outer import NesterovOuter, pseudo_gradient, weighted_mean
 from atoll.node.checkpoint import load_checkpoint
 from atoll.node.config import RunConfig
 from atoll.node.device import resolve_device
@@ -107,3 +111,24 @@ def run_swarm(root: Path, algorithm: str, args: argparse.Namespace, extra: list[
             "replayed_adoptions": len([m for m in adopted if m.get("replayed")]),
             "full_adoptions": len([m for m in adopted if not m.get("replayed")]),
             "seconds": time.monotonic() - start}
+
+
+def diloco(ls: list[Learner], steps: int, sync_every: int, lr: float, momentum: float,
+           warm: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """Train ``ls`` with DiLoCo for ``steps`` inner steps each; returns the final Θ (flat fp32), also loaded into
+    every learner. ``warm`` = (H0, S0): rounds every H0 steps during the first S0 steps."""
+    theta = flatten(ls[0].params)
+    buf = torch.zeros_like(theta)
+    outer = NesterovOuter(lr, momentum)
+    last = 0
+    for step in range(1, steps + 1):
+        for learner in ls:
+            learner.train_step()
+        every = warm[0] if step <= warm[1] else sync_every
+        if step - last >= every or step == steps:  # the last round: Θ holds every step taken
+            last = step
+            deltas = [pseudo_gradient(theta, flatten(learner.params)) for learner in ls]
+            outer.step(theta, buf, weighted_mean(deltas, [1.0] * len(ls)))
+            for learner in ls:
+                copy_into(theta, learner.params)
+    return theta
