@@ -4,8 +4,8 @@ Its lifetime:
 
 - ``start()`` (entering the ``with`` block): start the DHT (retrying bootstrap) → agree on the run's
   configuration → build the trainee → check its model against the run's digest → restore a checkpoint, or download
-  the swarm's state → wait for the peers the run waits for (those steps are ``arrival.py``'s). Every step of the loop comes after this, so state from
-  peers (or from the checkpoint) is in the model before the first step.
+  the swarm's state → wait for the peers the run waits for (those steps are ``arrival.py``'s). Every step of the
+  loop comes after this, so state from peers (or from the checkpoint) is in the model before the first step.
 - Each inner step ends at a *step boundary*: ``after_step()`` counts the step, starts the rounds due (or opened by
   peers), merges the landed ones and checkpoints once the last fragment merged; ``before_step()`` loads the
   replicas the syncer adopted. Neither awaits the network (the synchronous algorithms block when a merge is due).
@@ -300,13 +300,12 @@ class Island:
                               f"other than the run's (digest {run.model_digest}); build the run's model")
         self.held_out = HeldOut(cfg.eval_budget, self.counters)
         self.fragments, self.replica, self.local = arrival.build(trainee, cfg)
-        restored = None
+        resumed, error_feedback = False, {}
         if cfg.checkpoint_dir:
             self.checkpointer = CheckpointWriter(cfg.checkpoint_dir, self._checkpoint_written)
             restored = arrival.restore(cfg, trainee, self.fragments, self.local, self.counters, self.metrics)
-        resumed, error_feedback = restored is not None, restored[1] if restored is not None else {}
-        if restored is not None:
-            self.replica = restored[0]
+            if restored is not None:
+                (self.replica, error_feedback), resumed = restored, True
         self.counters.step, self.counters.tokens = trainee.step, trainee.tokens  # a restored one's, from the start
         self.syncer = syncer = Syncer(cfg, dht, subkey, self.replica, self.fragments, self.counters, self.faults,
                                       private=token is not None, config_record=config_record,

@@ -31,7 +31,8 @@ from hivemind import DHT
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bars import each  # noqa: E402
-from dht_fill import HOLD_CHUNK, RUN, cpu_seconds, hold, members, signed_records  # noqa: E402
+from dht_fill import HOLD_CHUNK, RUN, hold, members, signed_records  # noqa: E402
+from swarm import cpu_seconds  # noqa: E402
 from atoll.node.status import collect_status  # noqa: E402
 from atoll.protocols import dht_io, validated  # noqa: E402
 from atoll.protocols.auth import RunKey  # noqa: E402

@@ -5,8 +5,8 @@
     python scripts/bench_rounds_wan.py --rtts 0 100 --seeds 0 1 2 [--label NAME] [--daemon-args="--flag value"]
         [--env NAME=VALUE ...]
 
-Each (RTT, seed) builds a fresh WAN and runs ``scripts/wan_runs.py``'s atoll run (``bench_wan.py``'s) (the same model, budget,
-start-together and timeouts) of ``decoupled``. From the daemons' own round records it reports:
+Each (RTT, seed) builds a fresh WAN and runs ``scripts/wan_runs.py``'s atoll run, as ``bench_wan.py`` does (the
+same model, budget, start-together and timeouts), of ``decoupled``. From the daemons' own round records it reports:
 
 - how long a round takes to form (registration to the group's decision, ``formation_seconds``), median and 90th
   percentile over every daemon's record of every round;

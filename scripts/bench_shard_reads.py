@@ -38,7 +38,8 @@ from hivemind.utils.crypto import RSAPrivateKey
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bars import each  # noqa: E402
-from dht_fill import HOLD_CHUNK, cpu_seconds, hold, progress_value  # noqa: E402
+from dht_fill import HOLD_CHUNK, hold, progress_value  # noqa: E402
+from swarm import cpu_seconds  # noqa: E402
 from swarm import descendants  # noqa: E402
 
 from atoll.protocols import dht_io  # noqa: E402

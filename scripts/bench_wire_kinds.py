@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """What the control plane puts on the wire, by kind: four regions of the emulated WAN (``scripts/wan.py``), one
-decoupled daemon each, training with rounds (``wan_runs.py``'s run, as ``bench_wan.py``), with a probe in every daemon's processes
-(``scripts/wire_probe/sitecustomize.py``, loaded through ``PYTHONPATH``) that counts the payload of every p2p
-unary call by RPC (the DHT's ``rpc_find``/``rpc_store``/``rpc_ping``, atoll's nudges) and by the kind of record
-the DHT operation was for (progress, round, group, open, summary, ...; "background" for hivemind's own).
+decoupled daemon each, training with rounds (``wan_runs.py``'s run, as ``bench_wan.py``), with a probe in every
+daemon's processes (``scripts/wire_probe/sitecustomize.py``, loaded through ``PYTHONPATH``) that counts the payload
+of every p2p unary call by RPC (the DHT's ``rpc_find``/``rpc_store``/``rpc_ping``, atoll's nudges) and by the kind of
+record the DHT operation was for (progress, round, group, open, summary, ...; "background" for hivemind's own).
 
     python scripts/bench_wire_kinds.py [--rate 0.88] [--label NAME] [--out DIR]
 

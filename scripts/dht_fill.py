@@ -5,8 +5,6 @@ records straight into a DHT node's storage. The DHT read benches (``bench_dht_re
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
 from hivemind.dht.routing import DHTID
@@ -58,8 +56,3 @@ async def hold(records: list[tuple[bytes, bytes, bytes, float]], _dht: Any, node
     for key, subkey, value, expiration in records:
         node.protocol.storage.store_subkey(DHTID.from_bytes(key), subkey, value, expiration)
     return len(records)
-
-
-def cpu_seconds(pid: int) -> float:
-    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -23,18 +22,8 @@ import time
 from pathlib import Path
 
 from chaos import busy_share, cpu_times, step_lines  # noqa: E402
-from swarm import LocalSwarm  # noqa: E402
+from swarm import LocalSwarm, cpu_seconds  # noqa: E402
 
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of one process so far (0 once it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def processes_by_kind(swarm: LocalSwarm) -> dict[str, list[int]]:

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.integration
 
 ROUND_TIMEOUT = 8.0
 COMMON = ["--model", "nano", "--batch-size", "4", "--algorithm", "diloco", "--sync-every", "20", "--gather-timeout", "8",
-          "--round-timeout", str(ROUND_TIMEOUT), "--heartbeat", "0.3", "--eval-budget", "1"]  # held-out loss every round
+          "--round-timeout", str(ROUND_TIMEOUT), "--heartbeat", "0.3",  # records fresher than a round (~0.3 s)
+          "--eval-budget", "1"]  # held-out loss every round
 KILL_ROUND = 25
 
 
