@@ -19,8 +19,11 @@ from atoll.protocols.auth import RunKey
 
 pytestmark = pytest.mark.integration
 
-COMMON = ["--model", "llama-nano", "--batch-size", "4", "--algorithm", "decoupled", "--sync-every", "20",
-          "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1", "--eval-budget", "1"]
+# A fragment's round every ~60 fast steps (about a second here) and records at most 0.3 s old: an export takes a
+# fragment only while both daemons' records agree on it (two vouchers), which rounds every 20 steps against a 1 s
+# heartbeat rarely left time for (CI: fragment 2 of 4 not vouched for within the export's 60 s).
+COMMON = ["--model", "llama-nano", "--batch-size", "4", "--algorithm", "decoupled", "--sync-every", "60",
+          "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "0.3", "--eval-budget", "1"]
 
 
 def atoll(*args, timeout=240):
