@@ -26,7 +26,7 @@ from atoll.protocols.codecs import CODECS
 from .algorithm import AlgorithmName, LocalMerge, SnapshotAt, algorithm
 from .faults import parse_faults
 from .harness import Harness
-from .pause import Mode, PolicyError, check_spec, deadline_of, parse_window
+from .pause_specs import Mode, PolicyError, check_spec, deadline_of, parse_window
 
 ALGORITHMS = tuple(name.value for name in AlgorithmName)
 DEVICES = ("auto", "cpu", "cuda", "xla")

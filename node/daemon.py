@@ -40,7 +40,8 @@ from .faults import Faults
 from .island import Island
 from .learner import Learner, ShardedLearner
 from .metrics import peak_rss_mib
-from .pause import Mode, PauseState, PolicyError, deadline_of, policies_of
+from .pause import PauseState, policies_of
+from .pause_specs import Mode, PolicyError, deadline_of
 from .ranks import IslandSync, Ranks, ShardedSync, init_island, leave_island, step_boundary
 
 logger = logging.getLogger("atoll")

@@ -52,7 +52,7 @@ from .join import agree_on_run_config, start_member_dht
 from .log import context as log_context
 from .log import setup_logging
 from .metrics import Counters, HeldOut, MetricsLog, peak_rss_mib
-from .pause import Mode
+from .pause_specs import Mode
 from .ranks import IslandSync, OneRank, Ranks, ShardedSync, init_island, step_boundary
 from .rounds import Rounds
 from .syncer import Syncer

@@ -25,9 +25,7 @@ This module decides; the island carries a pause out (``Island.pause``/``resume``
 from __future__ import annotations
 
 import datetime as dt
-import enum
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -35,20 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .pause_specs import parse_window
+
 SAMPLE_EVERY = 2.0  # seconds between samples of a policy: reading /proc or NVML costs a few ms
 DEFAULT_BUSY_CORES = 1.0
 OPERATOR = "operator"
-
-
-class Mode(enum.StrEnum):
-    """Where a paused daemon keeps θ and the inner optimizer's state while the accelerator is free."""
-
-    HOST = "host"  # a copy in host memory: back on the device in the time of one transfer
-    CHECKPOINT = "checkpoint"  # its checkpoint on disk: the host's memory is free too; read back on resume
-
-
-class PolicyError(ValueError):
-    pass
 
 
 # ---- policies --------------------------------------------------------------------------------------------------
@@ -71,20 +60,6 @@ class FilePresent(Policy):
 
     def holds(self) -> bool:
         return os.path.exists(self.path)  # False too for a path we may not look at
-
-
-def parse_window(text: str) -> tuple[dt.time, dt.time]:
-    """``HH:MM-HH:MM`` as (start, end); ``PolicyError`` for anything else or an empty window."""
-    m = re.fullmatch(r"\s*(\d{1,2}):(\d{2})\s*-\s*(\d{1,2}):(\d{2})\s*", text)
-    if not m:
-        raise PolicyError(f"expected HH:MM-HH:MM (e.g. 22:00-06:00), got {text!r}")
-    h1, m1, h2, m2 = map(int, m.groups())
-    if h1 > 23 or h2 > 23 or m1 > 59 or m2 > 59:
-        raise PolicyError(f"{text!r} is not a time of day")
-    start, end = dt.time(h1, m1), dt.time(h2, m2)
-    if start == end:
-        raise PolicyError(f"{text!r} is an empty window")
-    return start, end
 
 
 def in_window(now: dt.time, start: dt.time, end: dt.time) -> bool:
@@ -246,23 +221,6 @@ def busy_policy(spec: str, device_kind: str, device_index: int | None, log: Call
     return HostLoad(cores)
 
 
-def check_spec(spec: str) -> None:
-    """``PolicyError`` unless ``spec`` is a ``--pause-when`` policy (``busy``, ``busy:CORES``, ``file:PATH``)."""
-    kind, sep, arg = spec.partition(":")
-    if kind == "busy":
-        if sep:
-            try:
-                cores = float(arg)
-            except ValueError:
-                raise PolicyError(f"busy:{arg}: CORES must be a number") from None
-            if not 0 < cores < 1e6:
-                raise PolicyError(f"busy:{arg}: CORES must be positive")
-        return
-    if kind == "file" and arg:
-        return
-    raise PolicyError(f"unknown policy {spec!r}; use busy, busy:CORES or file:PATH")
-
-
 # ---- the state: who wants the daemon paused -------------------------------------------------------------------
 @dataclass
 class _Held:
@@ -327,40 +285,6 @@ class PauseState:
     def close(self) -> None:
         for held in self._held:
             held.policy.close()
-
-
-def deadline_of(max_hours: float, until: str, now: dt.datetime | None = None,
-                monotonic: Callable[[], float] = time.monotonic) -> float | None:
-    """The monotonic time at which a daemon given ``--max-hours``/``--until`` leaves (the earlier of the two);
-    None for neither. ``until``: an ISO date and time, or HH:MM (its next occurrence, local time)."""
-    now = now or dt.datetime.now()
-    ends: list[float] = []
-    if max_hours:
-        ends.append(max_hours * 3600)
-    if until:
-        at = parse_until(until, now)
-        ends.append((at - now).total_seconds())
-    return monotonic() + max(0.0, min(ends)) if ends else None
-
-
-def parse_until(text: str, now: dt.datetime) -> dt.datetime:
-    """``--until``: an ISO date and time (local unless it names a zone), or HH:MM today or, once passed, tomorrow."""
-    m = re.fullmatch(r"(\d{1,2}):(\d{2})", text.strip())
-    if m:
-        h, mi = int(m.group(1)), int(m.group(2))
-        if h > 23 or mi > 59:
-            raise PolicyError(f"{text!r} is not a time of day")
-        at = now.replace(hour=h, minute=mi, second=0, microsecond=0)
-        return at if at > now else at + dt.timedelta(days=1)
-    try:
-        at = dt.datetime.fromisoformat(text.strip())
-    except ValueError:
-        raise PolicyError(f"expected an ISO date and time (2026-12-05T06:00) or HH:MM, got {text!r}") from None
-    if at.tzinfo is not None:
-        at = at.astimezone().replace(tzinfo=None)
-    if at <= now:
-        raise PolicyError(f"{text} has passed")
-    return at
 
 
 def policies_of(specs: Iterable[str], schedule: str, device_kind: str, device_index: int | None,

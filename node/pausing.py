@@ -16,7 +16,7 @@ from atoll.protocols.records import Status
 from . import arrival
 from .checkpoint import load_checkpoint
 from .metrics import current_rss_mib
-from .pause import Mode
+from .pause_specs import Mode
 
 if TYPE_CHECKING:
     from .island import Island

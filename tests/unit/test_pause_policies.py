@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from atoll.node.config import ConfigError, NodeConfig, RunConfig
-from atoll.node.pause import (OPERATOR, SAMPLE_EVERY, FilePresent, GpuBusy, HostLoad, PauseState, PolicyError,
-                              Schedule, check_spec, deadline_of, in_window, parse_until, parse_window, tree_of)
+from atoll.node.pause import (OPERATOR, SAMPLE_EVERY, FilePresent, GpuBusy, HostLoad, PauseState, Schedule, in_window,
+                              tree_of)
+from atoll.node.pause_specs import PolicyError, check_spec, deadline_of, parse_until, parse_window
 
 
 class Clock:
