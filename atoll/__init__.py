@@ -22,7 +22,7 @@ if not os.path.isdir(os.path.join(_here, "node")):
 
 def __getattr__(name: str) -> Any:
     if name == "Island":
-        from atoll.node.island import Island
+        from atoll.node.island.island import Island
 
         return Island
     if name == "ConfigError":

@@ -1,5 +1,5 @@
 """The model in the layouts other tools read: a Llama preset as a Hugging Face ``LlamaForCausalLM``, and a
-byte-level tokenizer as a ``tokenizers`` JSON. Pure functions on tensors and dicts; files are ``node/export.py``'s.
+byte-level tokenizer as a ``tokenizers`` JSON. Pure functions on tensors and dicts; files are ``node/home/export.py``'s.
 
 atoll's ``Llama`` and Hugging Face's differ in three ways, all undone here exactly (no arithmetic on the values):
 

@@ -1,6 +1,6 @@
 """``atoll start``, ``atoll status``, ``atoll dashboard``, ``atoll pause``, ``atoll resume``, ``atoll token``,
 ``atoll token revoke`` (also ``atoll revoke``), ``atoll data prepare``, and ``atoll export``, ``atoll sample`` and
-``atoll eval`` (``node/model_commands.py``).
+``atoll eval`` (``node/home/model_commands.py``).
 
 Bad configuration: one line on stderr, exit code 2, no traceback.
 """
@@ -14,8 +14,8 @@ import sys
 import time
 from typing import Any
 
-from . import model_commands
 from .config import ConfigError, NodeConfig, RunConfig, load_config
+from .home import model_commands
 
 _RUN_ID = NodeConfig().run_id  # default of ``atoll status`` and ``atoll token`` too
 
@@ -119,7 +119,7 @@ def _verify_args(p: argparse.ArgumentParser) -> None:
 
 
 def _dashboard_parser(sub: argparse._SubParsersAction) -> None:
-    from .dashboard import HISTORY_POINTS, POLL_EVERY
+    from .ops.dashboard import HISTORY_POINTS, POLL_EVERY
 
     p = sub.add_parser("dashboard", help="serve a web page of a run's progress, read from the DHT")
     p.add_argument("--initial-peers", nargs="+", metavar="MADDR", required=True)
@@ -187,8 +187,8 @@ def revoke(run_key: str, run_id: str, initial_peers: list[str], tokens: list[str
                                       newest_revocation, peer_id_of)
     from atoll.protocols.records import make_validators, revoked_key, unwrap_subkeys
 
-    from .join import start_dht
-    from .peers import REVOCATION_TTL
+    from .rounds.join import start_dht
+    from .rounds.peers import REVOCATION_TTL
 
     try:
         key = RunKey.load(run_key)
@@ -324,10 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "start":
-            from .daemon import run_daemon
+            from .island.daemon import run_daemon
             from .log import setup_logging
 
-            from .launch import launch, wants_launcher
+            from .island.launch import launch, wants_launcher
 
             cfg, explicit = load_config(config_overrides(args), args.config)
             setup_logging(cfg.log_level, cfg.log_format)
@@ -343,15 +343,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in model_commands.COMMANDS:
             return model_commands.run(args)
         if args.command in ("pause", "resume"):
-            from .control import run_control, socket_path
+            from .island.control import run_control, socket_path
 
             return run_control(args.command, socket_path(args.control_socket, args.checkpoint_dir), args.wait)
         if args.command == "dashboard":
-            from .dashboard import run_dashboard
+            from .ops.dashboard import run_dashboard
 
             return run_dashboard(list(args.initial_peers), args.run_id, args.host, args.port, args.interval,
                                  args.history, args.join_token, args.run_key)
-        from .status import run_status
+        from .ops.status import run_status
 
         return run_status(list(args.initial_peers), args.run_id, args.json, args.peers, args.watch, args.join_token,
                           args.run_key)

@@ -113,8 +113,8 @@ class RunConfig:
                                   "then merged into one", metavar="N")
     grace_gamma: float = opt(0.5, help="share of the overlap's slack a round may wait for more members, in [0, 1)",
                              metavar="G")
-    # Without the join window (atoll.node.round_protocol.join_window), at τ·step_time below a second, rounds close
-    # before a peer a few steps off its schedule has joined, and the peers left out drop their unmerged work.
+    # Without the join window (atoll.node.rounds.round_protocol.join_window), at τ·step_time below a second, rounds
+    # close before a peer a few steps off its schedule has joined, and the peers left out drop their unmerged work.
     join_window: bool = opt(True, help="decoupled, with --grace-gamma > 0: a round waits at least as long as a "
                                        "peer needs to notice and join it")
     stale_contributions: bool = opt(False, help="decoupled: when a fork our rounds were on loses, contribute our part "
@@ -211,6 +211,17 @@ class RunConfig:
         return {**missing, **saved} == self.published()
 
 
+
+MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with its terminating zero
+
+
+def check_socket_path(path: str) -> None:
+    """``ConfigError`` if ``path`` is too long for a Unix socket (``--control-socket``)."""
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+        raise ConfigError(f"control_socket: {path!r} is longer than a Unix socket's {MAX_SOCKET_PATH} bytes; give "
+                          "a shorter --control-socket")
+
+
 @dataclass(frozen=True)
 class NodeConfig:
     """Local to one daemon."""
@@ -244,7 +255,7 @@ class NodeConfig:
                                      "device (the cores train), else up to 8 (the host's cores are free)", metavar="N")
     grad_accum: int = opt(1, help="micro-batches of --batch-size per inner step on each rank (gradient "
                                   "accumulation); with the run's --global-batch, derived from it", metavar="N")
-    # An island of several processes (node/ranks.py, docs/design.md): torch's elastic launcher starts them.
+    # An island of several processes (node/island/ranks.py, docs/design.md): torch's elastic launcher starts them.
     nproc_per_node: int = opt(1, help="ranks of this island on this host, one per accelerator (or per CPU "
                                       "process): more than one launches them with torch's elastic launcher "
                                       "(torchrun); under torchrun itself, leave it unset", metavar="N")
@@ -262,7 +273,7 @@ class NodeConfig:
     max_restarts: int = opt(3, help="times the launcher restarts the island's ranks after one fails (each restart "
                                     "resumes from the checkpoint)", metavar="N")
     max_steps: int = opt(0, help="stop after this many inner steps; 0 trains until stopped", metavar="N")
-    # Lending the machine (node/pause.py, docs/operations.md "Spare capacity").
+    # Lending the machine (node/island/pause.py, docs/operations.md "Spare capacity").
     pause_when: tuple[str, ...] = opt((), help="pause (free the accelerator, stay in the run) while this holds: busy "
                                                "(another process uses the GPU, by NVML; else the host's CPU: "
                                                "busy:CORES), or file:PATH (the file exists); repeatable",
@@ -425,9 +436,7 @@ class NodeConfig:
             raise ConfigError("pause_when: an island of several ranks cannot pause yet; run one daemon per "
                               "accelerator to lend them one by one")
         if self.control_socket is not None:
-            from .control import check_path
-
-            check_path(self.control_socket)
+            check_socket_path(self.control_socket)
 
     @property
     def control_path(self) -> str | None:

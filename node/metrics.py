@@ -57,7 +57,7 @@ class Histogram:
 @dataclass
 class Counters:
     device: str = ""
-    ranks: int = 1  # the island's processes (node/ranks.py)
+    ranks: int = 1  # the island's processes (node/island/ranks.py)
     algorithm: str = ""
     status: Status = Status.JOINING
     step: int = 0
@@ -75,11 +75,11 @@ class Counters:
     rounds_done: int = 0
     rounds_skipped: int = 0
     forks_healed: int = 0
-    rejoins: int = 0  # times the DHT was bootstrapped again after a while with no live peer (node/rejoin.py)
+    rejoins: int = 0  # times the DHT was bootstrapped again after a while with no live peer (node/rounds/rejoin.py)
     ddp_failed_steps: int = 0
-    rank_drift: int = 0  # checks at which a rank of the island held a θ other than rank 0's (node/ranks.py)
+    rank_drift: int = 0  # checks at which a rank of the island held a θ other than rank 0's (node/island/ranks.py)
     island_sync_seconds: float = 0.0  # rank 0's time in the island's collectives that sent θ or compared it
-    paused_seconds: float = 0.0  # time paused (node/pause.py): lent back to its owner, not counted against goodput
+    paused_seconds: float = 0.0  # time paused (island/pause.py): lent back to its owner, not counted against goodput
     pauses: int = 0
     started: float = field(default_factory=time.monotonic)
     # The training loop's: each round's end by fragment (``round_ended``), and when the last checkpoint was written.
@@ -140,7 +140,7 @@ class Counters:
 class MetricsLog:
     """JSON lines, one event each, flushed at once; a log without a path writes nothing. Thread-safe: events come
     from the training loop and from the checkpoint writer. Each of ``sinks`` hears every event as a dict (the
-    experiment trackers: ``node/trackers.py``), whether or not there is a file."""
+    experiment trackers: ``node/ops/trackers.py``), whether or not there is a file."""
 
     def __init__(self, path: Path | None, sinks: tuple[Callable[[dict[str, Any]], None], ...] = ()) -> None:
         self._file = open(path, "a") if path is not None else None

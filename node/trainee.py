@@ -146,7 +146,7 @@ class Trainee:
         self.device.sync()
 
 
-    # ---- pausing (node/pause.py) ----------------------------------------------------------------------------
+    # ---- pausing (node/island/pause.py) ----------------------------------------------------------------------------
     def held_bytes(self) -> int:
         """Bytes of θ, its gradients and the optimizer's state this trainee holds now, on its device."""
         tensors = [*self.params, *(p.grad for p in self.params if p.grad is not None),

@@ -40,7 +40,7 @@ class Status(enum.StrEnum):
     JOINING = "joining"
     TRAINING = "training"
     LEAVING = "leaving"
-    PAUSED = "paused"  # lent back to its owner (node/pause.py): serves state, is expected in no round
+    PAUSED = "paused"  # lent back to its owner (node/island/pause.py): serves state, is expected in no round
     STOPPED = "stopped"  # only in a daemon's final summary, never published
 
 
@@ -53,10 +53,10 @@ MAX_CLOCK_SKEW = 10.0  # seconds another daemon's clock may run ahead of ours be
 MAX_REJECTION_KINDS = 32
 MAX_GROUP = 1024  # members of one round's groups together (matchmaking re-exports it)
 # Progress records are spread over this many keys by a hash of the peer id (``progress_shard``): no key is written
-# by every daemon each heartbeat, and a reader of a large swarm reads a few shards at a time (``node/peers.py``).
+# by every daemon each heartbeat, and a reader of a large swarm reads a few shards at a time (``node/rounds/peers.py``).
 PROGRESS_SHARDS = 16
 # The key under which the daemons of a small swarm also write their record, so that one key holds the whole table:
-# a read of 16 keys costs a small swarm several times a read of one (``node/peers.py``, docs/results.md).
+# a read of 16 keys costs a small swarm several times a read of one (``node/rounds/peers.py``, docs/results.md).
 ALL_SHARDS = -1
 
 # How far in the future a record's expiration may lie, per kind of key (seconds; a clock skew is added). Each is
@@ -131,7 +131,7 @@ class ProgressRecord(pydantic.BaseModel):
     peer_id: constr(strict=True, min_length=1, max_length=128)
     status: StrictStr
     device: constr(strict=True, max_length=128)
-    ranks: conint(ge=1, le=1 << 20, strict=True)  # the island's processes (node/ranks.py)
+    ranks: conint(ge=1, le=1 << 20, strict=True)  # the island's processes (node/island/ranks.py)
     algorithm: constr(strict=True, max_length=32)
     step: conint(ge=0, strict=True)
     version: conint(ge=0, strict=True)  # sum of fragment versions

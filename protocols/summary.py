@@ -1,10 +1,10 @@
 """A run's totals in a few records: what ``atoll status`` reads instead of every progress record of a large run.
 
-A few daemons, the summarizers, publish every heartbeat the totals of the peer table they hold (``node/peers.py``,
-which past a few dozen peers is itself assembled from shards read in turns). Who summarizes needs no election
-messages: the ``SUMMARIZERS`` peers whose ids hash lowest (``summary_rank``) among those in a daemon's table and
-itself. Tables differ a little between daemons, so for a moment one more or one fewer may write; a reader takes
-the median of each total over the fresh summaries it finds (``merge``), so that one summarizer that lies, or whose
+A few daemons, the summarizers, publish every heartbeat the totals of the peer table they hold
+(``node/rounds/peers.py``, which past a few dozen peers is itself assembled from shards read in turns). Who summarizes
+needs no election messages: the ``SUMMARIZERS`` peers whose ids hash lowest (``summary_rank``) among those in a daemon's
+table and itself. Tables differ a little between daemons, so for a moment one more or one fewer may write; a reader
+takes the median of each total over the fresh summaries it finds (``merge``), so that one summarizer that lies, or whose
 table is behind, does not make the figures.
 
 The totals are those ``atoll status`` shows for a run (``totals``): the same function makes them from a summarizer's

@@ -220,7 +220,7 @@ def worker_pair(args: argparse.Namespace) -> dict:
     alike. Returns per repetition each kind's tokens/s and seconds, and what was run."""
     import torch
 
-    from atoll.node.learner import Learner
+    from atoll.node.island.learner import Learner
 
     run, device, corpus, model, shape = _setup(args)
     cuda = device.kind == "cuda"

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from bars import each  # noqa: E402
 from dht_fill import HOLD_CHUNK, RUN, hold, members, signed_records  # noqa: E402
 from swarm import cpu_seconds  # noqa: E402
-from atoll.node.status import collect_status  # noqa: E402
+from atoll.node.ops.status import collect_status  # noqa: E402
 from atoll.protocols import dht_io, validated  # noqa: E402
 from atoll.protocols.auth import RunKey  # noqa: E402
 from atoll.protocols.records import make_validators, parse_progress, progress_keys, unwrap_subkeys  # noqa: E402

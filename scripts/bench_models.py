@@ -50,7 +50,7 @@ from atoll.models.gpt import GPT, GPTConfig  # noqa: E402
 from atoll.models.llama import Llama, LlamaConfig  # noqa: E402
 from atoll.node.config import RunConfig  # noqa: E402
 from atoll.node.device import resolve_device  # noqa: E402
-from atoll.node.learner import Learner  # noqa: E402
+from atoll.node.island.learner import Learner  # noqa: E402
 
 LEARNERS = 4
 NUM_SHARDS = 16

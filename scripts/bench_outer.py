@@ -38,7 +38,7 @@ from atoll.models.configs import get_model_config
 from atoll.models.data import Corpus, load_corpus
 from atoll.node.config import RunConfig
 from atoll.node.device import resolve_device
-from atoll.node.learner import Learner
+from atoll.node.island.learner import Learner
 from bars import each
 from benchkit import diloco
 

@@ -27,7 +27,7 @@ from swarm import LocalSwarm  # noqa: E402
 
 from atoll.models.configs import get_model_config  # noqa: E402
 from atoll.models.fragments import make_fragments  # noqa: E402
-from atoll.node.checkpoint import load_checkpoint  # noqa: E402
+from atoll.node.home.checkpoint import load_checkpoint  # noqa: E402
 from atoll.node.config import RunConfig  # noqa: E402
 
 def solo(run: RunConfig, steps: int) -> dict:

@@ -3,10 +3,10 @@
 
     python scripts/bench_shard_reads.py [--records 8 64] [--nodes 8] [--reads 15] [--repeats 3]
 
-Past 64 records a daemon reads a few of the 16 progress shards at a time (``node/peers.py``); up to 64 it reads all
-16 keys in one ``get_many``, where it read one key before the shards. This measures what that costs a small swarm,
-and whether hivemind's caching of what a read found on the nearest node that lacks it (``cache_nearest``, on by
-default: a store per key found) is part of it.
+Past 64 records a daemon reads a few of the 16 progress shards at a time (``node/rounds/peers.py``); up to 64 it reads
+all 16 keys in one ``get_many``, where it read one key before the shards. This measures what that costs a small swarm,
+and whether hivemind's caching of what a read found on the nearest node that lacks it (``cache_nearest``, on by default:
+a store per key found) is part of it.
 
 For each repeat, size and variant, ``--nodes`` real hivemind DHT nodes (each its own process and p2pd, with an open
 run's validators) start on loopback. Before each read every record is stored again on every node with a later

@@ -14,7 +14,7 @@ from atoll.models.configs import MODELS
 from atoll.models.data import Corpus, load_corpus
 from atoll.node.config import RunConfig
 from atoll.node.device import resolve_device
-from atoll.node.learner import Learner
+from atoll.node.island.learner import Learner
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--model", default="tiny")

@@ -10,7 +10,7 @@ well) and the summaries three of them would publish (``protocols/summary.py``), 
 swarm of that many daemons. On those nodes, in an order
 that alternates between repeats, it times:
 
-- ``collect_status`` (``node/status.py``) from a fresh DHT client, reading the summaries only (``--no-peers``) and
+- ``collect_status`` (``node/ops/status.py``) from a fresh DHT client, reading the summaries only (``--no-peers``) and
   reading every record (``--peers``);
 - the whole command, ``atoll status --json --no-peers`` and ``--peers``, each a fresh process: importing torch and
   hivemind, starting a DHT client and its p2pd, reading, printing.
@@ -40,9 +40,9 @@ sys.path.insert(0, str(ROOT))
 from bars import each  # noqa: E402
 from dht_fill import HOLD_CHUNK, RUN, hold, members, progress_value, signed_records  # noqa: E402
 
-from atoll.node.status import collect_status  # noqa: E402
+from atoll.node.ops.status import collect_status  # noqa: E402
 from atoll.protocols.auth import RunKey  # noqa: E402
-from atoll.node.peers import WRITE_ALL_UP_TO  # noqa: E402
+from atoll.node.rounds.peers import WRITE_ALL_UP_TO  # noqa: E402
 from atoll.protocols.records import ALL_SHARDS, MAX_EXPIRY, make_validators, parse_progress, progress_key  # noqa: E402
 from atoll.protocols.summary import SUMMARIZERS, is_summarizer, summary_key, totals  # noqa: E402
 

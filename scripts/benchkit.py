@@ -19,10 +19,10 @@ from atoll.models.configs import get_model_config
 from atoll.models.data import Corpus, load_corpus
 from atoll.models.fragments import copy_into, flatten, make_fragments
 from atoll.models.outer import NesterovOuter, pseudo_gradient, weighted_mean
-from atoll.node.checkpoint import load_checkpoint
+from atoll.node.home.checkpoint import load_checkpoint
 from atoll.node.config import RunConfig
 from atoll.node.device import resolve_device
-from atoll.node.learner import Learner
+from atoll.node.island.learner import Learner
 
 DAEMONS = 4
 EVAL_BATCHES = 32  # the final comparison

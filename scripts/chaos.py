@@ -53,7 +53,7 @@ from bars import bar, each  # noqa: E402
 from benchkit import evaluate_swarm  # noqa: E402
 from swarm import LocalSwarm  # noqa: E402
 
-from atoll.node.checkpoint import load_checkpoint  # noqa: E402
+from atoll.node.home.checkpoint import load_checkpoint  # noqa: E402
 from atoll.node.config import RunConfig  # noqa: E402
 
 KINDS = ("kill", "freeze", "leave", "join", "checkpoint_kill")

@@ -91,7 +91,7 @@ _atoll_setup() {
     case ":$PATH:" in *":$bindir:"*) ;; *) export PATH="$bindir:$PATH" ;; esac
 
     # The imports a daemon needs (hivemind imports torch: a few seconds), from the links, not from the checkout.
-    if ! (cd / && "$py" -c 'import atoll, hivemind, multiaddr, pydantic.v1, atoll.node.cli, atoll.node.join
+    if ! (cd / && "$py" -c 'import atoll, hivemind, multiaddr, pydantic.v1, atoll.node.cli, atoll.node.rounds.join
 assert atoll.__file__.startswith("'"$pathdir"'"), atoll.__file__' >/dev/null 2>"$pathdir/import-error.txt"); then
         echo "device_setup: import check failed with $py: $(grep -v '^ ' "$pathdir/import-error.txt" | tail -1)" >&2
         return 1

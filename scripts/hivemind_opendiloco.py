@@ -55,7 +55,7 @@ def main() -> int:
     from atoll.models.data import Corpus, load_corpus
     from atoll.node.config import RunConfig
     from atoll.node.device import resolve_device
-    from atoll.node.learner import Learner
+    from atoll.node.island.learner import Learner
 
     run = RunConfig(model=args.model, algorithm="diloco", sync_every=args.sync_every)
     tokens, _ = load_corpus(run.data)

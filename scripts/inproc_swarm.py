@@ -121,7 +121,7 @@ class Swarm:
                  precision: str | None = None, model0: torch.nn.Module | None = None) -> None:
         from atoll.models.fragments import make_fragments
         from atoll.models.registry import embedding_of
-        from atoll.node.learner import Learner
+        from atoll.node.island.learner import Learner
         from atoll.protocols.codecs import ErrorFeedback
 
         if cfg.kind not in KINDS or cfg.merge not in MERGES:

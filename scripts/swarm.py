@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from atoll.node.curves import smoothed
+from atoll.node.ops.curves import smoothed
 
 
 @dataclass
@@ -323,7 +323,7 @@ class StatusReader:
 
     def __init__(self, initial_peers: list[str], run_id: str = "atoll") -> None:
         from atoll.node.config import NodeConfig
-        from atoll.node.join import start_dht
+        from atoll.node.rounds.join import start_dht
         from atoll.protocols.records import make_validators
 
         cfg = NodeConfig(run_id=run_id, initial_peers=tuple(initial_peers), host_maddrs=("/ip4/127.0.0.1/tcp/0",))
@@ -331,7 +331,7 @@ class StatusReader:
         self.dht = start_dht(cfg, list(make_validators(run_id)), client_mode=True)
 
     def read(self) -> dict[str, Any]:
-        from atoll.node.status import collect_status
+        from atoll.node.ops.status import collect_status
 
         return collect_status(self.dht, self.run_id)
 

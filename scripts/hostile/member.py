@@ -50,7 +50,7 @@ from atoll.node.algorithm import algorithm
 from atoll.models.fragments import make_fragments
 from atoll.models.gpt import GPT
 from atoll.models.outer import tensor_hash
-from atoll.node.catchup import MAX_NORM_RATIO
+from atoll.node.rounds.catchup import MAX_NORM_RATIO
 from atoll.protocols import averaging, dht_io, state_sync
 from atoll.protocols.auth import JoinToken, identity_bytes
 from atoll.protocols.matchmaking import group_key
@@ -167,7 +167,8 @@ class HostileMember:
         return version, weight, tensor_hash(self.served[p], torch.zeros(self.numels[p]))
 
     async def _publish(self, record: dict[str, Any], ttl: float = 6.0) -> bool:
-        """Under its shard and under a small swarm's one key, as an honest daemon publishes (``node/peers.py``)."""
+        """Under its shard and under a small swarm's one key, as an honest daemon publishes
+        (``node/rounds/peers.py``)."""
         keys = [progress_key(self.namespace, progress_shard(self.peer_id)), progress_key(self.namespace, ALL_SHARDS)]
         stored = await asyncio.gather(*(dht_io.store(self.dht, key, record, get_dht_time() + ttl, self.subkey)
                                         for key in keys))

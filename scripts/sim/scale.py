@@ -1,7 +1,7 @@
 """A swarm of simulated islands that runs atoll's real protocol code, in virtual time, for hundreds to thousands
 of islands in one process (issue: a thousand islands).
 
-What is real: each island's ``PeerTable`` (``node/peers.py``: its progress record, published every heartbeat,
+What is real: each island's ``PeerTable`` (``node/rounds/peers.py``: its progress record, published every heartbeat,
 and its reads of the run's peer table, parsed by ``records.parse_progress``), ``matchmaking.form_group`` (the
 registrations, the coordinator, the group decision and its checks, the split into groups capped at
 ``max_group``), the open-round announcements read and parsed as ``RoundProtocol.watch_open_rounds`` does, the
@@ -43,8 +43,8 @@ from typing import Any, Iterator
 import msgpack
 from hivemind.utils.timed_storage import ValueWithExpiration
 
-from atoll.node import peers as peers_module
-from atoll.node.round_protocol import OPEN_ROUND_POLL, FragmentPeers, grace_window, join_window
+from atoll.node.rounds import peers as peers_module
+from atoll.node.rounds.round_protocol import OPEN_ROUND_POLL, FragmentPeers, grace_window, join_window
 from atoll.protocols import dht_io, matchmaking, records
 from atoll.protocols.cooldown import Cooldown
 from atoll.protocols.dht_io import key_kind
@@ -257,7 +257,7 @@ class SimConfig:
 
 @dataclasses.dataclass
 class Replica:
-    """Stands in for ``node/replica.Replica``: one fragment's identity, nothing more."""
+    """Stands in for ``node/rounds/replica.Replica``: one fragment's identity, nothing more."""
 
     version: int = 0
     weight: float = 0.0

@@ -13,7 +13,7 @@ from pathlib import Path
 from hivemind.p2p import P2P, PeerID
 from multiaddr import Multiaddr
 
-from atoll.node.join import apply_p2pd_environment
+from atoll.node.rounds.join import apply_p2pd_environment
 
 
 async def main(host: str, mine: Path, theirs: Path, at: float) -> None:

@@ -27,7 +27,7 @@ from hostile import outsider
 from swarm import LocalSwarm
 from support.swarms import peer_id, wait_for
 
-from atoll.node.join import choose_config
+from atoll.node.rounds.join import choose_config
 from atoll.protocols import dht_io
 from atoll.protocols.auth import JoinToken, RunKey
 from atoll.protocols.p2p_guard import MAX_STRANGER_STREAMS, MAX_STREAMS_PER_PEER

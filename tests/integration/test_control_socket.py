@@ -1,6 +1,6 @@
-"""The daemon's local control socket (a Unix socket, node/control.py) and ``atoll pause``/``atoll resume`` against
-it, with a stand-in for the training loop: owner-only, one live daemon per socket, a stale socket replaced, and the
-CLI's lines and exit codes."""
+"""The daemon's local control socket (a Unix socket, node/island/control.py) and ``atoll pause``/``atoll resume``
+against it, with a stand-in for the training loop: owner-only, one live daemon per socket, a stale socket replaced,
+and the CLI's lines and exit codes."""
 
 import os
 import stat
@@ -10,8 +10,8 @@ import pytest
 
 from atoll.node.cli import main
 from atoll.node.config import ConfigError
-from atoll.node.control import ControlServer, ask, run_control
-from atoll.node.pause import OPERATOR, PauseState
+from atoll.node.island.control import ControlServer, ask, run_control
+from atoll.node.island.pause import OPERATOR, PauseState
 
 pytestmark = pytest.mark.integration
 

@@ -138,7 +138,7 @@ def test_dashboard_shows_a_live_private_run_in_chromium(swarm, tmp_path):
 
 def test_the_page_shows_what_the_network_sent_as_text(tmp_path):
     """A record's device and peer id are whatever a peer published: the page shows them, and runs none of it."""
-    from atoll.node.dashboard import History, serve
+    from atoll.node.ops.dashboard import History, serve
 
     hostile = '<img src=x onerror="document.body.dataset.pwned=1">'
     record = {"peer_id": "Qm" + "x" * 40 + "<b>bold</b>", "status": "training", "device": hostile, "ranks": 1,

@@ -17,7 +17,7 @@ from support.swarms import (assert_held_out_falls, assert_refused_in_one_line, a
 pytest.importorskip("transformers")
 
 from atoll.models.registry import build_model  # noqa: E402
-from atoll.node.checkpoint import load_checkpoint  # noqa: E402
+from atoll.node.home.checkpoint import load_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.integration
 TINY = dict(model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

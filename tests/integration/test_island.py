@@ -112,7 +112,7 @@ def test_two_ranks_of_two_train_as_one_rank_of_four(tmp_path, sharding):
     """The island's batch is its ranks' micro-batches: 2 ranks x 2 sequences, gradients averaged (DDP, or FSDP's
     reduce-scatter with θ and the AdamW state sharded), train θ as 1 rank x 4 sequences does (the same peer id, so
     the same shard and windows; equal up to float summation order). Sharded, each rank holds half of θ."""
-    from atoll.node.checkpoint import load_checkpoint
+    from atoll.node.home.checkpoint import load_checkpoint
 
     lr = 1e-3
     # One data shard in every run (not the one the fresh peer id picks): how many elements AdamW's sign decides (see

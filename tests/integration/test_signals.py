@@ -8,7 +8,7 @@ import time
 import pytest
 from swarm import LocalSwarm, group_alive, wait_for
 
-from atoll.node.checkpoint import load_checkpoint
+from atoll.node.home.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.integration
 

@@ -4,7 +4,7 @@ next checkpoint is taken at the first step boundary after the write ends (not at
 import pytest
 from swarm import LocalSwarm, wait_for
 
-from atoll.node.checkpoint import load_checkpoint
+from atoll.node.home.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,7 @@ from swarm import LocalSwarm
 from support.swarms import wait_for, wait_for_shared_rounds
 from support.trackers import wandb_history
 
-from atoll.node import export
+from atoll.node.home import export
 from atoll.protocols.auth import RunKey
 
 pytestmark = pytest.mark.integration

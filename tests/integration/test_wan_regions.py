@@ -101,7 +101,7 @@ def test_two_daemons_dialing_each_other_at_once_across_regions_connect(regions, 
     """Every member of a round opens streams to every reducer at once, so two daemons that never met dial each other
     at the same moment. Across regions (50 ms RTT here) the two dials cross on the link; from libp2p's default
     listening-port source (``LIBP2P_TCP_REUSEPORT``) both then fail, and a round over 100 ms RTT never completed
-    (docs/wan.md). From ephemeral ports, as ``atoll.node.join`` starts p2pd, both connect."""
+    (docs/wan.md). From ephemeral ports, as ``atoll.node.rounds.join`` starts p2pd, both connect."""
     w, _ = regions
     env = dict(os.environ)
     env.pop("LIBP2P_TCP_REUSEPORT", None)

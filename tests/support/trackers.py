@@ -1,4 +1,4 @@
-"""Readers of the files experiment trackers write, for the tests of ``node/trackers.py`` and of live daemons."""
+"""Readers of the files experiment trackers write, for the tests of ``node/ops/trackers.py`` and of live daemons."""
 
 from __future__ import annotations
 

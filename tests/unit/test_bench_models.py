@@ -15,7 +15,7 @@ from atoll.models.fragments import flatten
 from atoll.models.gpt import GPTConfig
 from atoll.node.config import RunConfig
 from atoll.node.device import resolve_device
-from atoll.node.learner import Learner
+from atoll.node.island.learner import Learner
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ from atoll.models.data import Corpus, load_corpus
 from atoll.models.fragments import flatten
 from atoll.node.config import RunConfig
 from atoll.node.device import resolve_device
-from atoll.node.learner import Learner
+from atoll.node.island.learner import Learner
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import torch
 
-from atoll.node.catchup import UNBACKED_OFFENCES, CatchUp, vouched
-from atoll.node.replica import Replica
+from atoll.node.rounds.catchup import UNBACKED_OFFENCES, CatchUp, vouched
+from atoll.node.rounds.replica import Replica
 from atoll.protocols.cooldown import Cooldown
 from atoll.protocols.stats import TrafficStats
 from support.records import progress_record
@@ -104,7 +104,7 @@ def test_a_donor_is_blamed_only_once_its_record_had_time_to_show_it_moved_on():
     """The local swarm's founder: it took the swarm's line over its own fork (a lighter replica), and refused the
     claim its record still showed twice within a second: blamed at once, it was left out of every round for two
     minutes. A donor fails a claim only if it still refuses it ``RECORD_GRACE`` heartbeats after the first time."""
-    from atoll.node.catchup import RECORD_GRACE
+    from atoll.node.rounds.catchup import RECORD_GRACE
 
     cu, ctx = catch_up([])
     now = [0.0]
@@ -168,7 +168,7 @@ def test_a_peer_just_behind_us_on_our_line_means_we_are_not_lonely():
 
 
 def test_a_lonely_claim_far_ahead_of_ours_is_not_taken():
-    from atoll.node.catchup import MAX_LONELY_LEAD
+    from atoll.node.rounds.catchup import MAX_LONELY_LEAD
 
     cu, ctx = catch_up([])
     version = ctx.replica.identity(0)[0]
@@ -206,7 +206,7 @@ def test_a_lonely_download_goes_to_the_learner_and_is_adopted_only_if_it_passes(
 def test_only_a_refusal_of_a_claim_nobody_delivered_counts_against_its_donor(monkeypatch):
     import asyncio
 
-    import atoll.node.catchup as catchup_module
+    import atoll.node.rounds.catchup as catchup_module
     from atoll.protocols.state_sync import DonorRefused, ReplicaState
 
     def table(peers):
@@ -335,7 +335,7 @@ def test_a_donor_that_moved_on_is_asked_for_what_it_holds_now_if_that_would_be_v
     would then be vouched for, and only then (one member saying it moved on makes nothing vouched for)."""
     import asyncio
 
-    import atoll.node.catchup as catchup_module
+    import atoll.node.rounds.catchup as catchup_module
     from atoll.protocols.state_sync import DonorRefused, ReplicaState
 
     asked = []
@@ -386,7 +386,7 @@ def test_a_vouched_replica_unlike_ours_is_vetted_first_and_one_like_ours_is_adop
     rounds' steps away) is adopted at once."""
     import asyncio
 
-    from atoll.node.catchup import MAX_VOUCHED_DISTANCE
+    from atoll.node.rounds.catchup import MAX_VOUCHED_DISTANCE
     from atoll.protocols.state_sync import ReplicaState
 
     cu, ctx = catch_up([])

@@ -11,10 +11,10 @@ import torch
 
 from atoll.models.configs import MODELS
 from atoll.models.data import Corpus, load_corpus
-from atoll.node.checkpoint import CheckpointWriter, checkpoints, load_checkpoint, save_checkpoint
+from atoll.node.home.checkpoint import CheckpointWriter, checkpoints, load_checkpoint, save_checkpoint
 from atoll.node.config import RunConfig
 from atoll.node.device import resolve_device
-from atoll.node.learner import Learner
+from atoll.node.island.learner import Learner
 
 
 def test_roundtrip_and_keep_two(tmp_path, device_name):

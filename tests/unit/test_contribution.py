@@ -1,12 +1,12 @@
-"""A round's contribution handed from the training loop to the syncer's event loop (node/contribution.py): given at
-once, given when asked, refused, or given too late (no sockets, no training)."""
+"""A round's contribution handed from the training loop to the syncer's event loop (node/rounds/contribution.py): given
+at once, given when asked, refused, or given too late (no sockets, no training)."""
 
 import asyncio
 import threading
 
 import torch
 
-from atoll.node.contribution import Contribution
+from atoll.node.rounds.contribution import Contribution
 
 
 def test_a_ready_contribution_is_taken_at_once():

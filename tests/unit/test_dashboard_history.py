@@ -1,6 +1,6 @@
-"""``atoll dashboard``'s history (``node/dashboard.py``) and curves (``node/curves.py``) against naive references; its
-answers to each path; no sockets (the page in a browser is ``tests/integration/test_dashboard.py``, and pytest
-needs the two modules' names to differ)."""
+"""``atoll dashboard``'s history (``node/ops/dashboard.py``) and curves (``node/ops/curves.py``) against naive
+references; its answers to each path; no sockets (the page in a browser is ``tests/integration/test_dashboard.py``, and
+pytest needs the two modules' names to differ)."""
 
 import json
 import math
@@ -10,9 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from atoll.node.config import ConfigError
-from atoll.node.curves import Series, smoothed
-from atoll.node.dashboard import host_allowed, respond, run_dashboard
-from atoll.node.history import FORGET_AFTER, History
+from atoll.node.ops.curves import Series, smoothed
+from atoll.node.ops.dashboard import host_allowed, respond, run_dashboard
+from atoll.node.ops.history import FORGET_AFTER, History
 
 
 def record(peer="p1", step=10, loss=2.0, held_out=None, held_out_step=None, version=1, **more):
@@ -189,7 +189,7 @@ def test_bad_options_are_one_line_errors(changes, field):
 def test_polling_keeps_going_through_failures_and_says_why():
     import threading
 
-    from atoll.node.dashboard import poll
+    from atoll.node.ops.dashboard import poll
 
     stop = threading.Event()
     nothing = {**doc(100), "config": None, "peers": [], "summary": {"source": "records", "summarizers": [],

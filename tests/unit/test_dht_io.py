@@ -80,7 +80,7 @@ def test_the_protocols_reach_the_dht_only_through_this_module(name):
     import re
 
     root = pathlib.Path(dht_io.__file__).resolve().parent.parent
-    offenders = [f"{p.relative_to(root)}:{i}" for d in ("node", "protocols") for p in sorted((root / d).glob("*.py"))
+    offenders = [f"{p.relative_to(root)}:{i}" for d in ("node", "protocols") for p in sorted((root / d).rglob("*.py"))
                  if p.name != "dht_io.py"
                  for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(rf"(?<!`)\bdht\.{name}\(", line)]
     assert offenders == []

@@ -16,7 +16,7 @@ import msgpack
 from atoll.node.cli import main
 from atoll.node.config import ConfigError, NodeConfig
 from atoll.node.faults import Faults
-from atoll.node.join import identity_file, load_revocation, save_revocation
+from atoll.node.rounds.join import identity_file, load_revocation, save_revocation
 from atoll.protocols.auth import (
     RevocationList,
     RunKey,

@@ -18,13 +18,13 @@ from atoll.models.export import (byte_tokenizer, hf_to_llama, llama_to_hf, rotar
 from atoll.models.configs import MODELS
 from atoll.models.generate import generate, next_token
 from atoll.models.registry import build_model, model_digest
-from atoll.node import export
-from atoll.node.checkpoint import save_checkpoint
+from atoll.node.home import export
+from atoll.node.home.checkpoint import save_checkpoint
 from atoll.node.config import NodeConfig, RunConfig
 from atoll.node.device import resolve_device
-from atoll.node.evaluate import Tokenizer, evaluate, held_out_batches, tokenizer_for
-from atoll.node.learner import Learner
-from atoll.node.replica import Replica
+from atoll.node.home.evaluate import Tokenizer, evaluate, held_out_batches, tokenizer_for
+from atoll.node.island.learner import Learner
+from atoll.node.rounds.replica import Replica
 
 transformers = pytest.importorskip("transformers")
 

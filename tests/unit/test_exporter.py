@@ -1,4 +1,4 @@
-"""The Prometheus metrics of a daemon (``node/exporter.py``): what a scrape shows is what the daemon counts, in
+"""The Prometheus metrics of a daemon (``node/ops/exporter.py``): what a scrape shows is what the daemon counts, in
 Prometheus's text format as ``prometheus_client``'s own parser reads it (no sockets: the registry is rendered
 directly)."""
 
@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from atoll.node.exporter import ROUND_RESULTS, DaemonCollector
+from atoll.node.ops.exporter import ROUND_RESULTS, DaemonCollector
 from atoll.node.metrics import ROUND_SECONDS_BUCKETS, SKIPPED, Counters, Histogram
 from atoll.protocols.records import Status
 from atoll.protocols.stats import TrafficStats

@@ -315,7 +315,7 @@ def test_a_donor_streaming_empty_parts_forever_is_refused():
 # ---- catching up by replay: a donor whose replay is mutated ----------------------------------------------------------
 def _good_replay():
     from atoll.models.outer import NesterovOuter, merged_delta
-    from atoll.node.replica import Replica
+    from atoll.node.rounds.replica import Replica
     from atoll.protocols.averaging import shard_bounds
 
     torch.manual_seed(1)

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import torch
 
-from atoll.node import round_protocol
-from atoll.node.round_protocol import REFUSAL_OFFENCES, RoundProtocol
+from atoll.node.rounds import round_protocol
+from atoll.node.rounds.round_protocol import REFUSAL_OFFENCES, RoundProtocol
 from atoll.protocols.averaging import AllreduceResult
 
 

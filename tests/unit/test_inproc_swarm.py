@@ -6,7 +6,7 @@ import torch
 
 from atoll.node.config import RunConfig
 from atoll.node.device import resolve_device
-from atoll.node.learner import Learner
+from atoll.node.island.learner import Learner
 from inproc_swarm import Config, Swarm, load
 
 RUN = RunConfig(model="nano", warmup_steps=3, sync_every=8)

@@ -14,7 +14,7 @@ from atoll.models.data import Corpus, load_corpus
 from atoll.models.fragments import Fragment
 from atoll.node.config import RunConfig
 from atoll.node.device import Device, resolve_device
-from atoll.node.learner import Learner
+from atoll.node.island.learner import Learner
 
 RUN = RunConfig(model="nano", warmup_steps=3)
 

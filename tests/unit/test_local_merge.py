@@ -1,5 +1,5 @@
-"""How a learner takes rounds and adopted replicas into its own θ (``node/rounds.py``, ``--local-merge``): the delta
-rule keeps every step trained while a round is in flight and carries it into the next contribution; overwriting
+"""How a learner takes rounds and adopted replicas into its own θ (``node/rounds/rounds.py``, ``--local-merge``): the
+delta rule keeps every step trained while a round is in flight and carries it into the next contribution; overwriting
 drops them. Driven through ``Rounds`` with a syncer stand-in that lands each round a set number of steps late."""
 
 import concurrent.futures
@@ -15,12 +15,12 @@ from atoll.models.outer import NesterovOuter, tensor_hash
 from atoll.node.algorithm import algorithm
 from atoll.node.config import NodeConfig, RunConfig
 from atoll.node.device import resolve_device
-from atoll.node.learner import Learner
-from atoll.node.local_state import LocalFragmentState
+from atoll.node.island.learner import Learner
+from atoll.node.rounds.local_state import LocalFragmentState
 from atoll.node.metrics import Counters, HeldOut, MetricsLog
-from atoll.node.replica import Replica
-from atoll.node.round_protocol import Outcome, RoundOutcome
-from atoll.node.rounds import CARRY_PERIODS, Rounds
+from atoll.node.rounds.replica import Replica
+from atoll.node.rounds.round_protocol import Outcome, RoundOutcome
+from atoll.node.rounds.rounds import CARRY_PERIODS, Rounds
 from atoll.protocols.state_sync import ReplicaState
 from atoll.protocols.stats import TrafficStats
 

@@ -7,9 +7,9 @@ import asyncio
 import time
 from types import SimpleNamespace
 
-from atoll.node import round_protocol
-from atoll.node.catchup import MAX_LONELY_LEAD
-from atoll.node.round_protocol import MAX_DEFERRALS, Outcome, RoundProtocol
+from atoll.node.rounds import round_protocol
+from atoll.node.rounds.catchup import MAX_LONELY_LEAD
+from atoll.node.rounds.round_protocol import MAX_DEFERRALS, Outcome, RoundProtocol
 from atoll.protocols.records import Status
 
 BEHIND, DEFERRED = Outcome.BEHIND, Outcome.DEFERRED
@@ -110,7 +110,7 @@ def test_after_a_stall_an_empty_table_is_our_dht_having_lost_the_others():
 def test_a_stall_is_noticed_and_the_daemon_comes_back_at_once(monkeypatch):
     """The stall watch: a gap without the event loop running (here 30 s between two of its 0.5 s ticks) republishes,
     reads the table and catches up, and opens the settle window; normal ticks do nothing."""
-    from atoll.node import syncer
+    from atoll.node.rounds import syncer
 
     clock = iter([100.0, 100.5, 101.0, 131.0, 131.5])
     monkeypatch.setattr(syncer, "time", SimpleNamespace(monotonic=lambda: next(clock)))

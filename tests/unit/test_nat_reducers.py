@@ -12,8 +12,8 @@ import pytest
 import torch
 from hivemind.p2p import P2P
 
-from atoll.node.catchup import donor_order
-from atoll.node.round_protocol import RoundProtocol
+from atoll.node.rounds.catchup import donor_order
+from atoll.node.rounds.round_protocol import RoundProtocol
 from atoll.protocols.averaging import AveragingServicer, GroupSpec, allreduce
 from atoll.protocols.stats import TrafficStats
 

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from atoll.node import round_protocol
-from atoll.node.round_protocol import RoundProtocol
+from atoll.node.rounds import round_protocol
+from atoll.node.rounds.round_protocol import RoundProtocol
 from atoll.protocols import nudges
 from atoll.protocols.cooldown import Cooldown
 from atoll.protocols.records import open_rounds_key

@@ -11,8 +11,8 @@ from atoll.models.fragments import copy_into, flatten
 from atoll.models.outer import NesterovOuter, pseudo_gradient, tensor_hash, weighted_mean
 from atoll.node.config import RunConfig
 from atoll.node.device import resolve_device
-from atoll.node.learner import Learner
-from atoll.node.replica import Replica
+from atoll.node.island.learner import Learner
+from atoll.node.rounds.replica import Replica
 
 
 def test_nesterov_matches_hand_written_reference():

@@ -1,4 +1,4 @@
-"""Lending the machine (node/pause.py): each policy triggers and releases, with an injected clock and readings
+"""Lending the machine (node/island/pause.py): each policy triggers and releases, with an injected clock and readings
 (and once against a real busy process); the pause state's hysteresis; --until and --max-hours; a trainee frees its
 memory and gets back exactly the θ and optimizer state it had."""
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from atoll.node.config import ConfigError, NodeConfig, RunConfig
-from atoll.node.pause import (OPERATOR, SAMPLE_EVERY, FilePresent, GpuBusy, HostLoad, PauseState, Schedule, in_window,
-                              tree_of)
+from atoll.node.island.pause import (OPERATOR, SAMPLE_EVERY, FilePresent, GpuBusy, HostLoad, PauseState, Schedule,
+                                     in_window, tree_of)
 from atoll.node.pause_specs import PolicyError, check_spec, deadline_of, parse_until, parse_window
 
 
@@ -286,7 +286,7 @@ def trained_learner(device_name="cpu"):
     from atoll.models.configs import MODELS
     from atoll.models.data import Corpus, load_corpus
     from atoll.node.device import resolve_device
-    from atoll.node.learner import Learner
+    from atoll.node.island.learner import Learner
 
     run = RunConfig(model="nano")
     tokens, _ = load_corpus("builtin")
@@ -345,7 +345,7 @@ class FakeSyncer:
     def submit_round(self, p, contribution, base):
         import concurrent.futures
 
-        from atoll.node.round_protocol import Outcome, RoundOutcome
+        from atoll.node.rounds.round_protocol import Outcome, RoundOutcome
 
         self.submitted.append((p, contribution.weight, base))
         done = concurrent.futures.Future()
@@ -364,10 +364,10 @@ def test_across_a_pause_unmerged_work_moves_onto_the_replica_the_swarm_moved_to(
     from atoll.models.fragments import make_fragments
     from atoll.models.outer import tensor_hash
     from atoll.node.algorithm import algorithm
-    from atoll.node.local_state import LocalFragmentState
+    from atoll.node.rounds.local_state import LocalFragmentState
     from atoll.node.metrics import Counters, HeldOut, MetricsLog
-    from atoll.node.replica import Replica
-    from atoll.node.rounds import Rounds
+    from atoll.node.rounds.replica import Replica
+    from atoll.node.rounds.rounds import Rounds
     from atoll.protocols.state_sync import ReplicaState
 
     learner = trained_learner()
@@ -430,7 +430,7 @@ def test_a_failed_reclaim_leaves_the_trainee_released_to_try_again(device_name):
 
 
 def test_donors_are_the_training_peers_else_the_paused_ones():
-    from atoll.node.catchup import donors
+    from atoll.node.rounds.catchup import donors
     from atoll.protocols.records import Status
 
     def peer(name, status):

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 from hivemind.utils import get_dht_time
 
-from atoll.node import peers as peers_module
-from atoll.node.peers import ALL_READ_UP_TO, READ_BUDGET, WRITE_ALL_UP_TO, PeerTable
+from atoll.node.rounds import peers as peers_module
+from atoll.node.rounds.peers import ALL_READ_UP_TO, READ_BUDGET, WRITE_ALL_UP_TO, PeerTable
 from atoll.protocols.cooldown import Cooldown
 from atoll.protocols.records import ALL_SHARDS, PROGRESS_SHARDS, Status, progress_key, progress_shard
 from atoll.protocols.stats import TrafficStats
@@ -229,7 +229,7 @@ def test_a_progress_record_from_the_future_is_left_out_and_counted(monkeypatch, 
     async def get_many(dht, keys, on_timeout=None):
         return {key: SimpleNamespace(value=held[key]) if key in held else None for key in keys}
 
-    monkeypatch.setattr("atoll.node.peers.dht_io.get_many", get_many)
+    monkeypatch.setattr("atoll.node.rounds.peers.dht_io.get_many", get_many)
     stats = TrafficStats()
     ctx = SimpleNamespace(dht=None, namespace=lambda: "run", reject=stats.reject, cooldown=Cooldown(60.0),
                           replica=SimpleNamespace(num_fragments=1), peer_id="me", run_public_key=None,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from atoll.node import progress
-from atoll.node.checkpoint import load_checkpoint, save_checkpoint
+from atoll.node.home.checkpoint import load_checkpoint, save_checkpoint
 from atoll.node.progress import LOG_EVERY, QUIET_FOR, Bars, Meter, Tracker
 
 
@@ -101,9 +101,9 @@ def test_a_checkpoint_reports_its_write_and_its_check(tmp_path, monkeypatch):
                 f.flush()
                 time.sleep(0.05)
 
-    monkeypatch.setattr("atoll.node.checkpoint.track", lambda what, total: Recording(what, total))
-    monkeypatch.setattr("atoll.node.checkpoint.save_file", slow_save_file)
-    monkeypatch.setattr("atoll.node.checkpoint.GROW_EVERY", 0.01)
+    monkeypatch.setattr("atoll.node.home.checkpoint.track", lambda what, total: Recording(what, total))
+    monkeypatch.setattr("atoll.node.home.checkpoint.save_file", slow_save_file)
+    monkeypatch.setattr("atoll.node.home.checkpoint.GROW_EVERY", 0.01)
     tensors = {"w": torch.randn(300_000), "b": torch.randn(1000)}
     save_checkpoint(tmp_path, tensors, {"step": 1})
     file_size = (tmp_path / "ckpt-00000001.safetensors").stat().st_size

@@ -8,10 +8,10 @@ import torch
 from atoll.models.data import Corpus, load_corpus
 from atoll.models.fragments import make_fragments
 from atoll.node.config import ConfigError, NodeConfig, RunConfig
-from atoll.node.daemon import micro_batches
+from atoll.node.island.daemon import micro_batches
 from atoll.node.device import Device
-from atoll.node.learner import Learner, micro_batch_starts
-from atoll.node.ranks import IslandSync, Ranks
+from atoll.node.island.learner import Learner, micro_batch_starts
+from atoll.node.island.ranks import IslandSync, Ranks
 
 
 def test_ranks_from_the_launchers_environment():
@@ -94,7 +94,7 @@ def test_island_settings_are_validated():
 
 
 def test_atoll_start_launches_an_island_only_outside_the_launcher():
-    from atoll.node.launch import wants_launcher
+    from atoll.node.island.launch import wants_launcher
 
     assert not wants_launcher(NodeConfig(), {})
     assert wants_launcher(NodeConfig(nproc_per_node=2), {})

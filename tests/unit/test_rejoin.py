@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 from hivemind.p2p import PeerID
 
-import atoll.node.rejoin as rejoin
+import atoll.node.rounds.rejoin as rejoin
 from atoll.node.metrics import Counters
 
 ME, A, B = ("QmSGwFGzAxuKt58pYVmatcncBYiaTyb2mUEtei5dQmavPf", "QmSqNn7mVoKGDPjnL2bt7dAmoq6yQpNTA6GHjVecJRJF4Q",

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from atoll.models.outer import NesterovOuter, merged_delta, pseudo_gradient
-from atoll.node.replica import Replica
+from atoll.node.rounds.replica import Replica
 from atoll.protocols import codecs
 from atoll.protocols.averaging import shard_bounds
 from atoll.protocols.state_sync import Replay, StateServicer, download_state

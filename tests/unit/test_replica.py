@@ -4,7 +4,7 @@ replica tells a fork (ours is not in its history) from catching up (ours is)."""
 import torch
 
 from atoll.models.outer import NesterovOuter
-from atoll.node.replica import Replica
+from atoll.node.rounds.replica import Replica
 from atoll.protocols.state_sync import MAX_ANCESTORS
 
 

@@ -1,8 +1,8 @@
-"""The check of a synchronous daemon's round cadence against its heartbeat (``node/rounds.records_lag``)."""
+"""The check of a synchronous daemon's round cadence against its heartbeat (``node/rounds/rounds.records_lag``)."""
 
 import pytest
 
-from atoll.node.rounds import records_lag
+from atoll.node.rounds.rounds import records_lag
 
 
 def test_rounds_slower_than_the_heartbeat_see_peers_at_most_a_version_behind():

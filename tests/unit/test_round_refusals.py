@@ -3,7 +3,7 @@ until it has refused ``REFUSAL_OFFENCES`` groups in a row (``tests/unit/test_gro
 
 from types import SimpleNamespace
 
-from atoll.node.round_protocol import REFUSAL_OFFENCES, RoundProtocol
+from atoll.node.rounds.round_protocol import REFUSAL_OFFENCES, RoundProtocol
 from atoll.protocols.cooldown import Cooldown, Strikes
 from atoll.protocols.stats import TrafficStats
 

@@ -1,7 +1,7 @@
 """Which run config a joiner adopts: in a private run, only one signed by the run key (a member cannot hijack
 the run's config by claiming an earlier start); in an open run, the one the most keys publish, then the earliest."""
 
-from atoll.node.join import choose_config
+from atoll.node.rounds.join import choose_config
 from atoll.protocols.auth import RunKey
 from atoll.protocols.records import RunConfigRecord, config_payload
 

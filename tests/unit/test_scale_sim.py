@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from atoll.protocols import matchmaking
-from atoll.node.peers import READ_BUDGET
+from atoll.node.rounds.peers import READ_BUDGET
 from sim.scale import Clock, SimConfig, SimDHT, Traffic, VirtualLoop, simulate, virtual_protocol_time
 
 

@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import torch
 
-from atoll.node import round_protocol
-from atoll.node.contribution import Contribution
-from atoll.node.round_protocol import Outcome, RoundProtocol
+from atoll.node.rounds import round_protocol
+from atoll.node.rounds.contribution import Contribution
+from atoll.node.rounds.round_protocol import Outcome, RoundProtocol
 from atoll.protocols.averaging import HONEST
 from atoll.protocols.matchmaking import Decision, SpentDecisions
 

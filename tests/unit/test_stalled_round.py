@@ -4,7 +4,7 @@ members may have left its reducer out and merged without it, while every other s
 import time
 from types import SimpleNamespace
 
-from atoll.node.round_protocol import RoundProtocol
+from atoll.node.rounds.round_protocol import RoundProtocol
 from atoll.protocols.averaging import ANSWER_GRACE
 
 

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 from hivemind.utils import get_dht_time
 
-from atoll.node import status as status_module
-from atoll.node.status import collect_status
+from atoll.node.ops import status as status_module
+from atoll.node.ops.status import collect_status
 from atoll.protocols.records import (
     ALL_SHARDS,
     config_key,
@@ -232,7 +232,7 @@ def test_strangers_strings_are_shown_as_plain_text_and_impossible_figures_left_o
 
 
 def test_plausible_matches_the_bounds():
-    from atoll.node.status import MAX_FIGURE, MAX_LOSS, plausible
+    from atoll.node.ops.status import MAX_FIGURE, MAX_LOSS, plausible
 
     rec = _records(1, seed=3)[0].dict()
     assert plausible(rec)
@@ -244,7 +244,7 @@ def test_plausible_matches_the_bounds():
 
 def test_a_reader_given_a_token_or_the_run_key_verifies_certificates(tmp_path):
     from atoll.node.config import ConfigError
-    from atoll.node.status import reader_validators
+    from atoll.node.ops.status import reader_validators
     from atoll.protocols.auth import RunKey
     from atoll.protocols.auth import MembershipValidator
 

@@ -5,7 +5,7 @@ import asyncio
 import warnings
 from types import SimpleNamespace
 
-from atoll.node.syncer import Syncer
+from atoll.node.rounds.syncer import Syncer
 
 
 def bare_syncer() -> Syncer:
@@ -41,7 +41,7 @@ def test_spawn_runs_tasks_until_leaving_then_starts_none():
 
 
 def test_a_leaving_syncer_serves_open_streams_first_within_a_bound(monkeypatch):
-    import atoll.node.syncer as syncer_module
+    import atoll.node.rounds.syncer as syncer_module
     from atoll.protocols.p2p_guard import StreamLimits
 
     monkeypatch.setattr(syncer_module, "LINGER", 4.0)

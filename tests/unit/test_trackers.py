@@ -8,7 +8,7 @@ import pytest
 
 from atoll.node.config import ConfigError, NodeConfig
 from atoll.node.metrics import MetricsLog
-from atoll.node.trackers import FIGURES, HELD_OUT, TensorBoard, Tracking, WandB, open_trackers
+from atoll.node.ops.trackers import FIGURES, HELD_OUT, TensorBoard, Tracking, WandB, open_trackers
 from support.trackers import wandb_history
 
 

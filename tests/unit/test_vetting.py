@@ -13,9 +13,9 @@ from atoll.models.data import Corpus, load_corpus
 from atoll.models.fragments import make_fragments
 from atoll.node.config import RunConfig
 from atoll.node.device import resolve_device
-from atoll.node.learner import Learner
-from atoll.node.replica import Replica
-from atoll.node.vetting import LOSS_MARGIN, REFERENCE_SECONDS, Vetting, acceptable
+from atoll.node.island.learner import Learner
+from atoll.node.rounds.replica import Replica
+from atoll.node.rounds.vetting import LOSS_MARGIN, REFERENCE_SECONDS, Vetting, acceptable
 from atoll.protocols.state_sync import ReplicaState
 
 RUN = RunConfig(model="nano", warmup_steps=3)

@@ -16,7 +16,7 @@ from atoll.models.data import Corpus, load_corpus
 from atoll.models.fragments import copy_into, flatten, make_fragments
 from atoll.node.config import RunConfig
 from atoll.node.device import resolve_device
-from atoll.node.learner import Learner
+from atoll.node.island.learner import Learner
 from atoll.node.spmd import device_bytes, local_shapes, sharding_of
 
 DEVICES = int(sys.argv[1])

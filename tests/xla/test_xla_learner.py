@@ -12,7 +12,7 @@ from atoll.models.data import Corpus, load_corpus
 from atoll.models.fragments import copy_into, flatten
 from atoll.node.config import RunConfig
 from atoll.node.device import resolve_device
-from atoll.node.learner import Learner
+from atoll.node.island.learner import Learner
 
 
 def gather(learner: Learner, indices) -> torch.Tensor:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from .config import ConfigError, NodeConfig
+from ..config import ConfigError, NodeConfig
 
 logger = logging.getLogger("atoll")
 

@@ -33,15 +33,15 @@ from atoll.models.fragments import Fragment
 from atoll.models.outer import pseudo_gradient
 from atoll.protocols.state_sync import MAX_ANCESTORS, ReplicaState
 
-from .algorithm import Algorithm, LocalMerge, SnapshotAt
-from .config import NodeConfig
+from ..algorithm import Algorithm, LocalMerge, SnapshotAt
+from ..config import NodeConfig
+from ..metrics import SKIPPED, Counters, HeldOut, MetricsLog
+from ..trainee import Trainee
 from .contribution import Contribution
 from .local_state import LocalFragmentState
-from .metrics import SKIPPED, Counters, HeldOut, MetricsLog
 from .replica import Replica
 from .round_protocol import Outcome, RoundOutcome
 from .syncer import Syncer
-from .trainee import Trainee
 from .vetting import Vetting
 
 logger = logging.getLogger("atoll")

@@ -31,10 +31,10 @@ from atoll.protocols.matchmaking import (POLL_INTERVAL, Decision, PeerView, Poli
 from atoll.protocols.nudges import Nudges
 from atoll.protocols.records import Status, open_rounds_key, parse_open_round, unwrap_subkeys
 
-from .algorithm import LocalMerge
+from ..algorithm import LocalMerge
 from .catchup import MAX_LONELY_LEAD, CatchUp
-from .contribution import Contribution
 from .context import SyncContext
+from .contribution import Contribution
 from .peers import PeerTable
 
 logger = logging.getLogger("atoll")

@@ -14,10 +14,10 @@ import torch
 
 from atoll.models.fragments import Fragment
 
-from .config import ConfigError, NodeConfig
-from .local_state import LocalFragmentState
-from .replica import Replica
-from .trainee import Trainee
+from ..config import ConfigError, NodeConfig
+from ..rounds.local_state import LocalFragmentState
+from ..rounds.replica import Replica
+from ..trainee import Trainee
 
 
 def capture(cfg: NodeConfig, peer_id: str, learner: Trainee, replica: Replica, local: list[LocalFragmentState],

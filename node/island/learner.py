@@ -39,10 +39,10 @@ from atoll.models.data import Corpus
 from atoll.models.registry import ModelShape, build_model, shape_of
 from atoll.models.fragments import copy_into, flatten
 
-from .config import RunConfig
-from .device import PRECISIONS, Device
+from ..config import RunConfig
+from ..device import PRECISIONS, Device
+from ..trainee import Trainee
 from .ranks import Ranks, ShardedSync
-from .trainee import Trainee
 
 
 class Learner(Trainee):

@@ -27,12 +27,12 @@ from atoll.protocols.records import (
 )
 from atoll.protocols.summary import merge, parse_summary, summary_key, totals
 
-from .config import ConfigError, NodeConfig
-from .peers import READ_BUDGET
+from ..config import ConfigError, NodeConfig
+from ..rounds.peers import READ_BUDGET
 
 
 # A run of at most this many peers (by its summaries) is listed whole unless told otherwise; its daemons read, and
-# write, the one key that holds every record (``node/peers.py``).
+# write, the one key that holds every record (``node/rounds/peers.py``).
 LIST_PEERS_UP_TO = READ_BUDGET
 # No honest figure comes near these (1e18 tokens is a million times a large pre-training run); a record or summary
 # beyond one is a stranger's, not shown (the second review's 1.7e308 figures).
@@ -238,7 +238,7 @@ def run_status(initial_peers: list[str], run_id: str, as_json: bool, list_peers:
     """``atoll status``: one read of the run, printed; with ``watch_every`` (``--watch``), read again every so many
     seconds until Ctrl-C, which ends it cleanly (exit 0). With ``join_token`` or ``run_key``, only records whose
     certificates check are read (``reader_validators``)."""
-    from .join import start_dht
+    from ..rounds.join import start_dht
 
     if watch_every is not None and not watch_every > 0:
         raise ConfigError(f"watch: the interval must be positive, got {watch_every}")

@@ -1,6 +1,6 @@
 """``atoll sample`` and ``atoll eval``: text from a run's model, and its held-out loss on a dataset.
 
-Both take a checkpoint directory or an export (``node/export.py``). The tokenizer is the export's
+Both take a checkpoint directory or an export (``node/home/export.py``). The tokenizer is the export's
 ``tokenizer.json``, the byte-level mapping for a run on byte-level data, or the ``tokenizer.json`` of the prepared
 dataset given with ``--data`` (checked against the run's).
 

@@ -13,10 +13,10 @@ import torch
 
 from atoll.protocols.records import Status
 
+from ..home.checkpoint import load_checkpoint
+from ..metrics import current_rss_mib
+from ..pause_specs import Mode
 from . import arrival
-from .checkpoint import load_checkpoint
-from .metrics import current_rss_mib
-from .pause_specs import Mode
 
 if TYPE_CHECKING:
     from .island import Island

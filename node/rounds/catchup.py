@@ -58,9 +58,9 @@ from atoll.protocols.state_sync import (
     p2p_opener,
 )
 
+from ..progress import track
 from .context import SyncContext
 from .peers import PeerTable
-from .progress import track
 
 logger = logging.getLogger("atoll")
 UNBACKED_OFFENCES = 2  # failed downloads in a row from one donor (one may be bad luck: it died, or moved on)

@@ -21,7 +21,7 @@ import os
 import sys
 import uuid
 
-from .config import NodeConfig
+from ..config import NodeConfig
 
 logger = logging.getLogger("atoll")
 # The launcher sets this in every rank's environment; a rank must not launch an island of its own.

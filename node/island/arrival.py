@@ -18,15 +18,15 @@ from atoll.models.fragments import Fragment, make_fragments
 from atoll.models.registry import embedding_of
 from atoll.protocols.records import Status
 
-from . import persist
-from .checkpoint import checkpoints
-from .config import ConfigError, NodeConfig
-from .local_state import LocalFragmentState
-from .log import context as log_context
-from .metrics import Counters, MetricsLog
-from .replica import Replica
-from .syncer import Syncer
-from .trainee import Trainee
+from ..config import ConfigError, NodeConfig
+from ..home import persist
+from ..home.checkpoint import checkpoints
+from ..log import context as log_context
+from ..metrics import Counters, MetricsLog
+from ..rounds.local_state import LocalFragmentState
+from ..rounds.replica import Replica
+from ..rounds.syncer import Syncer
+from ..trainee import Trainee
 
 logger = logging.getLogger("atoll")
 

@@ -22,14 +22,14 @@ from prometheus_client.registry import Collector
 
 from atoll.protocols.records import Status
 
-from .metrics import SKIPPED, Counters
+from ..metrics import SKIPPED, Counters
 
 if TYPE_CHECKING:
     from atoll.protocols.stats import TrafficStats
 
-    from .config import NodeConfig
-    from .replica import Replica
-    from .syncer import Syncer
+    from ..config import NodeConfig
+    from ..rounds.replica import Replica
+    from ..rounds.syncer import Syncer
 
 logger = logging.getLogger("atoll")
 # Every result a round of a fragment can end with, exported from the start at 0 so that rates work from the first
@@ -132,7 +132,7 @@ class MetricsEndpoint:
     empty page before). ``stop`` ends it."""
 
     def __init__(self, cfg: NodeConfig) -> None:
-        from .config import ConfigError
+        from ..config import ConfigError
 
         self.host = cfg.metrics_host
         self.registry = CollectorRegistry(auto_describe=False)

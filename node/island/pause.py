@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .pause_specs import parse_window
+from ..pause_specs import parse_window
 
 SAMPLE_EVERY = 2.0  # seconds between samples of a policy: reading /proc or NVML costs a few ms
 DEFAULT_BUSY_CORES = 1.0

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from .progress import track
+from ..progress import track
 
 logger = logging.getLogger("atoll")
 KEEP = 2

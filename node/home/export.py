@@ -1,8 +1,8 @@
-"""Taking the model home: the run's global model Θ out of a checkpoint directory or a live run, into files other
-tools read (``atoll export``), and back into a model for ``atoll sample`` and ``atoll eval`` (``node/evaluate.py``).
+"""Taking the model home: the run's global model Θ out of a checkpoint directory or a live run, into files other tools
+read (``atoll export``), and back into a model for ``atoll sample`` and ``atoll eval`` (``node/home/evaluate.py``).
 
 Θ is every fragment's replica (what the run's rounds merged), not a daemon's local θ: a checkpoint holds both
-(``node/persist.py``), and ``local=True`` takes θ instead (the model a daemon's own held-out figure measures). A
+(``node/home/persist.py``), and ``local=True`` takes θ instead (the model a daemon's own held-out figure measures). A
 live run is read as a joiner would: a DHT node with the member's credentials adopts the run's config, publishes a
 ``joining`` record (donors of a private run serve members only) and downloads the newest vouched replica of every
 fragment (``CatchUp.join``), each checked against the claim it was chosen for; then it leaves.
@@ -44,7 +44,7 @@ from atoll.models.gpt import GPTConfig
 from atoll.models.llama import LlamaConfig
 from atoll.models.registry import ModelError, build_model, embedding_of, is_hf, model_digest
 
-from .config import LOCAL_DATA, OWN_MODEL, ConfigError, NodeConfig, RunConfig, reconcile_run_config
+from ..config import LOCAL_DATA, OWN_MODEL, ConfigError, NodeConfig, RunConfig, reconcile_run_config
 
 logger = logging.getLogger("atoll")
 EXPORT_FORMAT = "atoll-export/1"
@@ -131,8 +131,8 @@ def is_checkpoint_dir(path: Path) -> bool:
 
 def from_checkpoint(directory: str | os.PathLike, model: str | None = None, local: bool = False) -> Global:
     """Θ (``local``: the daemon's own θ) of the newest intact checkpoint in ``directory``."""
+    from ..rounds.replica import Replica
     from .checkpoint import load_checkpoint
-    from .replica import Replica
 
     path = Path(directory)
     if not is_checkpoint_dir(path):
@@ -170,11 +170,11 @@ def from_checkpoint(directory: str | os.PathLike, model: str | None = None, loca
 def from_live(cfg: NodeConfig, model: str | None = None, timeout: float | None = None) -> Global:
     """The newest vouched Θ of a live run, downloaded as a joiner downloads it (see the module's docstring);
     ``model`` names the run's model where its record does not, as for ``from_checkpoint``."""
-    from .faults import Faults
-    from .join import read_run_config, start_member_dht
-    from .metrics import Counters
-    from .replica import Replica
-    from .syncer import Syncer
+    from ..faults import Faults
+    from ..metrics import Counters
+    from ..rounds.join import read_run_config, start_member_dht
+    from ..rounds.replica import Replica
+    from ..rounds.syncer import Syncer
 
     try:
         dht, token, revocation, validators = start_member_dht(cfg)

@@ -33,15 +33,15 @@ import torch
 from atoll.models.data import BYTES, Corpus, load_corpus, load_held_out, shard_for_peer, tokenizer_of
 from atoll.models.registry import ModelError, build_model, model_digest
 
-from .config import OWN_MODEL, ConfigError, NodeConfig, RunConfig
-from .control import ControlServer, check_path
-from .device import Device, resolve_device
-from .faults import Faults
+from ..config import OWN_MODEL, ConfigError, NodeConfig, RunConfig, check_socket_path
+from ..device import Device, resolve_device
+from ..faults import Faults
+from ..metrics import peak_rss_mib
+from ..pause_specs import Mode, PolicyError, deadline_of
+from .control import ControlServer
 from .island import Island
 from .learner import Learner, ShardedLearner
-from .metrics import peak_rss_mib
 from .pause import PauseState, policies_of
-from .pause_specs import Mode, PolicyError, deadline_of
 from .ranks import IslandSync, Ranks, ShardedSync, init_island, leave_island, step_boundary
 
 logger = logging.getLogger("atoll")
@@ -122,7 +122,7 @@ class Daemon:
             return None
         if self.cfg.control_socket is None:
             try:
-                check_path(path)
+                check_socket_path(path)
             except ConfigError as e:
                 logger.warning("no control socket (atoll pause cannot reach this daemon): %s", e)
                 return None

@@ -40,24 +40,25 @@ from atoll.models.registry import model_digest
 from atoll.protocols import codecs
 from atoll.protocols.records import Status
 
-from . import arrival, pausing, persist
-from .algorithm import algorithm
-from .checkpoint import CheckpointWriter
-from .config import OWN_MODEL, ConfigError, NodeConfig, RunConfig, load_config
+from ..algorithm import algorithm
+from ..config import OWN_MODEL, ConfigError, NodeConfig, RunConfig, load_config
+from ..device import Device, codec_threads
+from ..faults import Faults
+from ..home import persist
+from ..home.checkpoint import CheckpointWriter
+from ..log import context as log_context
+from ..log import setup_logging
+from ..metrics import Counters, HeldOut, MetricsLog, peak_rss_mib
+from ..ops.exporter import MetricsEndpoint
+from ..ops.trackers import Tracking, open_trackers
+from ..pause_specs import Mode
+from ..rounds.join import agree_on_run_config, start_member_dht
+from ..rounds.rounds import Rounds
+from ..rounds.syncer import Syncer
+from ..trainee import LoopTrainee, Trainee, device_of, optimizer_params
+from . import arrival, pausing
 from .ddp import DDP
-from .device import Device, codec_threads
-from .exporter import MetricsEndpoint
-from .faults import Faults
-from .join import agree_on_run_config, start_member_dht
-from .log import context as log_context
-from .log import setup_logging
-from .metrics import Counters, HeldOut, MetricsLog, peak_rss_mib
-from .pause_specs import Mode
 from .ranks import IslandSync, OneRank, Ranks, ShardedSync, init_island, step_boundary
-from .rounds import Rounds
-from .syncer import Syncer
-from .trainee import LoopTrainee, Trainee, device_of, optimizer_params
-from .trackers import Tracking, open_trackers
 
 logger = logging.getLogger("atoll")
 RATE_WINDOW = 5.0  # seconds over which tokens/s is measured
@@ -437,7 +438,7 @@ class Island:
             self.stop_event.set()
         self._step_end = time.monotonic()
 
-    # ---- pausing (node/pausing.py; atoll start's loop only) ----------------------------------------------------
+    # ---- pausing (pausing.py; atoll start's loop only) ----------------------------------------------------------
     def pause(self, reasons: list[str], mode: Mode) -> None:
         """Lend the machine back without leaving the run, between two steps (``pausing.pause``); ``resume`` undoes
         it."""

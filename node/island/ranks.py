@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .config import ConfigError
+from ..config import ConfigError
 
 logger = logging.getLogger("atoll")
 LEADER = 0

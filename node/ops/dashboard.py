@@ -1,13 +1,13 @@
 """``atoll dashboard``: one web page of a run, served by a DHT client of its own.
 
-What it reads: what ``atoll status`` reads (``node/status.py``), which is what anyone who reaches the run's DHT may
+What it reads: what ``atoll status`` reads (``node/ops/status.py``), which is what anyone who reaches the run's DHT may
 read (docs/security.md, "What an outsider may read"). It holds no join token, so it works the same for an open and
 a private run, and it can show nothing a member keeps to the members (models, deltas, data paths).
 
 Where its history comes from: its own polling. The daemons publish only their newest figures; the dashboard keeps
-every poll's figures (``History``, ``node/history.py``), bounded, so its curves begin when it started.
+every poll's figures (``History``, ``node/ops/history.py``), bounded, so its curves begin when it started.
 
-The page (``node/dashboard_page.py``) fetches ``/api/state`` from the same address and draws it in inline SVG: it
+The page (``node/ops/dashboard_page.py``) fetches ``/api/state`` from the same address and draws it in inline SVG: it
 requests nothing from anywhere else, and its Content-Security-Policy forbids it to."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
-from .config import ConfigError
+from ..config import ConfigError
 from .history import HISTORY_POINTS, History
 
 logger = logging.getLogger(__name__)
@@ -128,8 +128,8 @@ def run_dashboard(initial_peers: list[str], run_id: str, host: str, port: int, i
                   points: int = HISTORY_POINTS, join_token: str | None = None, run_key: str | None = None) -> int:
     """``atoll dashboard``: serve the page on ``host:port`` and read the run every ``interval`` seconds through one
     DHT client, until Ctrl-C (exit 0)."""
-    from .config import NodeConfig
-    from .join import start_dht
+    from ..config import NodeConfig
+    from ..rounds.join import start_dht
     from .status import collect_status, reader_validators
 
     if not interval > 0:

@@ -11,11 +11,11 @@ import logging
 import threading
 import time
 
+from ..metrics import Counters, HeldOut, MetricsLog
+from ..rounds.local_state import LocalFragmentState
+from ..rounds.replica import Replica
+from ..rounds.syncer import Syncer
 from .learner import Learner
-from .local_state import LocalFragmentState
-from .metrics import Counters, HeldOut, MetricsLog
-from .replica import Replica
-from .syncer import Syncer
 
 logger = logging.getLogger("atoll")
 

@@ -23,26 +23,17 @@ import threading
 import time
 from typing import Any
 
-from .config import ConfigError
+from ..config import ConfigError, check_socket_path
 from .pause import PauseState
 
 logger = logging.getLogger("atoll")
 MAX_REQUEST = 1024
 MAX_ANSWER = 1 << 20
-MAX_PATH = 107  # sun_path holds 108 bytes with its terminating zero
-
-
-def check_path(path: str) -> None:
-    if len(os.fsencode(path)) > MAX_PATH:
-        raise ConfigError(f"control_socket: {path!r} is longer than a Unix socket's {MAX_PATH} bytes; give a "
-                          "shorter --control-socket")
-
-
 class ControlServer:
     """Serves ``state`` on ``path`` until ``stop()``; refuses to start over another live daemon's socket."""
 
     def __init__(self, path: str, state: PauseState, extra: Any = None) -> None:
-        check_path(path)
+        check_socket_path(path)
         self.path, self.state, self.extra = path, state, extra or (lambda: {})
         self.refusal: str | None = None  # why this daemon cannot pause, if it cannot
         if os.path.lexists(path):
@@ -149,7 +140,7 @@ def _answers(path: str) -> bool:
 
 def ask(path: str, op: str, timeout: float = 10.0) -> dict[str, Any]:
     """One request to the daemon listening on ``path``; ``ConfigError`` when none does."""
-    check_path(path)
+    check_socket_path(path)
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(timeout)

@@ -37,7 +37,7 @@ import msgpack
 from atoll.protocols.records import (RunConfigRecord, config_key, config_payload, make_validators, parse_run_config,
                                     unwrap_subkeys)
 
-from .config import ConfigError, NodeConfig, RunConfig, reconcile_run_config
+from ..config import ConfigError, NodeConfig, RunConfig, reconcile_run_config
 
 logger = logging.getLogger("atoll")
 CONFIG_TTL = 24 * 3600.0

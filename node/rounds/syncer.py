@@ -31,13 +31,13 @@ from atoll.protocols.records import HeadRecord, ProgressRecord, Status
 from atoll.protocols.state_sync import ReplicaState, StateServicer
 from atoll.protocols.stats import TrafficStats
 
-from .algorithm import algorithm
+from ..algorithm import algorithm
+from ..config import NodeConfig
+from ..faults import Faults
+from ..metrics import Counters
 from .catchup import CatchUp
-from .config import NodeConfig
-from .contribution import Contribution
 from .context import SyncContext
-from .faults import Faults
-from .metrics import Counters
+from .contribution import Contribution
 from .peers import PeerTable
 from .rejoin import Rejoin
 from .replica import Replica
@@ -273,8 +273,8 @@ class Syncer:
         return time.monotonic() < ctx.settle_until
 
     def take_candidates(self) -> list[ReplicaState]:
-        """Replicas nobody vouches for that a lonely daemon downloaded, for the learner to vet (``node/vetting.py``);
-        each must be answered with ``settle``."""
+        """Replicas nobody vouches for that a lonely daemon downloaded, for the learner to vet
+        (``node/rounds/vetting.py``); each must be answered with ``settle``."""
         return self.catch_up.take_candidates()
 
     def settle(self, state: ReplicaState, passed: bool) -> bool:

@@ -27,8 +27,8 @@ import torch
 from atoll.models.fragments import Fragment
 from atoll.protocols.state_sync import ReplicaState
 
+from ..trainee import Trainee
 from .replica import Replica
-from .trainee import Trainee
 
 logger = logging.getLogger("atoll")
 LOSS_MARGIN = 0.25  # relative: an honest fork, and our replica with one fragment of it, can be far worse (docs/security.md)

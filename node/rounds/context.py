@@ -16,10 +16,10 @@ from atoll.protocols.codecs import ErrorFeedback
 from atoll.protocols.cooldown import Cooldown
 from atoll.protocols.stats import TrafficStats
 
-from .algorithm import Algorithm
-from .config import NodeConfig
-from .faults import Faults
-from .metrics import Counters
+from ..algorithm import Algorithm
+from ..config import NodeConfig
+from ..faults import Faults
+from ..metrics import Counters
 from .replica import Replica
 
 

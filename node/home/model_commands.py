@@ -1,5 +1,5 @@
 """``atoll export``, ``atoll sample`` and ``atoll eval``: the commands that take a run's model home
-(``node/export.py``, ``node/evaluate.py``). Bad input is a ``ConfigError``: one line, exit 2."""
+(``node/home/export.py``, ``node/home/evaluate.py``). Bad input is a ``ConfigError``: one line, exit 2."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import logging
 import sys
 import time
 
-from .config import ConfigError
+from ..config import ConfigError
 
 COMMANDS = ("export", "sample", "eval")
 
@@ -45,7 +45,7 @@ def add_parsers(sub: argparse._SubParsersAction, run_id: str) -> None:
                                                                               "from all (default 40)")
             q.add_argument("--seed", type=int, default=0, help="the same seed writes the same text (default 0)")
         else:
-            from .config import NodeConfig
+            from ..config import NodeConfig
 
             q.add_argument("--batches", type=int, default=NodeConfig().eval_batches, metavar="N",
                            help="held-out batches, chosen as a daemon chooses them; 0: the whole held-out split "
@@ -90,7 +90,7 @@ def _export(args: argparse.Namespace) -> int:
     else:
         import dataclasses
 
-        from .config import NodeConfig
+        from ..config import NodeConfig
 
         cfg = dataclasses.replace(NodeConfig(), run_id=args.run_id, initial_peers=tuple(args.initial_peers),
                                   join_token=args.join_token, run_key=args.run_key)
@@ -130,7 +130,7 @@ def _sample(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from atoll.models.registry import shape_of
 
-    from .config import LOCAL_DATA
+    from ..config import LOCAL_DATA
     from .evaluate import evaluate, held_out_batches, tokenizer_for
 
     if args.batch_size < 1 or args.batches < 0:
