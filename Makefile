@@ -68,10 +68,10 @@ test-integration: $(STAMP) system-packages
 	$(PY) -m pytest -q tests/integration
 
 demo: $(STAMP)
-	$(PY) scripts/swarm.py --daemons 3 --duration 180
+	$(PY) -m scripts.swarm --daemons 3 --duration 180
 
 bench: $(STAMP)
-	$(PY) scripts/bench_parity.py
+	$(PY) -m scripts.bench_parity
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

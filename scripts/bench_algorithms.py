@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """ddp vs diloco vs streaming vs decoupled: 4 daemons, the same token budget, side by side in one run.
 
-    python scripts/bench_algorithms.py [--steps 300] [--model tiny] [--sync-every 40] [--algorithms ...]
+    python -m scripts.bench_algorithms [--steps 300] [--model tiny] [--sync-every 40] [--algorithms ...]
 
 For each algorithm a fresh local swarm of four daemons (same model, data, batch size, transport) trains
 ``--steps`` inner steps each. Reported per algorithm: the held-out loss of every daemon's final global replica
@@ -18,10 +18,10 @@ import json
 import sys
 from pathlib import Path
 
-from bars import each  # noqa: E402
-from benchkit import BATCH, DAEMONS, run_swarm  # noqa: E402
+from scripts.bars import each
+from scripts.benchkit import BATCH, DAEMONS, run_swarm
 
-from atoll.node.config import RunConfig  # noqa: E402
+from atoll.node.config import RunConfig
 
 ALGORITHMS = ("ddp", "diloco", "streaming", "decoupled")
 
@@ -76,7 +76,7 @@ def main() -> int:
     if args.replot:
         plot(json.loads((out / "bench_algorithms.json").read_text()), out)
         return 0
-    command = "python scripts/bench_algorithms.py " + " ".join(sys.argv[1:])
+    command = "python -m scripts.bench_algorithms " + " ".join(sys.argv[1:])
     previous = json.loads((out / "bench_algorithms.json").read_text())["runs"] if args.append else []
     results = []
     for algorithm in each(args.algorithms, "algorithms"):

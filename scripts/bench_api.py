@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """What ``atoll.Island`` costs a user's own loop: tokens/s of the same loop bare and inside an island, side by side.
 
-    python scripts/bench_api.py [--model tiny] [--steps 300] [--repeats 3] [--block 10]
+    python -m scripts.bench_api [--model tiny] [--steps 300] [--repeats 3] [--block 10]
     PJRT_DEVICE=CPU XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1" \
-        PYTHONPATH=build/xla-path ~/.cache/atoll/venv-xla/bin/python scripts/bench_api.py --device xla \
+        PYTHONPATH=build/xla-path ~/.cache/atoll/venv-xla/bin/python -m scripts.bench_api --device xla \
         --out docs/results/bench_api_xla        # torch_xla's CPU runtime, with the xla venv of `make test-xla`
-    python scripts/bench_api.py --device cuda --precision bf16 --model llama-150m --batch 16 --steps 200 \
+    python -m scripts.bench_api --device cuda --precision bf16 --model llama-150m --batch 16 --steps 200 \
         --out docs/results/bench_api_cuda       # a GPU: the ~150M Llama preset under bf16 autocast
 
 Two copies of one user loop (the same model preset and seed, AdamW, clipping, the built-in corpus) run in this
@@ -40,13 +40,14 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-from bars import each  # noqa: E402
-from stats import fmt, interval  # noqa: E402
+from scripts.bars import each
+from scripts.stats import fmt, interval
 
-import atoll  # noqa: E402
-from atoll.models.data import Corpus, load_corpus  # noqa: E402
-from atoll.models.registry import build_model  # noqa: E402
+import atoll
+from atoll.models.data import Corpus, load_corpus
+from atoll.models.registry import build_model
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class Loop:
@@ -163,7 +164,7 @@ def main() -> int:
     summary = {"model": args.model, "batch": args.batch, "steps": args.steps, "block": args.block,
                "device": args.device, "precision": args.precision, "threads": 1, "ratio": interval(ratios), "ratio_median": statistics.median(ratios),
                "goal": 0.97, "repeats_meeting_goal": sum(r >= 0.97 for r in ratios),
-               "command": "python " + " ".join(["scripts/bench_api.py", *sys.argv[1:]])}
+               "command": "python -m scripts.bench_api " + " ".join(sys.argv[1:])}
     print(f"island/bare tokens/s: {fmt(summary['ratio'])}, median {summary['ratio_median']:.3f}; "
           f"goal 0.97 met in {summary['repeats_meeting_goal']} of {len(ratios)}")
     out = Path(args.out)

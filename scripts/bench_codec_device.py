@@ -2,8 +2,8 @@
 """The delta codec's throughput on a GPU tensor against a host tensor: what an island's rank 0 pays per round to
 encode a delta of ``--numel`` parameters (1B by default on cuda) and to decode the merged one.
 
-    python scripts/bench_codec_device.py --device cuda --out OUT.json                  # 1e9 values, int4, 3 repeats
-    python scripts/bench_codec_device.py --device cpu --numel 1e6 --out /tmp/codec.json   # the CPU dry run
+    python -m scripts.bench_codec_device --device cuda --out OUT.json                  # 1e9 values, int4, 3 repeats
+    python -m scripts.bench_codec_device --device cpu --numel 1e6 --out /tmp/codec.json   # the CPU dry run
 
 ``protocols/codecs.py`` works on host memory: ``encode`` first copies its input to the host as fp32
 (``_flat_fp32``), then quantizes there on ``--codec-threads`` threads (0: the daemon's rule, 1 on a cpu device,
@@ -46,10 +46,9 @@ import sys
 import time
 from pathlib import Path
 
+from scripts.stats import interval
+
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # atoll from this clone where it is not installed (last: an installed one wins)
-    sys.path.append(str(ROOT))
-from stats import interval  # noqa: E402
 
 PER = 1_000_000_000  # figures per 1B parameters
 SCALING_NUMEL = 1 << 26  # the one-thread measurement's size
@@ -388,7 +387,7 @@ def run(args: argparse.Namespace) -> dict:
         return a / b if a is not None and b else None
 
     result = {
-        "command": "python scripts/bench_codec_device.py " + " ".join(sys.argv[1:]),
+        "command": "python -m scripts.bench_codec_device " + " ".join(sys.argv[1:]),
         "device": kind, "gpu": torch.cuda.get_device_name() if cuda else None,
         "torch": torch.__version__, "cuda": torch.version.cuda if cuda else None,
         "host": {"cpus": os.cpu_count(), "machine": platform.machine()},

@@ -16,8 +16,8 @@ that background load hits every codec alike:
 
 Writes ``<out>/bench_codecs.json`` and ``<out>/bench_codecs.png``.
 
-    python scripts/bench_codecs.py            # defaults: --mib 64 --reps 15 --block 256 --out docs/results
-    python scripts/bench_codecs.py --replot   # redraw the PNG from the JSON
+    python -m scripts.bench_codecs            # defaults: --mib 64 --reps 15 --block 256 --out docs/results
+    python -m scripts.bench_codecs --replot   # redraw the PNG from the JSON
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def main() -> None:
             rr["atoll:bf16 / hivemind:Float16Compression"] = results["atoll:bf16"][key] / h16
 
     report = {
-        "command": "python scripts/bench_codecs.py " + " ".join(
+        "command": "python -m scripts.bench_codecs " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in (("mib", args.mib), ("reps", args.reps), ("block", args.block))
         ),
         "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

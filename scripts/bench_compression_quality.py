@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Quality of compressed outer deltas: 4 daemons, the same token budget, one run per codec.
 
-    python scripts/bench_compression_quality.py [--algorithm decoupled] [--steps 300] [--model tiny]
+    python -m scripts.bench_compression_quality [--algorithm decoupled] [--steps 300] [--model tiny]
 
 For each codec (none, bf16, int8, int4 without and with error feedback, int2) a fresh local swarm of four
 daemons trains ``--steps`` inner steps each. The held-out loss of every daemon's final global replica Θ (all
@@ -23,11 +23,11 @@ import statistics
 import sys
 from pathlib import Path
 
-from bars import each  # noqa: E402
-from benchkit import BATCH, run_swarm  # noqa: E402
+from scripts.bars import each
+from scripts.benchkit import BATCH, run_swarm
 
-from atoll.models.configs import get_model_config  # noqa: E402
-from atoll.node.config import RunConfig  # noqa: E402
+from atoll.models.configs import get_model_config
+from atoll.node.config import RunConfig
 
 DAEMONS = 4
 RUNS = [("none", "none", True), ("bf16", "bf16", True), ("int8", "int8", True), ("int4", "int4", False),
@@ -88,7 +88,7 @@ def main() -> int:
             "replayed_adoptions": sum(r.get("replayed_adoptions", 0) for r in mine),
             "full_adoptions": sum(r.get("full_adoptions", 0) for r in mine),
         })
-    doc = {"command": "python scripts/bench_compression_quality.py " + " ".join(sys.argv[1:]),
+    doc = {"command": "python -m scripts.bench_compression_quality " + " ".join(sys.argv[1:]),
            "algorithm": args.algorithm, "model": args.model,
            "params": n, "daemons": DAEMONS, "daemon_args": args.daemon_args, "steps_per_daemon": args.steps,
            "sync_every": args.sync_every,

@@ -2,10 +2,10 @@
 """What the daemon costs on a device: tokens/s of a bare torch training loop, the daemon's learner, and a whole
 daemon, side by side on the same model and device, for cpu, xla (torch_xla's CPU runtime) and cuda.
 
-    python scripts/bench_device_overhead.py                       # cpu and xla, 4 repetitions
-    python scripts/bench_device_overhead.py --devices cpu --steps 60
-    python scripts/bench_device_overhead.py --devices cuda --model llama-150m --data DATASET --out OUT.json
-    python scripts/bench_device_overhead.py --devices cpu --model nano --no-daemon --steps 20 --warmup 2 \
+    python -m scripts.bench_device_overhead                       # cpu and xla, 4 repetitions
+    python -m scripts.bench_device_overhead --devices cpu --steps 60
+    python -m scripts.bench_device_overhead --devices cuda --model llama-150m --data DATASET --out OUT.json
+    python -m scripts.bench_device_overhead --devices cpu --model nano --no-daemon --steps 20 --warmup 2 \
         --repeats 2 --batch-size 2 --out /tmp/overhead.json --no-plot      # the CPU dry run of the cuda path
 
 - bare: the textbook loop: batch to the device, forward (autocast on bf16), backward, clip, AdamW step, zero
@@ -58,11 +58,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from scripts.bars import each
+from scripts.stats import fmt, interval
+
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # atoll from this clone where it is not installed (last: an installed one wins)
-    sys.path.append(str(ROOT))
-from bars import each  # noqa: E402
-from stats import fmt, interval  # noqa: E402
 LOG_EVERY = 10
 KINDS = ("bare", "learner", "lagged", "daemon")
 DEVICES = ("cpu", "xla", "cuda")
@@ -292,14 +291,14 @@ def worker_pair(args: argparse.Namespace) -> dict:
 # ---- the driver ---------------------------------------------------------------------------------------------------
 def run_pair(python: str, device: str, args: argparse.Namespace, repeats: int = 1) -> dict:
     """The bare loop and both learners on ``device`` in a child process (``worker_pair``), ``repeats`` times."""
-    cmd = [python, __file__, "--worker", "pair", "--device", device, "--model", args.model, "--data", args.data,
+    cmd = [python, "-m", "scripts.bench_device_overhead", "--worker", "pair", "--device", device, "--model", args.model, "--data", args.data,
            "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--repeats", str(repeats), "--bare-optimizer", args.bare_optimizer]
     if args.seq_len is not None:
         cmd += ["--seq-len", str(args.seq_len)]
     if args.max_seconds:
         cmd += ["--max-seconds", str(args.max_seconds)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd=ROOT,
                          env=cuda_env() if device == "cuda" else child_env())
     if out.returncode != 0:
         raise RuntimeError(f"bare/learner on {device} failed:\n{out.stderr[-3000:]}")
@@ -531,7 +530,7 @@ def run(args: argparse.Namespace) -> dict:
     load_before = os.getloadavg()
     started = time.time()
     result = {
-        "command": "python scripts/bench_device_overhead.py " + " ".join(sys.argv[1:]),
+        "command": "python -m scripts.bench_device_overhead " + " ".join(sys.argv[1:]),
         "model": args.model, "data": args.data, "batch_size": args.batch_size, "seq_len": args.seq_len,
         "daemon_args": args.daemon_args, "threads": 1, "xla_flags": child_env()["XLA_FLAGS"], "devices": {},
     }

@@ -2,7 +2,7 @@
 """What one read of a private run's progress key costs as the run grows, with the DHT's remembered verdicts
 (``protocols/validated.py``) and without them, side by side.
 
-    python scripts/bench_dht_reads.py [--records 64 256 1024] [--nodes 4] [--reads 20] [--repeats 3]
+    python -m scripts.bench_dht_reads [--records 64 256 1024] [--nodes 4] [--reads 20] [--repeats 3]
 
 For each repeat and variant, ``--nodes`` real hivemind DHT nodes (each its own process and p2pd, with a member's
 validators, as every daemon runs) start on loopback and each is given the same ``--records`` signed progress
@@ -28,15 +28,15 @@ from typing import Any
 
 from hivemind import DHT
 
+from scripts.bars import each
+from scripts.dht_fill import HOLD_CHUNK, RUN, hold, members, signed_records
+from scripts.swarm import cpu_seconds
+from atoll.node.ops.status import collect_status
+from atoll.protocols import dht_io, validated
+from atoll.protocols.auth import RunKey
+from atoll.protocols.records import make_validators, parse_progress, progress_keys, unwrap_subkeys
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from bars import each  # noqa: E402
-from dht_fill import HOLD_CHUNK, RUN, hold, members, signed_records  # noqa: E402
-from swarm import cpu_seconds  # noqa: E402
-from atoll.node.ops.status import collect_status  # noqa: E402
-from atoll.protocols import dht_io, validated  # noqa: E402
-from atoll.protocols.auth import RunKey  # noqa: E402
-from atoll.protocols.records import make_validators, parse_progress, progress_keys, unwrap_subkeys  # noqa: E402
 
 VARIANTS = {"remembered": validated.REMEMBER_S, "checked every read": 0.0}
 
@@ -156,7 +156,7 @@ def main() -> int:
                       f"cpu {figures['read_cpu_s'] * 1e3:7.1f} ms, status {figures['status_collect_s']:.2f} s "
                       f"({figures['status_peers']} peers)", flush=True)
     validated.REMEMBER_S = VARIANTS["remembered"]
-    command = "python scripts/bench_dht_reads.py " + " ".join(sys.argv[1:])
+    command = "python -m scripts.bench_dht_reads " + " ".join(sys.argv[1:])
     doc = {"command": command.strip(), "nodes": args.nodes, "reads": args.reads, "repeats": args.repeats,
            "rows": summarize(runs), "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A daemon frozen from outside, and how it comes back (#32, item 5).
 
-    python scripts/bench_freeze.py [--freeze 60] [--after 75] [--model tiny] [--repeats 3]
+    python -m scripts.bench_freeze [--freeze 60] [--after 75] [--model tiny] [--repeats 3]
 
 Three decoupled daemons train; after ``--warmup`` seconds one of them is stopped with SIGSTOP (its process group:
 the daemon, its DHT process and p2pd) for ``--freeze`` seconds, then resumed. Over the next ``--after`` seconds the
@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from stats import interval  # noqa: E402
-from swarm import LocalSwarm  # noqa: E402
+from scripts.stats import interval
+from scripts.swarm import LocalSwarm
 
 
 def last_step(d) -> int:
@@ -89,7 +89,7 @@ def main() -> int:
         print(f"run {i + 1}/{args.repeats}: {json.dumps(runs[-1])}", flush=True)
     numeric = [k for k, v in runs[0].items() if isinstance(v, (int, float))]
     result = {
-        "command": "python scripts/bench_freeze.py " + " ".join(sys.argv[1:]), "freeze_s": args.freeze,
+        "command": "python -m scripts.bench_freeze " + " ".join(sys.argv[1:]), "freeze_s": args.freeze,
         "after_s": args.after, "model": args.model, "runs": runs,
         "summary": {k: interval([r[k] for r in runs if r[k] is not None]) for k in numeric
                     if any(r[k] is not None for r in runs)},

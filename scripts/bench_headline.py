@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The quality headline: ddp against decoupled in its default configuration, interleaved, several seeds.
 
-    python scripts/bench_headline.py [--seeds 0 1 2] [--steps 300] [--model tiny] [--sync-every 40]
+    python -m scripts.bench_headline [--seeds 0 1 2] [--steps 300] [--model tiny] [--sync-every 40]
 
 For each seed, the same four-daemon swarm as ``scripts/bench_algorithms.py`` (tiny, batch 8, equal tokens) runs
 each configuration in turn: ``ddp`` (the baseline), ``decoupled`` with every default (plain averaging, int4, join
@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from bars import each  # noqa: E402
-from benchkit import BATCH, DAEMONS, run_swarm  # noqa: E402
-from stats import fmt, interval  # noqa: E402
+from scripts.bars import each
+from scripts.benchkit import BATCH, DAEMONS, run_swarm
+from scripts.stats import fmt, interval
 
 NESTEROV = ["--outer-lr", "0.7", "--outer-momentum", "0.9"]  # the papers' outer step
 CONFIGS = (  # label, algorithm, extra daemon flags
@@ -74,7 +74,7 @@ def main() -> int:
             "goodput": interval([r["goodput_mean"] for r in mine]),
             "seeds_within_1pct_of_ddp": sum(r["loss_ratio_to_ddp"] <= 1.01 for r in mine),
         }
-    doc = {"command": "python scripts/bench_headline.py " + " ".join(sys.argv[1:]), "model": args.model,
+    doc = {"command": "python -m scripts.bench_headline " + " ".join(sys.argv[1:]), "model": args.model,
            "daemons": DAEMONS, "steps_per_daemon": args.steps, "batch_size": BATCH, "sync_every": args.sync_every,
            "seeds": args.seeds, "minutes": (time.time() - started) / 60, "summary": summary, "runs": runs}
     out = Path(args.out)

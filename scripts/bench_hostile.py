@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """A hostile member against a live decoupled swarm, side by side with the same swarm without it.
 
-    python scripts/bench_hostile.py --attack copied_claim [--seeds 0 1 2] [--steps 1200] [--label L] [--out DIR]
-    python scripts/bench_hostile.py --attack byzantine=edge [--robust-merge RULE] ...
-    python scripts/bench_hostile.py --attack reducer=scale ...
+    python -m scripts.bench_hostile --attack copied_claim [--seeds 0 1 2] [--steps 1200] [--label L] [--out DIR]
+    python -m scripts.bench_hostile --attack byzantine=edge [--robust-merge RULE] ...
+    python -m scripts.bench_hostile --attack reducer=scale ...
 
 Per seed, two runs of three honest daemons in a private run (`decoupled`, nano, batch 4, H=50 and the default
 round settings, every daemon sleeping ``--step-delay`` s a step, started together): a clean one, and one where a member
@@ -34,9 +34,10 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-from stats import interval  # noqa: E402
-from swarm import LocalSwarm, peer_id, wait_for  # noqa: E402
+from scripts.stats import interval
+from scripts.swarm import LocalSwarm, peer_id, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
 
 HONEST = ("a", "b", "c")
 ATTACKERS = ("m", "n")
@@ -70,12 +71,12 @@ def run(root: Path, args: argparse.Namespace, seed: int, attack: bool) -> dict:
             for i, result in enumerate(results):  # members.py processes of their own, one token each
                 token = root / f"member{i}.token"
                 RunKey.load_or_create(swarm.run_key)[0].issue_token("atoll").save(token)
-                cmd = [sys.executable, str(HERE / "hostile" / "member.py"), "--initial-peers", *swarm.bootstrap,
+                cmd = [sys.executable, "-m", "scripts.hostile.member", "--initial-peers", *swarm.bootstrap,
                        "--token", str(token), "--out", str(result), "--algorithm", "decoupled",
                        "--sync-every", str(args.sync_every), f"{args.attack}={args.attack_seconds}"]
                 with open(root / f"member{i}.log", "wb") as log:
                     members.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                                    preexec_fn=lambda: os.nice(args.attacker_nice)))
+                                                    cwd=ROOT, preexec_fn=lambda: os.nice(args.attacker_nice)))
         try:
             codes = {n: d.proc.wait(args.run_timeout) for n, d in swarm.daemons.items()}
         finally:
@@ -179,7 +180,7 @@ def main() -> int:
             r.update(seed=seed, label=args.label, attack_name=name, control=args.control,
                      attacker_nice=args.attacker_nice,
                      wall_s=time.monotonic() - started,
-                     command="python scripts/bench_hostile.py " + " ".join(sys.argv[1:]))
+                     command="python -m scripts.bench_hostile " + " ".join(sys.argv[1:]))
             pair[attack] = r
             doc["runs"].append(r)
             print(f"{args.label} seed {seed} {'attacked' if attack else 'clean   '}: held-out {r['held_out']:.3f}, "

@@ -3,7 +3,7 @@
 decoupled daemon each, training with no round ever due (``--sync-every`` past the budget), so that every byte on
 the wire is the DHT's and libp2p's: progress records, reads of the peer table and of open rounds, summaries.
 
-    python scripts/bench_idle_wire.py [--rate 0.88] [--steps 300] [--step-delay 0.1]
+    python -m scripts.bench_idle_wire [--rate 0.88] [--steps 300] [--step-delay 0.1]
 
 Each region's ``eth0`` transmit counter is sampled every 2 s; the rate is taken over the samples while all four
 daemons train (the first and last samples of that span). The daemons' own DHT calls per second, by operation and
@@ -20,8 +20,8 @@ import threading
 import time
 from pathlib import Path
 
-import wan_runs  # noqa: E402
-import wan  # noqa: E402
+from scripts import wan_runs
+from scripts import wan
 
 
 def main() -> int:
@@ -61,7 +61,7 @@ def main() -> int:
         for kind, c in x["dht_calls"].items():
             calls.setdefault(kind, []).append(c["calls"] / x["wall_seconds"])
     result = {
-        "command": "python scripts/bench_idle_wire.py " + " ".join(sys.argv[1:]), "rate_mbit": args.rate,
+        "command": "python -m scripts.bench_idle_wire " + " ".join(sys.argv[1:]), "rate_mbit": args.rate,
         "span_s": t1 - t0, "tx_bytes_per_s": rates,
         "share_of_link": statistics.mean(rates.values()) * 8 / (args.rate * 1e6),
         "dht_calls_per_s": {k: statistics.mean(v) for k, v in sorted(calls.items(), key=lambda kv: -sum(kv[1]))},

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What an island of several ranks gives and costs on this machine: tokens/s and the island's own sync time.
 
-    python scripts/bench_island.py [--model tiny] [--steps 160] [--repeats 3] [--out docs/results/bench_island]
+    python -m scripts.bench_island [--model tiny] [--steps 160] [--repeats 3] [--out docs/results/bench_island]
 
 Each configuration is one ``atoll start`` island alone in a new open run (diloco, H=``--sync-every``: every round
 merges the whole model, so every round sends all of θ from rank 0 to the other ranks), trained for ``--steps``
@@ -30,9 +30,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from scripts.bars import each
+from scripts.stats import fmt, interval
+
 ROOT = Path(__file__).resolve().parent.parent
-from bars import each  # noqa: E402
-from stats import fmt, interval  # noqa: E402
 
 CONFIGS = {"1x1": (1, 1), "1x2": (1, 2), "2x1": (2, 1), "4x1": (4, 1)}
 
@@ -85,7 +86,7 @@ def main() -> int:
             print(f"repeat {repeat} {name}: {row[name]['tokens_per_s']:.0f} tok/s, island sync "
                   f"{row[name]['sync_s_per_round'] * 1e3:.1f} ms/round over {row[name]['rounds']} rounds", flush=True)
         runs.append(row)
-    result = {"command": "python scripts/bench_island.py " + " ".join(sys.argv[1:]), "model": args.model,
+    result = {"command": "python -m scripts.bench_island " + " ".join(sys.argv[1:]), "model": args.model,
               "steps": args.steps, "warmup": args.warmup, "sync_every": args.sync_every,
               "island_batch": args.island_batch, "algorithm": "diloco", "runs": runs, "configs": {}}
     for name in names:

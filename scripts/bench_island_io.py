@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The throughputs an island's rank 0 depends on when a fragment's delta leaves the island through it.
 
-    python scripts/bench_island_io.py [--mib 256] [--repeats 5] [--out docs/results/bench_island_io.json]
+    python -m scripts.bench_island_io [--mib 256] [--repeats 5] [--out docs/results/bench_island_io.json]
 
 Measured on this machine, side by side in one invocation, each ``--repeats`` times (medians and 95% intervals):
 
@@ -29,11 +29,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-ROOT = Path(__file__).resolve().parent.parent
-from bars import each  # noqa: E402
-from stats import fmt, interval  # noqa: E402
+from scripts.bars import each
+from scripts.stats import fmt, interval
 
-from atoll.protocols import codecs  # noqa: E402
+from atoll.protocols import codecs
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def codec_gbps(x: torch.Tensor, threads: int, repeats: int, codec_threads: int = 1) -> list[float]:
@@ -115,7 +116,7 @@ def main() -> int:
         measured["outer_1t"] += outer_gbps(x, 1, 1)
         measured["outer_2t"] += outer_gbps(x, 2, 1)
     measured["gloo_broadcast"] = broadcast_gbps(numel, args.repeats)
-    result = {"command": "python scripts/bench_island_io.py " + " ".join(sys.argv[1:]), "mib": args.mib,
+    result = {"command": "python -m scripts.bench_island_io " + " ".join(sys.argv[1:]), "mib": args.mib,
               "cores": os.cpu_count(), "gb_per_s": {k: interval(v) for k, v in measured.items()},
               "median_gb_per_s": {k: statistics.median(v) for k, v in measured.items()}}
     result["codec_2t_over_1t"] = interval([b / a for a, b in zip(measured["codec_1t"], measured["codec_2t"])])

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Peak resident memory per rank of an island: one rank, two data-parallel ranks, two sharded ranks (--fsdp).
 
-    python scripts/bench_island_memory.py [--layers 8] [--width 1024] [--steps 3] [--label TEXT] [--out JSON]
-    python scripts/bench_island_memory.py --fit SMALL_JSON BIG_JSON [--budget-mib 22528]
+    python -m scripts.bench_island_memory [--layers 8] [--width 1024] [--steps 3] [--label TEXT] [--out JSON]
+    python -m scripts.bench_island_memory --fit SMALL_JSON BIG_JSON [--budget-mib 22528]
 
 The model is a GPT of this file's ``wide`` factory (byte vocabulary, 64-token windows, ``--width`` wide,
 ``--layers`` deep: about 100M parameters by default), so that θ, its gradients and AdamW's two moments (16 bytes per
@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bars import each
+from scripts.bars import each
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = {"1 rank": ["--batch-size", "2"], "2 ranks, data parallel": ["--nproc-per-node", "2", "--batch-size", "1"],
@@ -35,7 +35,7 @@ PEAK = re.compile(r"(?:rank (\d) of \d+: stopped|stopped).*peak resident memory 
 
 
 def wide():
-    """The benchmark's model (``--model bench_island_memory:wide``), shaped by BENCH_WIDTH and BENCH_LAYERS."""
+    """The benchmark's model (``--model scripts.bench_island_memory:wide``), shaped by BENCH_WIDTH and BENCH_LAYERS."""
     from atoll.models.gpt import GPT, GPTConfig
 
     width, layers = int(os.environ.get("BENCH_WIDTH", "1024")), int(os.environ.get("BENCH_LAYERS", "8"))
@@ -44,7 +44,7 @@ def wide():
 
 def run(extra: list[str], steps: int, env: dict[str, str]) -> dict[int, int]:
     with tempfile.TemporaryDirectory(prefix="bench-island-memory-") as tmp:
-        cmd = [sys.executable, "-m", "atoll.node.cli", "start", "--open", "--model", "bench_island_memory:wide",
+        cmd = [sys.executable, "-m", "atoll.node.cli", "start", "--open", "--model", "scripts.bench_island_memory:wide",
                "--algorithm", "diloco", "--sync-every", str(steps), "--overlap", "0", "--max-steps", str(steps),
                "--warmup-steps", "0", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--eval-batches", "1",
                "--max-restarts", "0", "--checkpoint-dir", tmp, *extra]
@@ -93,11 +93,10 @@ def main() -> int:
         Path(args.fit[1]).write_text(json.dumps(big, indent=1) + "\n")
         return 0
     env = {**os.environ, "BENCH_WIDTH": str(args.width), "BENCH_LAYERS": str(args.layers),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "scripts"), os.environ.get("PYTHONPATH")]))}
-    sys.path.insert(0, str(ROOT / "scripts"))
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     os.environ.update(BENCH_WIDTH=env["BENCH_WIDTH"], BENCH_LAYERS=env["BENCH_LAYERS"])
     params = sum(p.numel() for p in wide().parameters())
-    result = {"command": shlex.join(["python", "scripts/bench_island_memory.py", *sys.argv[1:]]), "label": args.label, "parameters": params,
+    result = {"command": shlex.join(["python", "-m", "scripts.bench_island_memory", *sys.argv[1:]]), "label": args.label, "parameters": params,
               "model_state_mib_unsharded": params * 16 / 2**20, "peak_rss_mib": {}}
     for name, extra in each(CONFIGS.items(), "configurations"):
         result["peak_rss_mib"][name] = peaks = run(extra, args.steps, env)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What one daemon holds in memory beyond its model state: its process, hivemind's DHT process and p2pd.
 
-    python scripts/bench_memory.py [--models nano tiny] [--rounds 3]
+    python -m scripts.bench_memory [--models nano tiny] [--rounds 3]
 
 For each model, a private swarm of two daemons trains (decoupled, the defaults) until the first has merged
 ``--rounds`` rounds with the other; then the first daemon's processes are measured from /proc:
@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bars import each  # noqa: E402
-from swarm import daemon_processes  # noqa: E402
-from swarm import LocalSwarm, wait_for  # noqa: E402
+from scripts.bars import each
+from scripts.swarm import daemon_processes
+from scripts.swarm import LocalSwarm, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_COPIES = 6  # θ, its gradients, AdamW's m and v, the replica Θ, the outer momentum
@@ -84,7 +84,7 @@ def main() -> int:
               f"{p['p2pd']['uss']:.0f}; tree {r['tree_mib']:.0f} MiB (RSS summed {r['rss_sum_mib']:.0f}), model "
               f"state {r['model_state_mib']:.0f}, beyond it {r['beyond_model_mib']:.0f} MiB", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    command = " ".join(["python", "scripts/bench_memory.py", *sys.argv[1:]])
+    command = " ".join(["python", "-m", "scripts.bench_memory", *sys.argv[1:]])
     args.out.write_text(json.dumps({"command": command, "results": results}, indent=1))
     return 0
 

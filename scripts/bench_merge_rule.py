@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The merge rule, in one process: what a round landing k steps after its snapshot costs under each rule.
 
-    python scripts/bench_merge_rule.py                      # nano, 4 learners, H=50, k = 0 5 25 45, 3 seeds
+    python -m scripts.bench_merge_rule                      # nano, 4 learners, H=50, k = 0 5 25 45, 3 seeds
 
 For every seed and outer step, the reference is the same swarm with rounds landing at once (k = 0, where every
 rule is the same); each rule and delay is reported as its held-out loss against that reference. The swarm is
@@ -26,9 +26,10 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from scripts.inproc_swarm import Config, run_configs
+from scripts.stats import fmt, interval
+
 ROOT = Path(__file__).resolve().parent.parent
-from inproc_swarm import Config, run_configs  # noqa: E402
-from stats import fmt, interval  # noqa: E402
 
 # (lr, momentum, period): the papers' Nesterov, plain averaging, and Delayed Nesterov (momentum every N-th round of a
 # fragment, arXiv 2401.09135) with N = 2 and 3.

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A Llama-style swarm and a GPT swarm of equal parameter count on the same prepared BPE data: held-out loss.
 
-    python scripts/bench_models.py [--seeds 0 1 2] [--steps 400] [--vocab 1024] [--sync-every 20]
+    python -m scripts.bench_models [--seeds 0 1 2] [--steps 400] [--vocab 1024] [--sync-every 20]
 
 The data: the built-in corpus's text (the standard library files ``models/data.py`` lists) prepared once with
 ``atoll data prepare``'s own code (a byte-level BPE of ``--vocab`` ids, 5% of the documents in the manifest's
@@ -40,17 +40,17 @@ import numpy as np
 import torch
 
 
-from bars import each  # noqa: E402
-from benchkit import diloco  # noqa: E402  the same DiLoCo loop as the outer-step benchmark
-from stats import fmt, interval  # noqa: E402
+from scripts.bars import each
+from scripts.benchkit import diloco  # the same DiLoCo loop as the outer-step benchmark
+from scripts.stats import fmt, interval
 
-from atoll.models.data import Corpus, _builtin_files, load_corpus  # noqa: E402
-from atoll.models.dataset import PreparedDataset, is_prepared  # noqa: E402
-from atoll.models.gpt import GPT, GPTConfig  # noqa: E402
-from atoll.models.llama import Llama, LlamaConfig  # noqa: E402
-from atoll.node.config import RunConfig  # noqa: E402
-from atoll.node.device import resolve_device  # noqa: E402
-from atoll.node.island.learner import Learner  # noqa: E402
+from atoll.models.data import Corpus, _builtin_files, load_corpus
+from atoll.models.dataset import PreparedDataset, is_prepared
+from atoll.models.gpt import GPT, GPTConfig
+from atoll.models.llama import Llama, LlamaConfig
+from atoll.node.config import RunConfig
+from atoll.node.device import resolve_device
+from atoll.node.island.learner import Learner
 
 LEARNERS = 4
 NUM_SHARDS = 16
@@ -274,7 +274,7 @@ def main() -> int:
                          "tokenizer_sha256": manifest.tokenizer_sha256}}
     result = {"settings": settings, "models": models, "param_ratio": 1 + gap, "per_seed": per_seed,
               "summary": summary, "seconds": round(time.monotonic() - t_start, 1),
-              "command": "python scripts/bench_models.py " + " ".join(sys.argv[1:])}
+              "command": "python -m scripts.bench_models " + " ".join(sys.argv[1:])}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_models.json").write_text(json.dumps(result, indent=1) + "\n")

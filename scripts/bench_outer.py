@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Which outer optimizer, at which batch size: DiLoCo against ddp in one process, equal tokens, no network.
 
-    python scripts/bench_outer.py [--steps 300] [--batch 8] [--configs ddp 40,0.7,0.9 40,1,0 ...]
+    python -m scripts.bench_outer [--steps 300] [--batch 8] [--configs ddp 40,0.7,0.9 40,1,0 ...]
 
 Four learners (the daemons' ``Learner``, shards 0–3, the same seed) train side by side in this process, one
 configuration after another, each from the same initial model:
@@ -39,8 +39,8 @@ from atoll.models.data import Corpus, load_corpus
 from atoll.node.config import RunConfig
 from atoll.node.device import resolve_device
 from atoll.node.island.learner import Learner
-from bars import each
-from benchkit import diloco
+from scripts.bars import each
+from scripts.benchkit import diloco
 
 LEARNERS = 4
 EVAL_BATCHES = 32
@@ -166,7 +166,7 @@ def main() -> int:
         row = {**cfg, "steps": args.steps, "batch": args.batch, "model": args.model, "inner_lr": args.inner_lr,
                "lr_schedule": args.lr_schedule,
                "held_out_loss": loss, "seconds": round(time.monotonic() - t0, 1),
-               "command": "python scripts/bench_outer.py " + " ".join(sys.argv[1:])}
+               "command": "python -m scripts.bench_outer " + " ".join(sys.argv[1:])}
         rows = [r for r in rows if (setting(r), r["config"]) != (setting(row), row["config"])] + [row]
         print(f"batch {args.batch} steps {args.steps} {text:14s} held-out loss {loss:.4f} ({row['seconds']:.0f} s)",
               flush=True)

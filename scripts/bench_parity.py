@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Parity: one process alone vs three daemons with DiLoCo, same model and the same total token budget.
 
-    python scripts/bench_parity.py [--steps 600] [--sync-every 50] [--model tiny]
+    python -m scripts.bench_parity [--steps 600] [--sync-every 50] [--model tiny]
 
 (a) trains ``3 × steps`` inner steps in one process (plain AdamW, no outer loop); (b) runs three daemons on
 127.0.0.1 with ``--max-steps steps`` each (the same tokens in total). Both are evaluated on the same held-out
@@ -21,14 +21,14 @@ from pathlib import Path
 
 import torch
 
-from bars import each  # noqa: E402
-from benchkit import BATCH, CURVE_BATCHES, EVAL_BATCHES, make_learner  # noqa: E402
-from swarm import LocalSwarm  # noqa: E402
+from scripts.bars import each
+from scripts.benchkit import BATCH, CURVE_BATCHES, EVAL_BATCHES, make_learner
+from scripts.swarm import LocalSwarm
 
-from atoll.models.configs import get_model_config  # noqa: E402
-from atoll.models.fragments import make_fragments  # noqa: E402
-from atoll.node.home.checkpoint import load_checkpoint  # noqa: E402
-from atoll.node.config import RunConfig  # noqa: E402
+from atoll.models.configs import get_model_config
+from atoll.models.fragments import make_fragments
+from atoll.node.home.checkpoint import load_checkpoint
+from atoll.node.config import RunConfig
 
 def solo(run: RunConfig, steps: int) -> dict:
     torch.set_num_threads(1)
@@ -97,7 +97,7 @@ def main() -> int:
     alone = solo(run, 3 * args.steps)
     print(f"    held-out loss {alone['held_out_loss']:.4f} in {alone['seconds']:.0f} s", flush=True)
     result = {
-        "command": "python scripts/bench_parity.py " + " ".join(sys.argv[1:]),
+        "command": "python -m scripts.bench_parity " + " ".join(sys.argv[1:]),
         "model": args.model, "params": get_model_config(args.model).num_params, "sync_every": args.sync_every,
         "steps_per_daemon": args.steps, "batch_size": BATCH, "eval_batches": EVAL_BATCHES,
         "solo": alone, "diloco_3_daemons": diloco,

@@ -2,7 +2,7 @@
 """A region cut off and restored: four regions of the emulated WAN (``scripts/wan.py``), one ``decoupled`` daemon
 each, and region ``rd``'s link cut for ``--cut-s`` seconds in the middle of the run.
 
-    python scripts/bench_partition.py [--seeds 0 1 2] [--cut-s 60] [--before-s 30] [--after-s 60] [--rtt 50]
+    python -m scripts.bench_partition [--seeds 0 1 2] [--cut-s 60] [--before-s 30] [--after-s 60] [--rtt 50]
 
 Timeline of each seed: the four daemons start together (``start_together``, as ``bench_wan.py``) and train until
 stopped; ``--before-s`` seconds after the first step, ``Wan.cut("rd")`` makes the router drop every packet to or from
@@ -32,11 +32,11 @@ import sys
 import time
 from pathlib import Path
 
-import wan  # noqa: E402
-from bars import each  # noqa: E402
-from benchkit import BATCH  # noqa: E402
-from stats import fmt, interval  # noqa: E402
-from swarm import LocalSwarm  # noqa: E402
+from scripts import wan
+from scripts.bars import each
+from scripts.benchkit import BATCH
+from scripts.stats import fmt, interval
+from scripts.swarm import LocalSwarm
 
 REGIONS = ("ra", "rb", "rc", "rd")
 CUT = "rd"
@@ -185,7 +185,7 @@ def main() -> int:
     p.add_argument("--name", default="bench_partition", help="the output files' stem")
     args = p.parse_args()
     doc = {"model": args.model, "sync_every": args.sync_every, "rtt_ms": args.rtt, "rate_mbit": args.rate,
-           "cut_s": args.cut_s, "command": "python scripts/bench_partition.py " + " ".join(sys.argv[1:]), "runs": []}
+           "cut_s": args.cut_s, "command": "python -m scripts.bench_partition " + " ".join(sys.argv[1:]), "runs": []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for seed in each(args.seeds, "seeds"):

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Lending the machine back: seconds from resume to the daemon's first contributed round, against a full restart.
 
-    python scripts/bench_pause.py [--models tiny small] [--repeats 3] [--away 20]
+    python -m scripts.bench_pause [--models tiny small] [--repeats 3] [--away 20]
 
 For each model, one swarm of two daemons on 127.0.0.1 (decoupled, int4, a checkpoint dir each). Once both
 contribute to shared rounds, the second daemon leaves the run's training for ``--away`` seconds, ``--repeats``
@@ -28,9 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-from bars import each  # noqa: E402
-from stats import fmt, interval  # noqa: E402
-from swarm import LocalSwarm, peer_id, wait_for  # noqa: E402
+from scripts.bars import each
+from scripts.stats import fmt, interval
+from scripts.swarm import LocalSwarm, peer_id, wait_for
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "results"
 SETTINGS = {  # per model: batch and sync period, so that a round of each fragment falls due every few seconds
@@ -126,7 +126,7 @@ def main() -> int:
     ap.add_argument("--away", type=float, default=20.0, help="seconds paused, or stopped, each time")
     ap.add_argument("--workdir", default="/tmp/atoll-bench-pause")
     args = ap.parse_args()
-    doc = {"command": "python scripts/bench_pause.py " + " ".join(sys.argv[1:]), "away": args.away,
+    doc = {"command": "python -m scripts.bench_pause " + " ".join(sys.argv[1:]), "away": args.away,
            "repeats": args.repeats, "models": []}
     for model in args.models:
         result = run_model(model, args.repeats, args.away, Path(args.workdir) / model)

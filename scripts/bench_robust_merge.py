@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Direction-robust merges: their quality cost in an honest swarm, and what they buy against a direction attack.
 
-    python scripts/bench_robust_merge.py [--seeds 0 1 2] [--steps 150] [--sync-every 15] \
+    python -m scripts.bench_robust_merge [--seeds 0 1 2] [--steps 150] [--sync-every 15] \
         [--rules trimmed centered] [--attacks none direction] [--name bench_robust_merge]
-    python scripts/bench_robust_merge.py --pool A.json B.json --name NAME   # earlier invocations, together
+    python -m scripts.bench_robust_merge --pool A.json B.json --name NAME   # earlier invocations, together
 
 For each seed, the swarm of ``tests/integration/test_byzantine.py`` (four daemons, synchronous ``diloco``, nano,
 batch 4, a fixed number of steps, every daemon started together at a bootstrap-only DHT node and held at a
@@ -33,9 +33,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bars import each  # noqa: E402
-from stats import fmt, interval  # noqa: E402
-from swarm import LocalSwarm  # noqa: E402
+from scripts.bars import each
+from scripts.stats import fmt, interval
+from scripts.swarm import LocalSwarm
 
 HONEST = ("a", "b", "c")
 FOURTH = "x"
@@ -161,7 +161,7 @@ def report(runs: list[dict], meta: dict, out: Path, name: str) -> None:
         if "none" in attacks:
             s["ratio_to_honest_clip"] = interval([r["ratio_to_honest_clip"] for r in mine])
         summary[f"{rule}/{attack}"] = s
-    doc = {"command": "python scripts/bench_robust_merge.py " + " ".join(sys.argv[1:]), "model": "nano",
+    doc = {"command": "python -m scripts.bench_robust_merge " + " ".join(sys.argv[1:]), "model": "nano",
            "daemons": 4, "algorithm": "diloco", "batch_size": 4, **meta, "summary": summary, "runs": runs}
     (out / f"{name}.json").write_text(json.dumps(doc, indent=1))
     plot(doc, out / f"{name}.png")

@@ -2,7 +2,7 @@
 """Round formation over a WAN's latency: decoupled rounds among four regions of the emulated WAN
 (``scripts/wan.py``), one daemon each, over loopback-like links (RTT 0) and over ``--rtts`` ms, side by side.
 
-    python scripts/bench_rounds_wan.py --rtts 0 100 --seeds 0 1 2 [--label NAME] [--daemon-args="--flag value"]
+    python -m scripts.bench_rounds_wan --rtts 0 100 --seeds 0 1 2 [--label NAME] [--daemon-args="--flag value"]
         [--env NAME=VALUE ...]
 
 Each (RTT, seed) builds a fresh WAN and runs ``scripts/wan_runs.py``'s atoll run, as ``bench_wan.py`` does (the
@@ -34,10 +34,10 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import wan_runs  # noqa: E402
-import wan  # noqa: E402
-from bars import each  # noqa: E402
-from stats import fmt, interval  # noqa: E402
+from scripts import wan_runs
+from scripts import wan
+from scripts.bars import each
+from scripts.stats import fmt, interval
 
 
 def analyse(root: Path) -> dict:
@@ -160,7 +160,7 @@ def main() -> int:
     doc = json.loads(path.read_text()) if path.exists() else {"runs": [], "commands": []}
     if not args.replot:
         doc.update(model=args.model, steps=args.steps, sync_every=args.sync_every, baseline=args.baseline)
-        doc["commands"].append("python scripts/bench_rounds_wan.py " + shlex.join(sys.argv[1:]))
+        doc["commands"].append("python -m scripts.bench_rounds_wan " + shlex.join(sys.argv[1:]))
         args.daemon_args = shlex.split(args.daemon_args)
         for item in args.env:  # the daemons inherit it, and p2pd from them
             name, _, value = item.partition("=")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What the protocol costs one daemon as the swarm grows: live swarms of N `nano` daemons on this machine.
 
-    python scripts/bench_scale.py [--sizes 4 8 16] [--seconds 120] [--model nano]
+    python -m scripts.bench_scale [--sizes 4 8 16] [--seconds 120] [--model nano]
 
 For each N, a fresh private swarm starts (the founder, then N-1 joiners), trains until every daemon's record is
 visible and training, and is then measured for ``--seconds``. Training is slowed by a fixed per-step delay so that
@@ -40,9 +40,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bars import each  # noqa: E402
-from stats import power_law  # noqa: E402
-from swarm import LocalSwarm, StatusReader, daemon_processes, wait_for  # noqa: E402
+from scripts.bars import each
+from scripts.stats import power_law
+from scripts.swarm import LocalSwarm, StatusReader, daemon_processes, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP_DELAY = 0.25  # seconds per inner step on every daemon: keeps N daemons' compute off the protocol's path
@@ -269,7 +269,7 @@ def main() -> int:
         results.append(measure(n, args.seconds, work, args.model))
         print(json.dumps(per_size(results[-1])), flush=True)
         rows = [per_size(r) for r in results]
-        doc = {"command": shlex.join(["python", "scripts/bench_scale.py", *sys.argv[1:]]), "model": args.model,
+        doc = {"command": shlex.join(["python", "-m", "scripts.bench_scale", *sys.argv[1:]]), "model": args.model,
                "seconds": args.seconds, "step_delay_s": STEP_DELAY, "cpus": os.cpu_count(), "sizes": rows,
                "growth": growth(rows, os.cpu_count() or 1), "runs": results}
         args.out.with_suffix(".json").write_text(json.dumps(doc, indent=1))  # after each size: a later one may fail

@@ -2,7 +2,7 @@
 """What the protocol costs one island, and how much of the swarm's work it keeps, at hundreds to thousands of
 islands: the real protocol code over a simulated DHT, in virtual time (``scripts/sim/scale.py``).
 
-    python scripts/bench_scale_sim.py [--sizes 64 256 1024] [--seeds 0 1 2] [--largest-seeds 1] [--seconds 120]
+    python -m scripts.bench_scale_sim [--sizes 64 256 1024] [--seeds 0 1 2] [--largest-seeds 1] [--seconds 120]
         [--max-group 16]
 
 For each size and seed two swarms run, side by side: ``merged`` (the protocol: a round split into groups merges
@@ -35,9 +35,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bars import each  # noqa: E402
-from stats import power_law  # noqa: E402
-from sim.scale import SimConfig, simulate  # noqa: E402
+from scripts.bars import each
+from scripts.stats import power_law
+from scripts.sim.scale import SimConfig, simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 FIGURES = {  # key: (label, unit, how to read it from one run's summary)
@@ -130,7 +130,7 @@ def main() -> int:
         return 2
     args.out.parent.mkdir(parents=True, exist_ok=True)
     runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
-    commands = [shlex.join(["python", "scripts/bench_scale_sim.py", *sys.argv[1:]])]
+    commands = [shlex.join(["python", "-m", "scripts.bench_scale_sim", *sys.argv[1:]])]
     earlier_commands = []
     for path in args.add_to:
         earlier = json.loads(path.read_text())

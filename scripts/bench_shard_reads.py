@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What a read of a small swarm's progress records costs: one key against 16 shards, side by side.
 
-    python scripts/bench_shard_reads.py [--records 8 64] [--nodes 8] [--reads 15] [--repeats 3]
+    python -m scripts.bench_shard_reads [--records 8 64] [--nodes 8] [--reads 15] [--repeats 3]
 
 Past 64 records a daemon reads a few of the 16 progress shards at a time (``node/rounds/peers.py``); up to 64 it reads
 all 16 keys in one ``get_many``, where it read one key before the shards. This measures what that costs a small swarm,
@@ -35,15 +35,13 @@ from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from bars import each  # noqa: E402
-from dht_fill import HOLD_CHUNK, hold, progress_value  # noqa: E402
-from swarm import cpu_seconds  # noqa: E402
-from swarm import descendants  # noqa: E402
+from scripts.bars import each
+from scripts.dht_fill import HOLD_CHUNK, hold, progress_value
+from scripts.swarm import cpu_seconds
+from scripts.swarm import descendants
 
-from atoll.protocols import dht_io  # noqa: E402
-from atoll.protocols.records import (  # noqa: E402
+from atoll.protocols import dht_io
+from atoll.protocols.records import (
     make_validators,
     parse_progress,
     progress_key,
@@ -51,6 +49,8 @@ from atoll.protocols.records import (  # noqa: E402
     progress_shard,
     unwrap_subkeys,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 RUN = "bench"
 ONE_KEY = f"{RUN}_progress_all"
@@ -166,7 +166,7 @@ def main() -> int:
                 print(f"repeat {repeat} records {n:4d} {variant:>28}: read {figures['read_s'] * 1e3:6.1f} ms, "
                       f"reader cpu {figures['reader_cpu_s'] * 1e3:6.1f} ms, serving cpu "
                       f"{figures['serving_cpu_s'] * 1e3:6.1f} ms, {figures['records_seen']} seen", flush=True)
-    doc = {"command": ("python scripts/bench_shard_reads.py " + " ".join(sys.argv[1:])).strip(),
+    doc = {"command": ("python -m scripts.bench_shard_reads " + " ".join(sys.argv[1:])).strip(),
            "nodes": args.nodes, "reads": args.reads, "repeats": args.repeats, "rows": summarize(runs), "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(doc, indent=1))

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Tokens/s and per-device bytes of the xla learner: plain (one device) or SPMD over N devices. One JSON line.
 
-    PJRT_DEVICE=CPU python scripts/bench_spmd.py --model tiny --devices 4 --steps 20   # in the xla venv
+    PJRT_DEVICE=CPU python -m scripts.bench_spmd --model tiny --devices 4 --steps 20   # in the xla venv
 
 ``--devices 0`` is the plain learner. On torch_xla's CPU runtime the N devices share the host's cores: these are
 not TPU numbers."""

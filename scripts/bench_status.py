@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How long ``atoll status`` takes as a run grows: from its summaries against from every record, side by side.
 
-    python scripts/bench_status.py [--records 64 256 1024] [--nodes 4] [--repeats 3]
+    python -m scripts.bench_status [--records 64 256 1024] [--nodes 4] [--repeats 3]
 
 For each repeat and size, ``--nodes`` real hivemind DHT nodes (each its own process and p2pd, with a member's
 validators, as every daemon runs) start on loopback, and each is given the signed progress records of ``--records``
@@ -35,16 +35,16 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from bars import each  # noqa: E402
-from dht_fill import HOLD_CHUNK, RUN, hold, members, progress_value, signed_records  # noqa: E402
+from scripts.bars import each
+from scripts.dht_fill import HOLD_CHUNK, RUN, hold, members, progress_value, signed_records
 
-from atoll.node.ops.status import collect_status  # noqa: E402
-from atoll.protocols.auth import RunKey  # noqa: E402
-from atoll.node.rounds.peers import WRITE_ALL_UP_TO  # noqa: E402
-from atoll.protocols.records import ALL_SHARDS, MAX_EXPIRY, make_validators, parse_progress, progress_key  # noqa: E402
-from atoll.protocols.summary import SUMMARIZERS, is_summarizer, summary_key, totals  # noqa: E402
+from atoll.node.ops.status import collect_status
+from atoll.protocols.auth import RunKey
+from atoll.node.rounds.peers import WRITE_ALL_UP_TO
+from atoll.protocols.records import ALL_SHARDS, MAX_EXPIRY, make_validators, parse_progress, progress_key
+from atoll.protocols.summary import SUMMARIZERS, is_summarizer, summary_key, totals
+
+ROOT = Path(__file__).resolve().parents[1]
 
 VARIANTS = ("summaries", "every record")
 
@@ -201,7 +201,7 @@ def main() -> int:
                 print(f"repeat {repeat} records {n:5d} {variant:>12}: collect {figures['collect_s']:.2f} s, "
                       f"command {figures['command_s']:.2f} s, {figures['peers_counted']} peers counted, "
                       f"{figures['peers_listed']} listed", flush=True)
-    command_line = "python scripts/bench_status.py " + " ".join(sys.argv[1:])
+    command_line = "python -m scripts.bench_status " + " ".join(sys.argv[1:])
     doc = {"command": command_line.strip(), "nodes": args.nodes, "repeats": args.repeats, "rows": summarize(runs),
            "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A straggler: 4 daemons, one of them 3x slower, against all fast and against a CPU-load control; repeated.
 
-    python scripts/bench_straggler.py [--seconds 60] [--repeats 3] [--model tiny] [--sync-every 40]
+    python -m scripts.bench_straggler [--seconds 60] [--repeats 3] [--model tiny] [--sync-every 40]
 
 For each setting (diloco; decoupled with every default; ``--settings`` adds decoupled with K = 1 and no grace
 window and decoupled with K = M = 4) and each repeat, three fresh swarms run for ``--seconds`` of training, in an
@@ -31,12 +31,12 @@ import sys
 import time
 from pathlib import Path
 
-from bars import each  # noqa: E402
-from benchkit import BATCH, evaluate_swarm, summaries  # noqa: E402
-from swarm import LocalSwarm  # noqa: E402
+from scripts.bars import each
+from scripts.benchkit import BATCH, evaluate_swarm, summaries
+from scripts.swarm import LocalSwarm
 
-from atoll.node.config import RunConfig  # noqa: E402
-from stats import fmt, interval  # noqa: E402
+from atoll.node.config import RunConfig
+from scripts.stats import fmt, interval
 
 DAEMONS = 4
 FAST_DELAY = 0.15  # seconds per step on every daemon, on top of the compute
@@ -126,7 +126,7 @@ def main() -> int:
         print(f"{label:24s} blocked (fast daemons, s): straggler {fmt(row['fast_blocked_s_straggler'], 1)}, "
               f"control {fmt(row['fast_blocked_s_control'], 1)}; tokens/s straggler/control "
               f"{fmt(row['ratio_to_control'])}, /fast {fmt(row['ratio_to_fast'])}")
-    doc = {"command": "python scripts/bench_straggler.py " + " ".join(sys.argv[1:]), "model": args.model,
+    doc = {"command": "python -m scripts.bench_straggler " + " ".join(sys.argv[1:]), "model": args.model,
            "daemons": DAEMONS, "seconds": args.seconds, "repeats": args.repeats, "sync_every": args.sync_every,
            "overlap": args.overlap, "fast_step_delay": FAST_DELAY, "minutes": (time.time() - started) / 60,
            "results": results}

@@ -3,10 +3,10 @@
 each, the same model and token budget over the same links, for ddp, diloco, streaming, decoupled and hivemind's
 own ``hivemind.Optimizer`` set up as OpenDiLoCo (``scripts/hivemind_opendiloco.py``).
 
-    python scripts/bench_wan.py --calibrate                       # measure the inner step time here, print rates
-    python scripts/bench_wan.py --rates 0.88 2.2 8.8 --rtts 0 100 [--algorithms ...] [--steps 800] [--ddp-steps 8]
-    python scripts/bench_wan.py --rates 2.2 --rtts 0 --seeds 0 1 2 --algorithms ddp diloco decoupled
-    python scripts/bench_wan.py --replot
+    python -m scripts.bench_wan --calibrate                       # measure the inner step time here, print rates
+    python -m scripts.bench_wan --rates 0.88 2.2 8.8 --rtts 0 100 [--algorithms ...] [--steps 800] [--ddp-steps 8]
+    python -m scripts.bench_wan --rates 2.2 --rtts 0 --seeds 0 1 2 --algorithms ddp diloco decoupled
+    python -m scripts.bench_wan --replot
 
 Every point of the sweep (a link rate in Mbit/s, both directions of every region's access link, and an RTT between
 any two regions: each region's one-way delay is RTT/4) builds a fresh ``Wan`` of four regions and runs each
@@ -40,14 +40,14 @@ import sys
 import time
 from pathlib import Path
 
-import wan  # noqa: E402
-from bars import each  # noqa: E402
-from stats import fmt, interval  # noqa: E402
-from benchkit import BATCH, DAEMONS, evaluate_global, evaluate_swarm, make_learner, summaries  # noqa: E402
-from wan_runs import REGIONS, run_atoll, step_seconds, tx_bytes  # noqa: E402
-from swarm import LocalSwarm  # noqa: E402
+from scripts import wan
+from scripts.bars import each
+from scripts.stats import fmt, interval
+from scripts.benchkit import BATCH, DAEMONS, evaluate_global, evaluate_swarm, make_learner, summaries
+from scripts.wan_runs import REGIONS, run_atoll, step_seconds, tx_bytes
+from scripts.swarm import LocalSwarm
 
-from atoll.node.config import RunConfig  # noqa: E402
+from atoll.node.config import RunConfig
 
 ALGORITHMS = ("ddp", "diloco", "streaming", "decoupled", "hivemind")
 HIVEMIND = Path(__file__).resolve().parent / "hivemind_opendiloco.py"
@@ -84,7 +84,7 @@ def ddp_seconds_per_step(r: dict) -> float:
 
 def swarm_in(root: Path) -> LocalSwarm:
     """The (stopped) swarm of a run folder under runs/bench_wan, to read its summaries and checkpoints."""
-    from swarm import DaemonProcess
+    from scripts.swarm import DaemonProcess
 
     swarm = LocalSwarm(root)
     for i in range(DAEMONS):
@@ -441,7 +441,7 @@ def main() -> int:
     doc = json.loads(path.read_text()) if path.exists() and not args.fresh else {"runs": [], "commands": []}
     doc.update(model=args.model, steps=args.steps, sync_every=args.sync_every, batch_size=BATCH, daemons=DAEMONS,
                seed=args.seed, target_ratio=args.target_ratio, production_ratio_transfer_over_step=prod_ratios())
-    doc["commands"].append("python scripts/bench_wan.py " + " ".join(sys.argv[1:]))
+    doc["commands"].append("python -m scripts.bench_wan " + " ".join(sys.argv[1:]))
     mb = model_bytes(args.model)
     doc["model_bytes_fp32"] = mb
     for spec in args.recover:  # ALGORITHM:RATE:RTT:STEPS:WIRE_MB

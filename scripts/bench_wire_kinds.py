@@ -5,7 +5,7 @@ daemon's processes (``scripts/wire_probe/sitecustomize.py``, loaded through ``PY
 of every p2p unary call by RPC (the DHT's ``rpc_find``/``rpc_store``/``rpc_ping``, atoll's nudges) and by the kind of
 record the DHT operation was for (progress, round, group, open, summary, ...; "background" for hivemind's own).
 
-    python scripts/bench_wire_kinds.py [--rate 0.88] [--label NAME] [--out DIR]
+    python -m scripts.bench_wire_kinds [--rate 0.88] [--label NAME] [--out DIR]
 
 Reported against the bytes on each region's ``eth0`` (TCP/IP, libp2p's framing and encryption included) and the
 outer deltas and state the daemons counted as sent. ``--label`` names the code under test: run the script from
@@ -23,9 +23,10 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
+from scripts import wan_runs
+from scripts import wan
+
 HERE = Path(__file__).resolve().parent
-import wan_runs  # noqa: E402
-import wan  # noqa: E402
 
 
 def probe_totals(folder: Path) -> dict[str, dict[str, int]]:
@@ -71,7 +72,7 @@ def main() -> int:
         "by_kind": dict(sorted(kinds.items(), key=lambda kv: -(kv[1]["sent"] + kv[1]["received"]))),
         "rounds_per_daemon": r["rounds_per_daemon"], "held_out_loss_mean": r["held_out_loss_mean"],
         "utilization": r["utilization"], "tokens_lost": r["tokens_lost"], "tokens_total": r["tokens_total"],
-        "command": "python scripts/bench_wire_kinds.py " + shlex.join(sys.argv[1:]),
+        "command": "python -m scripts.bench_wire_kinds " + shlex.join(sys.argv[1:]),
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

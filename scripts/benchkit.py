@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from swarm import LocalSwarm
+from scripts.swarm import LocalSwarm
 
 from atoll.models.configs import get_model_config
 from atoll.models.data import Corpus, load_corpus

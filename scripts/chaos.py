@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Chaos run: a local swarm under a seeded schedule of faults, against a fault-free twin of the same length.
 
-    python scripts/chaos.py --algorithm decoupled [--seeds 0 1 2] [--daemons 6] [--duration 420] [--faults-per-kind 11]
+    python -m scripts.chaos --algorithm decoupled [--seeds 0 1 2] [--daemons 6] [--duration 420] [--faults-per-kind 11]
 
 Faults: ``--faults-per-kind`` of each of five kinds (55 by default), in a seeded random order at uniformly random
 times between 10% and 80% of the window. ``kill`` (SIGKILL of the daemon's process group, restarted after a
@@ -49,12 +49,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
-from bars import bar, each  # noqa: E402
-from benchkit import evaluate_swarm  # noqa: E402
-from swarm import LocalSwarm  # noqa: E402
+from scripts.bars import bar, each
+from scripts.benchkit import evaluate_swarm
+from scripts.swarm import LocalSwarm
 
-from atoll.node.home.checkpoint import load_checkpoint  # noqa: E402
-from atoll.node.config import RunConfig  # noqa: E402
+from atoll.node.home.checkpoint import load_checkpoint
+from atoll.node.config import RunConfig
 
 KINDS = ("kill", "freeze", "leave", "join", "checkpoint_kill")
 
@@ -541,7 +541,7 @@ def run_seed(args: argparse.Namespace, name: str, out: Path) -> dict:
         "start_to_first_step_s": chaos["start_to_first_step_s"],
     }
     doc = {"algorithm": args.algorithm, "name": name, "seed": args.seed,
-           "command": "python scripts/chaos.py " + " ".join(sys.argv[1:]), "args": vars(args), "metrics": metrics,
+           "command": "python -m scripts.chaos " + " ".join(sys.argv[1:]), "args": vars(args), "metrics": metrics,
            "reference": reference, "chaos": chaos}
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(doc, indent=1))
@@ -552,7 +552,7 @@ def run_seed(args: argparse.Namespace, name: str, out: Path) -> dict:
 
 def summarize(docs: list[dict]) -> dict:
     """Mean and 95% interval over seeds of each headline figure, and in how many seeds each goal held."""
-    from stats import interval
+    from scripts.stats import interval
 
     keys = ("goodput", "goodput_trained", "loss_ratio_final_checkpoints", "longest_gap_s",
             "reference_longest_gap_s", "longest_gap_ratio", "downtime_beyond_fault_free_s", "tokens_lost_share",
@@ -618,7 +618,7 @@ def main() -> int:
     for seed in each(args.seeds, "seeds"):
         args.seed = seed
         docs.append(run_seed(args, f"{name}_s{seed}", out))
-    summary = {"command": "python scripts/chaos.py " + " ".join(sys.argv[1:]), **summarize(docs)}
+    summary = {"command": "python -m scripts.chaos " + " ".join(sys.argv[1:]), **summarize(docs)}
     (out / f"{name}_summary.json").write_text(json.dumps(summary, indent=1))
     plot(out)
     print(json.dumps(summary, indent=1))

@@ -2,7 +2,7 @@
 """The accelerator check: everything atoll measures on a CUDA GPU, in one command, into one JSON.
 
     bash scripts/device_check.sh                         # on the GPU machine: wheels, paths, then this
-    python scripts/device_check.py --dry-run --out DIR   # the same sections on this CPU, tiny (make test)
+    python -m scripts.device_check --dry-run --out DIR   # the same sections on this CPU, tiny (make test)
 
 Sections, each in its own process with its own time limit, so that one that breaks or hangs leaves the others
 their time, and the JSON is rewritten after each one (what finished is kept if the whole run is cut short):
@@ -34,7 +34,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ROOT / "scripts"
 SECTIONS = ("correctness", "swarm", "overhead", "quality")
 QUALITY_MIN = 120  # seconds the quality section is always left
 
@@ -75,8 +74,7 @@ def section_correctness(args: argparse.Namespace) -> dict:
 
 
 def section_swarm(args: argparse.Namespace) -> dict:
-    sys.path.insert(0, str(SCRIPTS))
-    from swarm import LocalSwarm, peer_id, summary, wait_for
+    from scripts.swarm import LocalSwarm, peer_id, summary, wait_for
 
     model, duration = ("nano", 20.0) if args.dry_run else (args.swarm_model, args.swarm_seconds)
     common = ["--model", model, "--device", args.device, "--algorithm", "decoupled", "--batch-size",
@@ -137,16 +135,15 @@ def section_overhead(args: argparse.Namespace) -> dict:
     else:
         bench = ["--devices", args.device, "--model", args.model, "--data", args.data, "--repeats", "3"]
         codec = ["--device", args.device, "--repeats", "3"]
-    learner = _run_script([sys.executable, str(SCRIPTS / "bench_device_overhead.py"), *bench, "--no-plot",
+    learner = _run_script([sys.executable, "-m", "scripts.bench_device_overhead", *bench, "--no-plot",
                            "--out", str(work / "overhead.json")], work / "overhead.json", args.overhead_seconds)
-    codecs = _run_script([sys.executable, str(SCRIPTS / "bench_codec_device.py"), *codec,
+    codecs = _run_script([sys.executable, "-m", "scripts.bench_codec_device", *codec,
                           "--out", str(work / "codec.json")], work / "codec.json", args.codec_seconds)
     return {"learner_vs_bare": learner, "codec": codecs}
 
 
 def section_quality(args: argparse.Namespace) -> dict:
-    sys.path.insert(0, str(SCRIPTS))
-    import inproc_swarm
+    from scripts import inproc_swarm
 
     if args.dry_run:
         sizes = dict(model="nano", data="builtin", batch_size=4, steps=20, sync_every=10, delay=3, warmup=5,
@@ -268,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         quality_min = QUALITY_MIN if "quality" in args.sections and name != "quality" else 0
         limit = max(30.0, min(caps[name], left - quality_min) if name != "quality" else left - 10)
         budget = max(20.0, limit - 45) if name == "quality" else 0.0  # model builds and evaluations on top
-        cmd = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--section", name,
+        cmd = [sys.executable, "-m", "scripts.device_check", *(argv if argv is not None else sys.argv[1:]), "--section", name,
                "--work", args.work, "--budget", str(budget)]
         print(f"device_check: {name} (limit {limit:.0f} s)", flush=True)
         t0 = time.monotonic()

@@ -10,4 +10,4 @@ shift || true
 source scripts/device_setup.sh || { echo "device_check.sh: set-up failed" >&2; exit 2; }
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-python3 scripts/device_check.py --out "$out" "$@"
+python3 -m scripts.device_check --out "$out" "$@"

@@ -1,6 +1,6 @@
 # Source at the start of every command on the lent GPU machine (python3 3.12 with CUDA torch, no network):
 #
-#     source scripts/device_setup.sh && python3 scripts/device_check.py ...
+#     source scripts/device_setup.sh && python3 -m scripts.device_check ...
 #
 # It (1) installs the wheels carried in .whl/ (hivemind and the part of its and atoll's dependencies that the
 # machine lacks; run the device tool with carry: [".whl"] and, for the BPE data, ".devdata") into /tmp/site,

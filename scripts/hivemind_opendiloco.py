@@ -2,7 +2,7 @@
 """One peer of hivemind 1.1.12's own ``hivemind.Optimizer`` set up as OpenDiLoCo would: the peer a user would
 pick instead of atoll, on the same model and data (``atoll.models``), for ``scripts/bench_wan.py``.
 
-    python scripts/hivemind_opendiloco.py --host 10.77.0.2 --index 0 --peers 4 --steps 200 --sync-every 20 \
+    python -m scripts.hivemind_opendiloco --host 10.77.0.2 --index 0 --peers 4 --steps 200 --sync-every 20 \
         --out runs/x/p0.json [--initial-peers MADDR ...] [--compression fp16|uint8]
 
 Set-up, as OpenDiLoCo's hivemind path does it: ``use_local_updates=True`` (every peer runs its own AdamW inner

@@ -22,7 +22,7 @@ of M members, the same tokens per step as the swarm), ``diloco`` (one fragment, 
 inner steps per learner, so they compare at equal tokens. The held-out loss is the global model's (Θ for the
 swarms, θ for ddp), on fixed batches of the corpus's held-out split.
 
-    python scripts/inproc_swarm.py --model nano --steps 200 --sync-every 20 --delay 5   # a CPU run of minutes
+    python -m scripts.inproc_swarm --model nano --steps 200 --sync-every 20 --delay 5   # a CPU run of minutes
 
 ``device_check.py`` runs it on a GPU at ≥ 100M parameters; ``run_configs`` is the entry point for other scripts.
 """
@@ -433,5 +433,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     sys.exit(main())

@@ -39,14 +39,14 @@ from typing import Any, Sequence
 import numpy as np
 
 
-from sim.bandwidth import bandwidth_study  # noqa: E402
-from sim.goodput import (  # noqa: E402
+from scripts.sim.bandwidth import bandwidth_study
+from scripts.sim.goodput import (
     ABLATION_GRIDS, CALIBRATION_DP_PREFILTER, CALIBRATION_HORIZON_S, CALIBRATION_SEEDS, DAY_S, DEFAULT_CALIBRATION_GRID,
     DEFAULT_HOLDOUT_CHIPS, EXTENDED_CHIPS, EXTENDED_LEARNERS, WEEK_S, YEAR_S, FailureModel,
     RowSpec, calibrate, cell_errors, cross_validate, error_summary, fmt_chips, run_table,
     simulate, table1_cells, table1_errors, table1_rows, with_params)
-from sim.paper import PAPER_CHIPS, PAPER_TABLE1  # noqa: E402
-from sim.plots import plot_bandwidth, plot_goodput  # noqa: E402
+from scripts.sim.paper import PAPER_CHIPS, PAPER_TABLE1
+from scripts.sim.plots import plot_bandwidth, plot_goodput
 
 # Relative to the cwd, like any --out; runs/ is git-ignored wherever it is.
 DEFAULT_OUT = "runs/sim"
@@ -142,7 +142,7 @@ def cmd_goodput(args: argparse.Namespace) -> int:
     horizon = (1.0 if args.quick else args.horizon_days) * DAY_S
     seeds = list(range(1 if args.quick else args.seeds))
     os.makedirs(args.out, exist_ok=True)
-    result: dict[str, Any] = {"command": " ".join(sys.argv), "env": _env()}
+    result: dict[str, Any] = {"command": "python -m scripts.simulate " + " ".join(sys.argv[1:]), "env": _env()}
     # Which Table 1 cells the parameters in use were fitted on, when that is known.
     split: list[int] | None = list(DEFAULT_HOLDOUT_CHIPS) if fm == FailureModel() else None
     source = ("FailureModel defaults (fitted with " + _holdout_text(DEFAULT_HOLDOUT_CHIPS) + ")"
@@ -254,7 +254,7 @@ def cmd_bandwidth(args: argparse.Namespace) -> int:
         return 2
     os.makedirs(args.out, exist_ok=True)
     res = bandwidth_study(args.quick, args.latency_ms, args.scenario_gbps, args.scenario_step_s)
-    res = {"command": " ".join(sys.argv), "env": _env(), **res}
+    res = {"command": "python -m scripts.simulate " + " ".join(sys.argv[1:]), "env": _env(), **res}
     print("Streaming DiLoCo headline: Gbps needed for 95% compute utilization (2 islands)")
     print(f"{'model':>6} {'step s':>8} " + "".join(f"{k:>24}" for k in res["headline"][0]["gbps_for_95pct"]))
     for row in res["headline"]:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Run a local swarm of atoll daemons on 127.0.0.1, one process each, with live progress and a summary.
 
-    python scripts/swarm.py --daemons 3 --duration 180            # what `make demo` runs
+    python -m scripts.swarm --daemons 3 --duration 180            # what `make demo` runs
 
 ``LocalSwarm`` is also the harness of the integration tests and benchmarks: it starts daemons in their own
 process groups (so hivemind's DHT process and p2pd die with them), reads back the multiaddrs they print,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where a local swarm's CPU goes: the training processes, their DHT processes, their p2pd.
 
-    python scripts/swarm_cpu.py [--daemons 6] [--step-delay 0.1] [--seconds 30] [--name swarm_cpu_6]
+    python -m scripts.swarm_cpu [--daemons 6] [--step-delay 0.1] [--seconds 30] [--name swarm_cpu_6]
 
 Starts ``--daemons`` daemons as ``scripts/chaos.py`` does (model ``nano``, batch 4, H=40, heartbeat 1 s, plain
 averaging, ``--step-delay`` seconds of sleep per step), lets them train 10 s, then samples for ``--seconds``:
@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from chaos import busy_share, cpu_times, step_lines  # noqa: E402
-from swarm import LocalSwarm, cpu_seconds  # noqa: E402
+from scripts.chaos import busy_share, cpu_times, step_lines
+from scripts.swarm import LocalSwarm, cpu_seconds
 
 
 
@@ -83,7 +83,7 @@ def main() -> int:
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                                 text=True).stdout.strip())
     result = {
-        "name": name, "command": "python scripts/swarm_cpu.py " + " ".join(sys.argv[1:]),
+        "name": name, "command": "python -m scripts.swarm_cpu " + " ".join(sys.argv[1:]),
         "commit": commit + ("+dirty" if dirty else ""), "args": vars(args),
         "machine_cpu_busy": busy, "cores_per_daemon": cores,
         "steps_per_s_per_daemon": sum(rates) / len(rates), "steps_per_s_without_cpu_limit": 1 / args.step_delay,

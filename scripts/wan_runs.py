@@ -12,9 +12,9 @@ import statistics
 import time
 from pathlib import Path
 
-import wan
-from benchkit import BATCH, DAEMONS, evaluate_global, evaluate_swarm, summaries
-from swarm import LocalSwarm
+from scripts import wan
+from scripts.benchkit import BATCH, DAEMONS, evaluate_global, evaluate_swarm, summaries
+from scripts.swarm import LocalSwarm
 
 from atoll.node.config import RunConfig
 

@@ -8,7 +8,6 @@ A ``cuda`` run on a machine without a usable GPU is a usage error, never a run o
 """
 
 import os
-import sys
 import types
 from pathlib import Path
 
@@ -18,8 +17,6 @@ from _pytest._code import ExceptionInfo
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))  # the swarm launcher doubles as the integration harness
-sys.path.insert(0, str(ROOT / "tests"))  # helpers shared by test modules: tests/support
 os.environ.setdefault("PYTHONUNBUFFERED", "1")
 TEST_DEVICES = ("cpu", "cuda")
 

@@ -457,7 +457,7 @@ class AveragingServicer(averaging.AveragingServicer):
 
 def main(argv: list[str] | None = None) -> int:
     """Run attacks in order, as a process of its own (so that its DHT shares nothing with the caller's):
-    ``python scripts/hostile/member.py --initial-peers M --token T --out result.json junk_records fake_heavier=12 ...``.
+    ``python -m scripts.hostile.member --initial-peers M --token T --out result.json junk_records fake_heavier=12 ...``.
     After each attack the results so far are written to ``--out``, with ``done`` naming the attacks finished."""
     import argparse
     import json
@@ -507,7 +507,4 @@ def _write(path: str, doc: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     raise SystemExit(main())

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 from hivemind import DHT
-from hostile import outsider
-from swarm import LocalSwarm
+from scripts.hostile import outsider
+from scripts.swarm import LocalSwarm
 from support.swarms import peer_id, wait_for
 
 from atoll.node.rounds.join import choose_config
@@ -34,7 +34,7 @@ from atoll.protocols.p2p_guard import MAX_STRANGER_STREAMS, MAX_STREAMS_PER_PEER
 from atoll.protocols.records import config_key, make_validators, unwrap_subkeys
 
 pytestmark = pytest.mark.integration
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+ROOT = Path(__file__).resolve().parents[2]
 
 STEPS = 800  # long enough for the member's phases and the outsider's attacks to meet a training swarm
 COMMON = ["--model", "nano", "--batch-size", "4", "--algorithm", "diloco", "--sync-every", "10",
@@ -86,11 +86,12 @@ def run(root: Path, credentials: Path, attack: bool) -> dict:
             token = root / "hostile.token"
             key.issue_token("atoll").save(token)
             result = root / "hostile.json"
-            cmd = [sys.executable, str(SCRIPTS / "hostile" / "member.py"), "--initial-peers", *swarm.bootstrap,
+            cmd = [sys.executable, "-m", "scripts.hostile.member", "--initial-peers", *swarm.bootstrap,
                    "--token", str(token), "--out", str(result), "--algorithm", "diloco", "junk_records",
                    *(f"{name}={seconds}" for name, seconds in PHASES)]
             with open(root / "hostile.log", "wb") as log:
-                member = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                member = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                          cwd=ROOT)
             try:
                 read = lambda: json.loads(result.read_text()) if result.exists() else {"done": []}  # noqa: E731
                 # An outsider, without a token, at a.

@@ -2,7 +2,7 @@
 daemons; every round ends with identical replicas on all of its contributors."""
 
 import pytest
-from swarm import LocalSwarm
+from scripts.swarm import LocalSwarm
 from support.swarms import assert_replicas_agree, peer_id, wait_for
 
 pytestmark = pytest.mark.integration

@@ -28,7 +28,7 @@ import atoll
 from atoll.models.data import Corpus, load_corpus
 from atoll.models.fragments import flatten
 from atoll.models.registry import build_model
-from swarm import LocalSwarm
+from scripts.swarm import LocalSwarm
 from support.swarms import (assert_held_out_falls, assert_replicas_agree, resumes_and_merges_again,
                         stop_after_a_checkpoint, wait_for, wait_for_shared_rounds)
 

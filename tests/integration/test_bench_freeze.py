@@ -2,6 +2,7 @@
 back without merging a round alone and is in a shared round again; the JSON it writes holds every figure."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +17,10 @@ def test_a_frozen_daemon_comes_back_without_lone_rounds(tmp_path):
     # 90 s after the thaw: a freeze that lands while the frozen daemon reduces a shard of a round holds that round
     # up for its other members for up to 2 round timeouts + 10 s (70 s; #33's "a reducer that never answers"),
     # and until it ends they do not hold one replica that two vouch for, so the resumed daemon cannot catch up.
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts/bench_freeze.py"), "--model", "nano", "--warmup", "20",
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench_freeze", "--model", "nano", "--warmup", "20",
                            "--freeze", "10", "--after", "90", "--out", str(tmp_path)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
     doc = json.loads((tmp_path / "bench_freeze.json").read_text())
     (run,) = doc["runs"]

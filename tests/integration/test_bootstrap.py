@@ -24,7 +24,7 @@ def test_unreachable_bootstrap_peer_exits_2(tmp_path):
 def test_a_daemon_pointed_at_peers_without_its_run_refuses_instead_of_starting_one(tmp_path):
     """A restarted daemon of a chaos run that could not read the run's config in 5 s started a run of its own at
     its peers and trained alone on its checkpoint, a fork. Pointed at peers, a daemon joins their run or exits."""
-    from swarm import LocalSwarm
+    from scripts.swarm import LocalSwarm
 
     with LocalSwarm(tmp_path / "swarm", ["--model", "nano", "--batch-size", "2", "--open"]) as swarm:
         host = swarm.start("a", join=False)

@@ -14,12 +14,11 @@ node and held at a barrier until all are training, so that every round holds eve
 the only difference is the fourth daemon.
 """
 
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from hivemind import DHT
-from swarm import LocalSwarm
+from scripts.swarm import LocalSwarm
 
 from atoll.protocols.records import make_validators
 from support.swarms import assert_replicas_agree

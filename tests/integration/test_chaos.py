@@ -11,7 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from swarm import LocalSwarm
+from scripts.swarm import LocalSwarm
 from support.swarms import assert_replicas_agree, events, last_step, peer_id, wait_for
 
 pytestmark = pytest.mark.integration

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from swarm import LocalSwarm, wait_for
+from scripts.swarm import LocalSwarm, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -4,7 +4,7 @@
 import re
 
 import pytest
-from swarm import LocalSwarm
+from scripts.swarm import LocalSwarm
 from support.swarms import assert_replicas_agree, peer_id, wait_for
 
 pytestmark = pytest.mark.integration

@@ -13,7 +13,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-from swarm import Dashboard, LocalSwarm, group_alive, wait_for
+from scripts.swarm import Dashboard, LocalSwarm, group_alive, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -6,7 +6,7 @@ Rounds are int4-compressed, so the frozen daemon catches up by replaying the rou
 import signal
 
 import pytest
-from swarm import LocalSwarm
+from scripts.swarm import LocalSwarm
 from support.swarms import assert_replicas_agree, last_step, peer_id, wait_for
 
 pytestmark = pytest.mark.integration

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 def test_the_device_check_dry_run_fills_every_section(tmp_path):
-    proc = subprocess.run([sys.executable, "scripts/device_check.py", "--dry-run", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "scripts.device_check", "--dry-run", "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=280)
     doc = json.loads((tmp_path / "device_check.json").read_text())
     assert proc.returncode == 0, (proc.stdout[-2000:], json.dumps(doc, indent=1)[-4000:])

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 from hivemind import DHT
-from swarm import LocalSwarm, wait_for
+from scripts.swarm import LocalSwarm, wait_for
 
 from atoll.protocols.records import make_validators
 

@@ -9,15 +9,15 @@ import subprocess
 import sys
 
 import pytest
-from swarm import LocalSwarm
+from scripts.swarm import LocalSwarm
 from support.swarms import MODELS_COMMON as COMMON
 from support.swarms import (assert_held_out_falls, assert_refused_in_one_line, assert_replicas_agree, held_out_losses,
                         resumes_and_merges_again, stop_after_a_checkpoint, wait_for_shared_rounds)
 
 pytest.importorskip("transformers")
 
-from atoll.models.registry import build_model  # noqa: E402
-from atoll.node.home.checkpoint import load_checkpoint  # noqa: E402
+from atoll.models.registry import build_model
+from atoll.node.home.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.integration
 TINY = dict(model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

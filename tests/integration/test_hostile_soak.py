@@ -6,14 +6,13 @@ import asyncio
 import random
 import time
 
-import msgpack
 import pytest
 from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
-from swarm import LocalSwarm, StatusReader
+from scripts.swarm import LocalSwarm, StatusReader
 from support.swarms import assert_replicas_agree, peer_id, wait_for
 
 from atoll.protocols.averaging import AveragingServicer

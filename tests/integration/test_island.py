@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch
-from swarm import LocalSwarm
+from scripts.swarm import LocalSwarm
 from support.swarms import wait_for
 
 pytestmark = pytest.mark.integration

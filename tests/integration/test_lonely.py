@@ -21,14 +21,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from swarm import LocalSwarm
+from scripts.swarm import LocalSwarm
 from support.swarms import assert_replicas_agree, peer_id, wait_for
 
 from atoll.protocols.auth import RunKey
 from atoll.protocols.state_sync import MAX_ANCESTORS
 
 pytestmark = pytest.mark.integration
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+ROOT = Path(__file__).resolve().parents[2]
 SPLIT = 300
 COMMON = ["--model", "nano", "--batch-size", "4", "--algorithm", "diloco", "--sync-every", "10",
           "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1", "--eval-budget", "1",
@@ -50,11 +50,12 @@ def test_a_forked_swarm_heals_and_a_scrambled_model_is_refused(tmp_path):
         for name, attack in (("decoy", "decoy=25"), ("scrambled", "scrambled_heavier=15")):
             token = tmp_path / f"{name}.token"
             RunKey.load(swarm.run_key).issue_token("atoll").save(token)
-            cmd = [sys.executable, str(SCRIPTS / "hostile" / "member.py"), "--initial-peers", *swarm.bootstrap,
+            cmd = [sys.executable, "-m", "scripts.hostile.member", "--initial-peers", *swarm.bootstrap,
                    "--token", str(token), "--out", str(tmp_path / f"{name}.json"), "--algorithm", "diloco",
                    "--namespace", "atoll-side0", "--min-peers", "2", attack]
             with open(tmp_path / f"{name}.log", "wb") as log:
-                members[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                members[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                                 cwd=ROOT)
         try:
             for name, member in members.items():
                 assert member.wait(180) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]

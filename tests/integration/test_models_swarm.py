@@ -9,7 +9,7 @@ import sys
 import textwrap
 
 import pytest
-from swarm import LocalSwarm
+from scripts.swarm import LocalSwarm
 from support.swarms import (MODELS_COMMON, assert_held_out_falls, assert_refused_in_one_line, assert_replicas_agree,
                         resumes_and_merges_again, stop_after_a_checkpoint, wait_for, wait_for_shared_rounds)
 

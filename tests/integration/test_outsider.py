@@ -9,9 +9,9 @@ import os
 import resource
 
 import pytest
-from hostile import outsider
+from scripts.hostile import outsider
 from hivemind.utils import get_dht_time
-from swarm import LocalSwarm, StatusReader
+from scripts.swarm import LocalSwarm, StatusReader
 from support.swarms import peer_id, wait_for
 
 pytestmark = pytest.mark.integration

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from swarm import LocalSwarm
+from scripts.swarm import LocalSwarm
 from support.swarms import events
 from support.swarms import last_step
 from support.swarms import assert_replicas_agree, peer_id, resumes_and_merges_again, wait_for

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from hivemind import DHT
 from hivemind.utils import get_dht_time
-from swarm import LocalSwarm, StatusReader
+from scripts.swarm import LocalSwarm, StatusReader
 from support.records import forged_progress
 from support.swarms import assert_replicas_agree, peer_id, wait_for
 
@@ -16,7 +16,6 @@ from atoll.protocols.records import make_validators, open_rounds_key, progress_k
 from atoll.models.configs import get_model_config
 from atoll.models.gpt import GPT
 from atoll.protocols.state_sync import _continue_from, _Transfer, p2p_opener
-from atoll.protocols.wire import WireError
 
 pytestmark = pytest.mark.integration
 

@@ -6,7 +6,6 @@ honest members never wait for the round's own bound (2 × the timeout + 10 s).""
 import asyncio
 import time
 
-import pytest
 import torch
 from hivemind.p2p import P2P
 

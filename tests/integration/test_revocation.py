@@ -9,7 +9,7 @@ import time
 import pytest
 from hivemind import DHT
 from hivemind.utils import get_dht_time
-from swarm import LocalSwarm, StatusReader
+from scripts.swarm import LocalSwarm, StatusReader
 from support.records import forged_progress
 from support.swarms import peer_id, wait_for
 

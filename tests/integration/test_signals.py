@@ -6,7 +6,7 @@ import signal
 import time
 
 import pytest
-from swarm import LocalSwarm, group_alive, wait_for
+from scripts.swarm import LocalSwarm, group_alive, wait_for
 
 from atoll.node.home.checkpoint import load_checkpoint
 

@@ -2,7 +2,7 @@
 next checkpoint is taken at the first step boundary after the write ends (not at every round, waiting for it)."""
 
 import pytest
-from swarm import LocalSwarm, wait_for
+from scripts.swarm import LocalSwarm, wait_for
 
 from atoll.node.home.checkpoint import load_checkpoint
 

@@ -3,7 +3,7 @@ replica (``RoundProtocol._merge_siblings``): four daemons with a cap of two end 
 every member's work in it, instead of one replica per group that adoption would reconcile by dropping one."""
 
 import pytest
-from swarm import LocalSwarm, peer_id, wait_for
+from scripts.swarm import LocalSwarm, peer_id, wait_for
 
 pytestmark = pytest.mark.integration
 

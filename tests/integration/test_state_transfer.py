@@ -9,7 +9,7 @@ import torch
 from hivemind.p2p import P2P
 
 from atoll.models.outer import tensor_hash
-from hostile.member import StateServicer as HostileServicer
+from scripts.hostile.member import StateServicer as HostileServicer
 
 from atoll.protocols.state_sync import (
     DonorRefused,

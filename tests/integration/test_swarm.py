@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 from support.swarms import assert_replicas_agree, group_alive, peer_id, wait_for
-from swarm import LocalSwarm
+from scripts.swarm import LocalSwarm
 
 pytestmark = pytest.mark.integration
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from swarm import LocalSwarm
+from scripts.swarm import LocalSwarm
 from support.swarms import wait_for, wait_for_shared_rounds
 from support.trackers import wandb_history
 

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from swarm import LocalSwarm, peer_id, wait_for
+from scripts.swarm import LocalSwarm, peer_id, wait_for
 from support.swarms import assert_replicas_agree
 
 pytestmark = pytest.mark.integration

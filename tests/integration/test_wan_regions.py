@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 import pytest
-from swarm import LocalSwarm, peer_id, wait_for
+from scripts.swarm import LocalSwarm, peer_id, wait_for
 from support.swarms import assert_replicas_agree
-import wan
+from scripts import wan
 
 pytestmark = pytest.mark.integration
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from swarm import group_alive, peer_id, wait_for  # noqa: F401 (the tests take them from here with the checks)
+from scripts.swarm import group_alive, peer_id, wait_for  # noqa: F401 (the tests take them from here with the checks)
 
 # The model tests' swarm (test_models_swarm, test_hf_swarm). Synchronous DiLoCo: every round waits for every live
 # daemon, so "3-member rounds" holds on a loaded machine too (decoupled at H=10 merged mostly alone there; the

@@ -4,27 +4,20 @@ JSON, the extrapolation and budget paths, and bad arguments refused in one line 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from atoll.protocols import codecs
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("atoll_scripts_bench_codec_device",
-                                                  ROOT / "scripts" / "bench_codec_device.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    from scripts import bench_codec_device
+
+    return bench_codec_device
 
 
 def _tensors():

@@ -4,7 +4,6 @@ arguments refused in one line with exit status 2 before anything runs."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -14,16 +13,13 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "bench_device_overhead.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("atoll_scripts_bench_device_overhead", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    from scripts import bench_device_overhead
+
+    return bench_device_overhead
 
 
 def _dataset(root: Path, vocab: int) -> Path:
@@ -47,8 +43,8 @@ def _dataset(root: Path, vocab: int) -> Path:
 def test_the_dry_run_of_the_cuda_path_writes_its_json(tmp_path):
     data = _dataset(tmp_path / "v256", 256)
     out = tmp_path / "overhead.json"
-    cmd = [sys.executable, str(SCRIPT), "--devices", "cpu", "--model", "nano", "--data", str(data), "--seq-len", "32",
-           "--batch-size", "2", "--steps", "20", "--warmup", "1", "--repeats", "2", "--no-daemon",
+    cmd = [sys.executable, "-m", "scripts.bench_device_overhead", "--devices", "cpu", "--model", "nano", "--data", str(data),
+           "--seq-len", "32", "--batch-size", "2", "--steps", "20", "--warmup", "1", "--repeats", "2", "--no-daemon",
            "--max-seconds", "1e-6", "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr

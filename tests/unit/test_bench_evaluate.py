@@ -5,8 +5,8 @@ learner, on the same held-out batches. A stub checkpoint stands in for the daemo
 import math
 from types import SimpleNamespace
 
-import benchkit
-from benchkit import BATCH, EVAL_BATCHES, make_learner
+from scripts import benchkit
+from scripts.benchkit import BATCH, EVAL_BATCHES, make_learner
 
 from atoll.models.fragments import make_fragments
 from atoll.node.config import RunConfig

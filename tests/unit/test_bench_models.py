@@ -1,10 +1,7 @@
 """scripts/bench_models.py: the Llama it matches to a GPT has the GPT's parameter count (within 2%, and the
 closest SwiGLU width), its held-out batches, and its round-by-round DiLoCo equal to bench_outer's one call."""
 
-import importlib.util
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,16 +14,13 @@ from atoll.node.config import RunConfig
 from atoll.node.device import resolve_device
 from atoll.node.island.learner import Learner
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("atoll_scripts_bench_models", ROOT / "scripts" / "bench_models.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    from scripts import bench_models
+
+    return bench_models
 
 
 @pytest.mark.parametrize("vocab,d,layers,heads", [(1024, 128, 4, 4), (2048, 128, 4, 4), (1024, 192, 6, 6),

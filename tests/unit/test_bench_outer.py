@@ -1,9 +1,6 @@
 """scripts/bench_outer.py's DiLoCo against a naive reference: with plain averaging (lr 1, momentum 0) Θ after a
 round is the mean of the learners' parameters; with Nesterov, the same rounds computed by hand."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,16 +12,13 @@ from atoll.node.config import RunConfig
 from atoll.node.device import resolve_device
 from atoll.node.island.learner import Learner
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("atoll_scripts_bench_outer", ROOT / "scripts" / "bench_outer.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    from scripts import bench_outer
+
+    return bench_outer
 
 
 def make(n=4):

@@ -2,7 +2,7 @@
 
 from types import SimpleNamespace
 
-import chaos
+from scripts import chaos
 
 
 def daemon(times):

@@ -4,7 +4,7 @@ held-out points only where an evaluation ran."""
 import random
 
 import pytest
-from swarm import plot_loss, smoothed
+from scripts.swarm import plot_loss, smoothed
 
 
 def test_smoothing_is_a_debiased_exponential_average():

@@ -7,15 +7,14 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
-from safetensors.torch import save_model  # noqa: E402
+from safetensors.torch import save_model
 
-from atoll.models import hf  # noqa: E402
-from atoll.models.fragments import make_fragments  # noqa: E402
-from atoll.models.registry import ModelError, build_model, check_name, embedding_of, model_digest  # noqa: E402
+from atoll.models import hf
+from atoll.models.fragments import make_fragments
+from atoll.models.registry import ModelError, build_model, check_name, embedding_of, model_digest
 
 TINY = dict(model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)

@@ -7,7 +7,7 @@ import torch
 from atoll.node.config import RunConfig
 from atoll.node.device import resolve_device
 from atoll.node.island.learner import Learner
-from inproc_swarm import Config, Swarm, load
+from scripts.inproc_swarm import Config, Swarm, load
 
 RUN = RunConfig(model="nano", warmup_steps=3, sync_every=8)
 EXACT = dict(outer_lr=1.0, outer_momentum=0.0, codec="none", rda=False)  # plain averaging, fp32 on the wire

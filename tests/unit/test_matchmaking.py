@@ -5,7 +5,6 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
-from hivemind.utils import get_dht_time
 
 from atoll.protocols.matchmaking import MAX_GROUP, Policy, Registrant, Round, parse_group_record, split_groups
 from support.views import Peers

@@ -9,7 +9,7 @@ import pytest
 
 from atoll.protocols import matchmaking
 from atoll.node.rounds.peers import READ_BUDGET
-from sim.scale import Clock, SimConfig, SimDHT, Traffic, VirtualLoop, simulate, virtual_protocol_time
+from scripts.sim.scale import Clock, SimConfig, SimDHT, Traffic, VirtualLoop, simulate, virtual_protocol_time
 
 
 def test_virtual_time_jumps_to_the_next_timer_and_the_protocol_reads_it():

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 # scripts/ is on sys.path (tests/conftest.py), as when the CLI runs.
-import simulate
-from sim import bandwidth, goodput, paper
+from scripts import simulate
+from scripts.sim import bandwidth, goodput, paper
 
 N_CHIPS = 1000
 

@@ -3,7 +3,7 @@
 import math
 
 import pytest
-import stats
+from scripts import stats
 
 
 def test_interval_of_three_values_uses_t_with_two_degrees_of_freedom():

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 # scripts/ is on sys.path (tests/conftest.py), as when the CLI runs.
-import wan
-from wan import DelayLine, Region, WanError, parse_region, path_params
+from scripts import wan
+from scripts.wan import DelayLine, Region, WanError, parse_region, path_params
 
 WAN_PY = str(Path(wan.__file__).resolve())
 

@@ -6,14 +6,12 @@ failures instead of skips.
 """
 
 import os
-import sys
 from pathlib import Path
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")  # before torch_xla starts its runtime, here and in daemons we start
 # torch_xla's CPU runtime on one thread, like torch in the daemons: on a small machine shared by several daemons a
 # multi-threaded step waits for its slowest thread.
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # xla_helpers
 
 if os.environ.get("ATOLL_REQUIRE_XLA") == "1":  # make test-xla: the shared venv must run this clone's code
     import atoll.node

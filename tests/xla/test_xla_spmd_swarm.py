@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from swarm import LocalSwarm, peer_id, wait_for
+from scripts.swarm import LocalSwarm, peer_id, wait_for
 from xla_helpers import xla_only
 
 pytestmark = [xla_only, pytest.mark.integration]
