@@ -20,6 +20,7 @@ from pathlib import Path
 
 from scripts.bars import each
 from scripts.benchkit import BATCH, DAEMONS, run_swarm
+from scripts.results import pyplot, save_figure, write_result
 
 from atoll.node.config import RunConfig
 
@@ -28,10 +29,7 @@ ALGORITHMS = ("ddp", "diloco", "streaming", "decoupled")
 
 def plot(doc: dict, out: Path) -> None:
     """Horizontal bars, one row per run (labels get long): loss ratio to ddp, bytes per token, goodput."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     results = doc["runs"]
     labels = [r.get("label", r["algorithm"]) for r in results]
@@ -53,7 +51,7 @@ def plot(doc: dict, out: Path) -> None:
     fig.suptitle(f"{doc['daemons']} daemons, {doc['model']}, {doc['steps_per_daemon']} steps each, "
                  f"H={doc['sync_every']}")
     fig.tight_layout()
-    fig.savefig(out / "bench_algorithms.png", dpi=110)
+    save_figure(fig, out / "bench_algorithms.png")
 
 
 def main() -> int:
@@ -101,7 +99,7 @@ def main() -> int:
            "daemons": DAEMONS, "steps_per_daemon": args.steps, "batch_size": BATCH, "sync_every": args.sync_every,
            "fragments": RunConfig().fragments, "overlap": RunConfig().overlap, "runs": results}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_algorithms.json").write_text(json.dumps(doc, indent=1))
+    write_result(out / "bench_algorithms.json", doc, seeds=[args.seed])
     plot(doc, out)
     for r in results:
         extra = (f"  loss/ddp {r['loss_ratio_to_ddp']:.4f}  ddp bytes/this {r['ddp_bytes_per_token_over_this']:.0f}x"

@@ -31,7 +31,6 @@ The ratio island/bare is taken within each repetition; reported: per repetition,
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -41,6 +40,7 @@ from pathlib import Path
 import torch
 
 from scripts.bars import each
+from scripts.results import pyplot, save_figure, write_result
 from scripts.stats import fmt, interval
 
 import atoll
@@ -118,10 +118,7 @@ def repetition(args: argparse.Namespace, seed: int, tokens) -> dict:
 
 
 def plot(results: list[dict], summary: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(5, 3.2))
     ratios = [r["ratio"] for r in results]
@@ -137,7 +134,7 @@ def plot(results: list[dict], summary: dict, path: Path) -> None:
                  fontsize=8)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def main() -> int:
@@ -168,7 +165,7 @@ def main() -> int:
     print(f"island/bare tokens/s: {fmt(summary['ratio'])}, median {summary['ratio_median']:.3f}; "
           f"goal 0.97 met in {summary['repeats_meeting_goal']} of {len(ratios)}")
     out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps({"summary": summary, "runs": results}, indent=1) + "\n")
+    write_result(out.with_suffix(".json"), {"summary": summary, "runs": results})
     plot(results, summary, out.with_suffix(".png"))
     return 0
 

@@ -37,7 +37,6 @@ Bad arguments (a device torch does not see, an unknown codec) end the script wit
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import resource
@@ -46,6 +45,7 @@ import sys
 import time
 from pathlib import Path
 
+from scripts.results import write_result
 from scripts.stats import interval
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -421,7 +421,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        write_result(out, result)
         print(f"wrote {out}")
     return result
 

@@ -35,6 +35,8 @@ import warnings
 
 import torch
 
+from scripts.results import pyplot, save_figure, write_result
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 try:
@@ -184,7 +186,7 @@ def main() -> None:
         "codecs": results,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_codecs.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_result(args.out / "bench_codecs.json", report)
     _plot(results, report, args.out / "bench_codecs.png")
 
     print(f"{'codec (MiB/s)':36s} {'enc':>6s} {'dec':>6s} {'enc+dec':>8s} {'(cpu)':>7s} {'compr.':>7s} {'rel RMS':>9s}")
@@ -198,10 +200,7 @@ def main() -> None:
 
 
 def _plot(results: dict, report: dict, path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = list(results)
     labels = [n.replace("hivemind:Uniform8BitQuantization", "hivemind\n8-bit").replace(
@@ -236,8 +235,7 @@ def _plot(results: dict, report: dict, path: pathlib.Path) -> None:
     ax3.set_title("N(0,1) input")
     fig.suptitle(f"{report['host']['cpu']} — torch {report['host']['torch']}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

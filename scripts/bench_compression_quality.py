@@ -18,13 +18,13 @@ shows how much of a difference is noise. Writes docs/results/bench_compression_q
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
 from scripts.bars import each
 from scripts.benchkit import BATCH, run_swarm
+from scripts.results import pyplot, save_figure, write_result
 
 from atoll.models.configs import get_model_config
 from atoll.node.config import RunConfig
@@ -97,11 +97,8 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = args.name or f"bench_compression_quality_{args.algorithm}"
-    (out / f"{name}.json").write_text(json.dumps(doc, indent=1))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    write_result(out / f"{name}.json", doc)
+    plt = pyplot()
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     labels = [r["label"] for r in results]
@@ -115,7 +112,7 @@ def main() -> int:
     ax2.set_ylabel("ddp bytes per token / this")
     fig.suptitle(f"compressed outer deltas: {DAEMONS} daemons, {args.algorithm}, {args.model}, {args.steps} steps each")
     fig.tight_layout()
-    fig.savefig(out / f"{name}.png", dpi=110)
+    save_figure(fig, out / f"{name}.png")
     for r in results:
         spread = f" (per seed {', '.join(f'{x:.4f}' for x in r['loss_ratio_per_seed'])})" if len(args.seeds) > 1 else ""
         print(f"{r['label']:8s} loss ratio {r['loss_ratio_to_none']:.4f}{spread}   ddp/this bytes "

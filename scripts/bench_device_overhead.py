@@ -59,6 +59,7 @@ import time
 from pathlib import Path
 
 from scripts.bars import each
+from scripts.results import pyplot, save_figure, write_result
 from scripts.stats import fmt, interval
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -387,10 +388,7 @@ def check_xla_python(python: str) -> None:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     devices = list(result["devices"])
     colors = {"bare": "#888888", "learner": "#4c72b0", "lagged": "#55a868", "daemon": "#dd8452"}
@@ -413,7 +411,7 @@ def plot(result: dict, path: Path) -> None:
     fig.suptitle("the daemon's learner and a whole daemon vs a bare torch loop\n(labels: median per-run ratio)",
                  fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -597,7 +595,7 @@ def run(args: argparse.Namespace) -> dict:
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out.with_suffix(".json"), result)
     wrote = [out.with_suffix(".json")]
     if not args.no_plot:
         plot(result, out.with_suffix(".png"))

@@ -30,6 +30,7 @@ from hivemind import DHT
 
 from scripts.bars import each
 from scripts.dht_fill import HOLD_CHUNK, RUN, hold, members, signed_records
+from scripts.results import pyplot, save_figure, write_result
 from scripts.swarm import cpu_seconds
 from atoll.node.ops.status import collect_status
 from atoll.protocols import dht_io, validated
@@ -106,10 +107,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for ax, (key, label) in zip(axes, (("read_s", "one read of the progress key, s"),
@@ -131,7 +129,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     axes[0].legend(fontsize=8)
     fig.suptitle(f"bench_dht_reads: {doc['nodes']} DHT nodes, mean of {doc['repeats']} repeats (bars: min-max)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main() -> int:
@@ -160,7 +158,7 @@ def main() -> int:
     doc = {"command": command.strip(), "nodes": args.nodes, "reads": args.reads, "repeats": args.repeats,
            "rows": summarize(runs), "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(doc, indent=1))
+    write_result(args.out.with_suffix(".json"), doc)
     plot(doc, args.out.with_suffix(".png"))
     for row in doc["rows"]:
         print(json.dumps({k: v for k, v in row.items() if not k.endswith("_range")}))

@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from scripts.results import write_result
 from scripts.stats import interval
 from scripts.swarm import LocalSwarm
 
@@ -95,7 +96,7 @@ def main() -> int:
                     if any(r[k] is not None for r in runs)},
     }
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "bench_freeze.json").write_text(json.dumps(result, indent=1))
+    write_result(Path(args.out) / "bench_freeze.json", result)
     print(json.dumps(result["summary"], indent=1))
     return 0
 

@@ -15,7 +15,6 @@ as the mean with a 95% interval over seeds. Writes ``<out>/bench_headline.json``
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from types import SimpleNamespace
 
 from scripts.bars import each
 from scripts.benchkit import BATCH, DAEMONS, run_swarm
+from scripts.results import pyplot, save_figure, write_result
 from scripts.stats import fmt, interval
 
 NESTEROV = ["--outer-lr", "0.7", "--outer-momentum", "0.9"]  # the papers' outer step
@@ -79,7 +79,7 @@ def main() -> int:
            "seeds": args.seeds, "minutes": (time.time() - started) / 60, "summary": summary, "runs": runs}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_headline.json").write_text(json.dumps(doc, indent=1))
+    write_result(out / "bench_headline.json", doc)
     plot(doc, out / "bench_headline.png")
     for label, s in summary.items():
         print(f"{label:28s} held-out {fmt(s['held_out_loss'], 4)}  / ddp {fmt(s['loss_ratio_to_ddp'])}  "
@@ -95,10 +95,7 @@ def _percentiles(values: list[int]) -> list[int] | None:
 
 
 def plot(doc: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     labels = [label for label, _, _ in CONFIGS if label != "ddp"]
     fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -116,7 +113,7 @@ def plot(doc: dict, path: Path) -> None:
                  f"seeds {doc['seeds']}", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from scripts.results import write_result
 from scripts.stats import interval
 from scripts.swarm import LocalSwarm, peer_id, wait_for
 
@@ -190,7 +191,7 @@ def main() -> int:
         if len(pair) == 2:
             print(f"  held-out ratio {pair[True]['held_out'] / pair[False]['held_out']:.3f}, merges ratio "
                   f"{pair[True]['merges_per_min'] / pair[False]['merges_per_min']:.2f}", flush=True)
-        path.write_text(json.dumps(summarize(doc), indent=1))
+        write_result(path, summarize(doc))
     return 0
 
 

@@ -20,8 +20,9 @@ import threading
 import time
 from pathlib import Path
 
-from scripts import wan_runs
 from scripts import wan
+from scripts import wan_runs
+from scripts.results import write_result
 
 
 def main() -> int:
@@ -68,7 +69,7 @@ def main() -> int:
         "dht_calls_per_s_total": sum(statistics.mean(v) for v in calls.values()),
     }
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "bench_idle_wire.json").write_text(json.dumps(result, indent=1))
+    write_result(Path(args.out) / "bench_idle_wire.json", result)
     print(json.dumps(result, indent=1))
     return 0
 

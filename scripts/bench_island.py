@@ -31,6 +31,7 @@ import tempfile
 from pathlib import Path
 
 from scripts.bars import each
+from scripts.results import pyplot, save_figure, write_result
 from scripts.stats import fmt, interval
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,16 +103,13 @@ def main() -> int:
               + f", island sync {fmt(c['sync_ms_per_round'], 2)} ms/round")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    write_result(out.with_suffix(".json"), result)
     plot(result, out.with_suffix(".png"))
     return 0
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = list(result["configs"])
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
@@ -127,7 +125,7 @@ def plot(result: dict, path: Path) -> None:
         ax.set_xlabel("ranks x threads")
     fig.suptitle(f"{result['model']}, island batch {result['island_batch']}, diloco H={result['sync_every']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

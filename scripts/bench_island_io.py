@@ -18,7 +18,6 @@ The arithmetic for a 12B model (docs/design.md, "Islands of many ranks") takes t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -30,6 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from scripts.bars import each
+from scripts.results import write_result
 from scripts.stats import fmt, interval
 
 from atoll.protocols import codecs
@@ -123,7 +123,7 @@ def main() -> int:
     for k, v in result["gb_per_s"].items():
         print(f"{k}: {fmt(v, 3)} GB/s")
     print(f"codec at 2 codec threads / 1 thread: {fmt(result['codec_2t_over_1t'], 2)}")
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(Path(args.out), result)
     return 0
 
 

@@ -27,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 from scripts.bars import each
+from scripts.results import write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = {"1 rank": ["--batch-size", "2"], "2 ranks, data parallel": ["--nproc-per-node", "2", "--batch-size", "1"],
@@ -90,7 +91,7 @@ def main() -> int:
         small, big = (json.loads(Path(f).read_text()) for f in args.fit)
         big["fit"] = {"budget_mib": args.budget_mib, "from": args.fit, **fit(small, big, args.budget_mib)}
         print(json.dumps(big["fit"], indent=1))
-        Path(args.fit[1]).write_text(json.dumps(big, indent=1) + "\n")
+        write_result(Path(args.fit[1]), big)
         return 0
     env = {**os.environ, "BENCH_WIDTH": str(args.width), "BENCH_LAYERS": str(args.layers),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -104,7 +105,7 @@ def main() -> int:
     result["bytes_per_parameter"] = {name: {rank: round(mib * 2**20 / params, 1) for rank, mib in peaks.items()}
                                      for name, peaks in result["peak_rss_mib"].items()}
     print(f"{params / 1e6:.1f}M parameters: θ, gradients and AdamW state {params * 16 / 2**20:.0f} MiB unsharded")
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(Path(args.out), result)
     return 0
 
 

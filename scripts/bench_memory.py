@@ -21,15 +21,15 @@ Writes docs/results/bench_memory.json (``--out`` to change).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from scripts.bars import each
-from scripts.swarm import daemon_processes
+from scripts.results import write_result
 from scripts.swarm import LocalSwarm, wait_for
+from scripts.swarm import daemon_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_COPIES = 6  # θ, its gradients, AdamW's m and v, the replica Θ, the outer momentum
@@ -85,7 +85,7 @@ def main() -> int:
               f"state {r['model_state_mib']:.0f}, beyond it {r['beyond_model_mib']:.0f} MiB", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     command = " ".join(["python", "-m", "scripts.bench_memory", *sys.argv[1:]])
-    args.out.write_text(json.dumps({"command": command, "results": results}, indent=1))
+    write_result(args.out, {"command": command, "results": results})
     return 0
 
 

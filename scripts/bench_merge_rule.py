@@ -27,6 +27,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from scripts.inproc_swarm import Config, run_configs
+from scripts.results import pyplot, save_figure, write_result
 from scripts.stats import fmt, interval
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,10 +77,7 @@ def summarise(runs: list[dict], args: argparse.Namespace) -> list[dict]:
 
 
 def plot(doc: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     outers = doc["args"]["outers"]
     if len(doc["args"]["rules"]) == 1 and all("vs_first_reference" in r for r in doc["summary"]):
@@ -100,7 +98,7 @@ def plot(doc: dict, path: Path) -> None:
     fig.suptitle(f"merge rules, {doc['args']['model']}, {doc['args']['members']} learners, "
                  f"{len(doc['args']['seeds'])} seeds (mean, 95% interval)")
     fig.tight_layout()
-    fig.savefig(path.with_suffix(".png"), dpi=110)
+    save_figure(fig, path.with_suffix(".png"))
 
 
 def plot_outers(doc: dict, path: Path, plt) -> None:
@@ -118,7 +116,7 @@ def plot_outers(doc: dict, path: Path, plt) -> None:
                  f"{len(args['seeds'])} seeds")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path.with_suffix(".png"), dpi=110)
+    save_figure(fig, path.with_suffix(".png"))
 
 
 def main() -> int:
@@ -146,7 +144,7 @@ def main() -> int:
         print("bench_merge_rule: delays and --carry-max must be ≥ 0", file=sys.stderr)
         return 2
     doc = measure(args)
-    path.write_text(json.dumps(doc, indent=1))
+    write_result(path, doc, seeds=args.seeds)
     plot(doc, path)
     for row in doc["summary"]:
         print(f"{row['outer']:9s} k={row['delay']:3d} {row['rule']:9s} vs its own k=0 {fmt(row['vs_reference'], 4)}"

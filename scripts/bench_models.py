@@ -42,6 +42,7 @@ import torch
 
 from scripts.bars import each
 from scripts.benchkit import diloco  # the same DiLoCo loop as the outer-step benchmark
+from scripts.results import pyplot, save_figure, write_result
 from scripts.stats import fmt, interval
 
 from atoll.models.data import Corpus, _builtin_files, load_corpus
@@ -146,10 +147,7 @@ def train(cfg: GPTConfig | LlamaConfig, corpus: Corpus, eval_sets: dict[str, lis
 
 
 def plot(result: dict, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     seeds = result["per_seed"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -185,7 +183,7 @@ def plot(result: dict, out: Path) -> None:
     fig.suptitle(f"GPT vs Llama-style, equal parameters, BPE {st['vocab']}: {LEARNERS} learners DiLoCo "
                  f"H={st['sync_every']}, {st['steps']} steps, batch {st['batch']}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(out / "bench_models.png", dpi=110)
+    save_figure(fig, out / "bench_models.png")
 
 
 def main() -> int:
@@ -277,7 +275,7 @@ def main() -> int:
               "command": "python -m scripts.bench_models " + " ".join(sys.argv[1:])}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_models.json").write_text(json.dumps(result, indent=1) + "\n")
+    write_result(out / "bench_models.json", result)
     plot(result, out)
     print(f"gpt   {fmt(summary['gpt'])}\nllama {fmt(summary['llama'])}\nllama/gpt {fmt(summary['ratio'])} "
           f"(corpus blocks {fmt(summary['corpus_ratio'])}); {result['seconds']:.0f} s in all", flush=True)

@@ -41,6 +41,7 @@ from atoll.node.device import resolve_device
 from atoll.node.island.learner import Learner
 from scripts.bars import each
 from scripts.benchkit import diloco
+from scripts.results import pyplot, save_figure, write_result
 
 LEARNERS = 4
 EVAL_BATCHES = 32
@@ -116,10 +117,7 @@ def parse_config(text: str) -> dict:
 
 
 def plot(rows: list[dict], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     groups = sorted({setting(r) for r in rows})
     fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 4.2), squeeze=False)
@@ -136,7 +134,7 @@ def plot(rows: list[dict], out: Path) -> None:
         ax.legend(fontsize=8)
     fig.suptitle("DiLoCo (H, outer lr, momentum) vs ddp: 4 learners, equal tokens")
     fig.tight_layout()
-    fig.savefig(out / "bench_outer.png", dpi=110)
+    save_figure(fig, out / "bench_outer.png")
 
 
 def main() -> int:
@@ -174,7 +172,7 @@ def main() -> int:
         ref = next((x["held_out_loss"] for x in rows if x["config"] == "ddp" and setting(x) == setting(r)), None)
         r["ratio_to_ddp"] = r["held_out_loss"] / ref if ref else None
     out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"learners": LEARNERS, "eval_batches": EVAL_BATCHES, "rows": rows}, indent=1))
+    write_result(path, {"learners": LEARNERS, "eval_batches": EVAL_BATCHES, "rows": rows})
     plot(rows, out)
     for r in sorted(rows, key=lambda r: (setting(r), r["config"])):
         ratio = f"{r['ratio_to_ddp']:.3f}x" if r["ratio_to_ddp"] else "-"

@@ -23,6 +23,7 @@ import torch
 
 from scripts.bars import each
 from scripts.benchkit import BATCH, CURVE_BATCHES, EVAL_BATCHES, make_learner
+from scripts.results import pyplot, save_figure, write_result
 from scripts.swarm import LocalSwarm
 
 from atoll.models.configs import get_model_config
@@ -106,11 +107,8 @@ def main() -> int:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_parity.json").write_text(json.dumps(result, indent=1))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    write_result(out / "bench_parity.json", result)
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.plot([c["tokens"] for c in alone["curve"]], [c["held_out_loss"] for c in alone["curve"]], "k-o",
@@ -124,7 +122,7 @@ def main() -> int:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out / "bench_parity.png", dpi=110)
+    save_figure(fig, out / "bench_parity.png")
     print(json.dumps({k: result[k] for k in ("loss_ratio_diloco_over_solo", "fp32_model_bytes")}, indent=1))
     print({n: d["bytes_sent_per_round_median"] for n, d in diloco["daemons"].items()})
     return 0

@@ -35,6 +35,7 @@ from pathlib import Path
 from scripts import wan
 from scripts.bars import each
 from scripts.benchkit import BATCH
+from scripts.results import pyplot, save_figure, write_result
 from scripts.stats import fmt, interval
 from scripts.swarm import LocalSwarm
 
@@ -144,10 +145,7 @@ def one(seed: int, args: argparse.Namespace) -> dict:
 
 
 def plot(doc: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     for r in doc["runs"]:
@@ -168,7 +166,7 @@ def plot(doc: dict, path: Path) -> None:
     fig.suptitle(f"decoupled, 4 regions, RTT {doc['rtt_ms']:g} ms, region {CUT} cut for {doc['cut_s']:g} s",
                  fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main() -> int:
@@ -197,7 +195,7 @@ def main() -> int:
               f"{r['heal_s_per_fragment']}, one history {r['one_history']}, adoptions "
               f"{r['cut_adoptions_after_restore']}"
               f", exit {r['exit_codes']}", flush=True)
-        (out / f"{args.name}.json").write_text(json.dumps(doc, indent=1))
+        write_result(out / f"{args.name}.json", doc)
     runs = doc["runs"]
     doc["summary"] = {k: interval([r[k] for r in runs]) for k in
                       ("global_gap_in_cut_s", "global_gap_before_cut_s", "connected_rate_in_cut_over_before",
@@ -205,7 +203,7 @@ def main() -> int:
     healed = [r["heal_s_max"] for r in runs if r["heal_s_max"] is not None]
     doc["summary"]["heal_s_max"] = interval(healed) if healed else None
     doc["summary"]["one_history"] = f"{sum(r['one_history'] for r in runs)} of {len(runs)}"
-    (out / f"{args.name}.json").write_text(json.dumps(doc, indent=1))
+    write_result(out / f"{args.name}.json", doc)
     plot(doc, out / f"{args.name}.png")
     for k, v in doc["summary"].items():
         print(f"{k}: {fmt(v) if isinstance(v, dict) else v}")

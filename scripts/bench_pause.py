@@ -21,7 +21,6 @@ of the means. Writes docs/results/bench_pause.json and .png.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import subprocess
 import sys
@@ -29,6 +28,7 @@ import time
 from pathlib import Path
 
 from scripts.bars import each
+from scripts.results import pyplot, save_figure, write_result
 from scripts.stats import fmt, interval
 from scripts.swarm import LocalSwarm, peer_id, wait_for
 
@@ -96,10 +96,7 @@ def run_model(model: str, repeats: int, seconds: float, root: Path) -> dict:
 
 
 def plot(doc: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4))
     models = [m["model"] for m in doc["models"]]
@@ -116,7 +113,7 @@ def plot(doc: dict, path: Path) -> None:
     ax.set_title(f"Back to contributing after {doc['away']:.0f} s away: resume vs restart")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main() -> int:
@@ -134,7 +131,7 @@ def main() -> int:
         print(f"{model}: pause {fmt(result['pause'], 1)} s, restart {fmt(result['restart'], 1)} s, ratio "
               f"{result['ratio']:.2f}; resume itself {fmt(result['ready'], 2)} s", flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "bench_pause.json").write_text(json.dumps(doc, indent=1) + "\n")
+    write_result(OUT / "bench_pause.json", doc)
     plot(doc, OUT / "bench_pause.png")
     return 0
 

@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from scripts.bars import each
+from scripts.results import pyplot, save_figure, write_result
 from scripts.stats import fmt, interval
 from scripts.swarm import LocalSwarm
 
@@ -139,7 +140,7 @@ def measure(args: argparse.Namespace, out: Path) -> list[dict]:
                 runs.append(r)
                 print(f"    held-out {r['held_out_loss']:.4f}  version {r['version']}  replicas agree "
                       f"{r['replicas_agree']}  clipped {r['clipped']}  ({r['seconds']:.0f} s)", flush=True)
-                partial.write_text(json.dumps(runs, indent=1))
+                write_result(partial, {"runs": runs})
     partial.unlink()
     return runs
 
@@ -163,7 +164,7 @@ def report(runs: list[dict], meta: dict, out: Path, name: str) -> None:
         summary[f"{rule}/{attack}"] = s
     doc = {"command": "python -m scripts.bench_robust_merge " + " ".join(sys.argv[1:]), "model": "nano",
            "daemons": 4, "algorithm": "diloco", "batch_size": 4, **meta, "summary": summary, "runs": runs}
-    (out / f"{name}.json").write_text(json.dumps(doc, indent=1))
+    write_result(out / f"{name}.json", doc)
     plot(doc, out / f"{name}.png")
     for key, s in summary.items():
         line = (f"{key:22s} held-out {fmt(s['held_out_loss'], 4)}  "
@@ -174,10 +175,7 @@ def report(runs: list[dict], meta: dict, out: Path, name: str) -> None:
 
 
 def plot(doc: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     key = "ratio_to_honest_clip" if "none" in doc["attacks"] else "ratio_to_clip_same_attack"
     labels = list(doc["summary"])
@@ -196,7 +194,7 @@ def plot(doc: dict, path: Path) -> None:
                  f"H={doc['sync_every']}, seeds {doc['seeds']}", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

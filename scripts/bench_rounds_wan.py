@@ -34,9 +34,10 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from scripts import wan_runs
 from scripts import wan
+from scripts import wan_runs
 from scripts.bars import each
+from scripts.results import pyplot, save_figure, write_result
 from scripts.stats import fmt, interval
 
 
@@ -112,10 +113,7 @@ def summarize(doc: dict) -> list[str]:
 
 
 def plot(doc: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = doc["summary"]
     shown = ("solo_share", "formation_s_median", "in_flight_p50", "lost_share", "held_out_loss_mean")
@@ -134,7 +132,7 @@ def plot(doc: dict, path: Path) -> None:
     fig.suptitle(f"decoupled, 4 regions, {doc['model']}, {doc['steps']} steps, H={doc['sync_every']}: mean ± 95% "
                  f"over seeds (dots: each seed)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main() -> int:
@@ -179,9 +177,9 @@ def main() -> int:
                       f"adoptions {r['adoptions']}, lost {r['lost_share']:.0%}, util {r['utilization']:.2f}, "
                       f"loss {r['held_out_loss_mean']:.3f} ({time.monotonic() - t0:.0f} s)", flush=True)
                 out.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps(doc, indent=1))
+                write_result(path, doc)
     table = summarize(doc)
-    path.write_text(json.dumps(doc, indent=1))
+    write_result(path, doc)
     plot(doc, out / "bench_rounds_wan.png")
     print("\n".join(table))
     return 0

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from scripts.bars import each
+from scripts.results import pyplot, save_figure, write_result
 from scripts.stats import power_law
 from scripts.swarm import LocalSwarm, StatusReader, daemon_processes, wait_for
 
@@ -210,10 +211,7 @@ def growth(rows: list[dict[str, Any]], cpus: int) -> dict[str, float | None]:
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = doc["sizes"]
     sizes = [r["daemons"] for r in rows]
@@ -239,7 +237,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     axes.flat[0].legend(fontsize=8)
     fig.suptitle(f"bench_scale: per-daemon cost against swarm size ({doc['model']}, {doc['seconds']:.0f} s windows)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main() -> int:
@@ -255,7 +253,7 @@ def main() -> int:
         doc = json.loads(args.replot.read_text())
         doc["sizes"] = [per_size(r) for r in doc["runs"]]
         doc["growth"] = growth(doc["sizes"], doc["cpus"])
-        args.replot.write_text(json.dumps(doc, indent=1))
+        write_result(args.replot, doc)
         plot(doc, args.replot.with_suffix(".png"))
         return 0
     if any(n < 2 for n in args.sizes):
@@ -272,7 +270,7 @@ def main() -> int:
         doc = {"command": shlex.join(["python", "-m", "scripts.bench_scale", *sys.argv[1:]]), "model": args.model,
                "seconds": args.seconds, "step_delay_s": STEP_DELAY, "cpus": os.cpu_count(), "sizes": rows,
                "growth": growth(rows, os.cpu_count() or 1), "runs": results}
-        args.out.with_suffix(".json").write_text(json.dumps(doc, indent=1))  # after each size: a later one may fail
+        write_result(args.out.with_suffix(".json"), doc)  # after each size: a later one may fail
         plot(doc, args.out.with_suffix(".png"))
     for key, (label, unit) in FIGURES.items():
         cells = "  ".join(f"{r[key]:.3g}" if r[key] is not None else "-" for r in rows)

@@ -36,8 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from scripts.bars import each
-from scripts.stats import power_law
+from scripts.results import pyplot, save_figure, write_result
 from scripts.sim.scale import SimConfig, simulate
+from scripts.stats import power_law
 
 ROOT = Path(__file__).resolve().parents[1]
 FIGURES = {  # key: (label, unit, how to read it from one run's summary)
@@ -71,10 +72,7 @@ def row(n: int, variant: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(3, 4, figsize=(17, 10))
     for ax, (key, (label, unit, _)) in zip(axes.flat, FIGURES.items()):
@@ -103,7 +101,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
                  f"{BEFORE}: an earlier revision's merged runs (mean over seeds, bars: lowest and highest seed)",
                  fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main() -> int:
@@ -169,7 +167,7 @@ def main() -> int:
                "seconds": args.seconds, "warmup": args.warmup, "max_group": args.max_group,
                "latency": args.latency, "seeds": args.seeds, "sizes": rows, "growth": growth,
                "runs": {f"{m} {v}": rs for (m, v), rs in sorted(runs.items())}}
-        args.out.with_suffix(".json").write_text(json.dumps(doc, indent=1))  # after each size: a later one may fail
+        write_result(args.out.with_suffix(".json"), doc)  # after each size: a later one may fail
         plot(doc, args.out.with_suffix(".png"))
     for variant in growth:
         print(variant)

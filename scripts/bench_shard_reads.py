@@ -37,6 +37,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from scripts.bars import each
 from scripts.dht_fill import HOLD_CHUNK, hold, progress_value
+from scripts.results import write_result
 from scripts.swarm import cpu_seconds
 from scripts.swarm import descendants
 
@@ -169,7 +170,7 @@ def main() -> int:
     doc = {"command": ("python -m scripts.bench_shard_reads " + " ".join(sys.argv[1:])).strip(),
            "nodes": args.nodes, "reads": args.reads, "repeats": args.repeats, "rows": summarize(runs), "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(doc, indent=1))
+    write_result(args.out.with_suffix(".json"), doc)
     for row in doc["rows"]:
         print(json.dumps({k: v for k, v in row.items() if not k.endswith("_range")}))
     return 0

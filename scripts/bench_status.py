@@ -37,6 +37,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from scripts.bars import each
 from scripts.dht_fill import HOLD_CHUNK, RUN, hold, members, progress_value, signed_records
+from scripts.results import pyplot, save_figure, write_result
 
 from atoll.node.ops.status import collect_status
 from atoll.protocols.auth import RunKey
@@ -155,10 +156,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, (key, label) in zip(axes, (("collect_s", "reading (collect_status), s"),
@@ -179,7 +177,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     axes[0].legend(fontsize=8)
     fig.suptitle(f"bench_status: {doc['nodes']} DHT nodes, mean of {doc['repeats']} repeats (bars: min-max)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main() -> int:
@@ -205,7 +203,7 @@ def main() -> int:
     doc = {"command": command_line.strip(), "nodes": args.nodes, "repeats": args.repeats, "rows": summarize(runs),
            "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(doc, indent=1))
+    write_result(args.out.with_suffix(".json"), doc)
     plot(doc, args.out.with_suffix(".png"))
     for row in doc["rows"]:
         print(json.dumps({k: v for k, v in row.items() if not k.endswith("_range")}))

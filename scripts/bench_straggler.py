@@ -24,7 +24,6 @@ replica. Writes docs/results/bench_straggler.json and .png.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -36,6 +35,7 @@ from scripts.benchkit import BATCH, evaluate_swarm, summaries
 from scripts.swarm import LocalSwarm
 
 from atoll.node.config import RunConfig
+from scripts.results import pyplot, save_figure, write_result
 from scripts.stats import fmt, interval
 
 DAEMONS = 4
@@ -132,16 +132,13 @@ def main() -> int:
            "results": results}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_straggler.json").write_text(json.dumps(doc, indent=1))
+    write_result(out / "bench_straggler.json", doc)
     plot(doc, out / "bench_straggler.png")
     return 0
 
 
 def plot(doc: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     results = doc["results"]
     labels = [r["setting"] for r in results]
@@ -166,7 +163,7 @@ def plot(doc: dict, path: Path) -> None:
     fig.suptitle(f"{doc['daemons']} daemons, {doc['model']}, {doc['seconds']:.0f} s each, H={doc['sync_every']}, "
                  f"{doc['repeats']} repeats (mean, 95% interval)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

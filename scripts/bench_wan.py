@@ -42,10 +42,11 @@ from pathlib import Path
 
 from scripts import wan
 from scripts.bars import each
-from scripts.stats import fmt, interval
 from scripts.benchkit import BATCH, DAEMONS, evaluate_global, evaluate_swarm, make_learner, summaries
-from scripts.wan_runs import REGIONS, run_atoll, step_seconds, tx_bytes
+from scripts.results import pyplot, save_figure, write_result
+from scripts.stats import fmt, interval
 from scripts.swarm import LocalSwarm
+from scripts.wan_runs import REGIONS, run_atoll, step_seconds, tx_bytes
 
 from atoll.node.config import RunConfig
 
@@ -341,10 +342,7 @@ def table(doc: dict) -> str:
 
 
 def plot(doc: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     runs = [r for r in doc["runs"]]
     rtts = sorted({r["rtt_ms"] for r in runs})
@@ -388,7 +386,7 @@ def plot(doc: dict, path: Path) -> None:
     fig.suptitle(f"4 regions, {doc['model']}, {doc['steps']} steps each, H={doc['sync_every']}; gray dashed: the "
                  f"production ratio (12B bf16, 2 and 5 Gbps, 1 s/step) scaled here", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main() -> int:
@@ -432,7 +430,7 @@ def main() -> int:
         if args.global_from_folders:
             global_from_folders(doc, args)
         derive(doc)
-        path.write_text(json.dumps(doc, indent=1))
+        write_result(path, doc)
         plot(doc, out / "bench_wan.png")
         print(table(doc))
         if doc.get("seeds"):
@@ -468,10 +466,10 @@ def main() -> int:
         doc["runs"] = [r for r in doc["runs"] if key(r) not in keys] + new
         derive(doc)
         out.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(doc, indent=1))  # after every point: a late failure keeps what was measured
+        write_result(path, doc)  # after every point: a late failure keeps what was measured
     derive(doc)
     out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1))
+    write_result(path, doc)
     if doc["runs"]:
         plot(doc, out / "bench_wan.png")
     for r in doc["runs"]:

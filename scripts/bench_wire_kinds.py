@@ -23,8 +23,9 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from scripts import wan_runs
 from scripts import wan
+from scripts import wan_runs
+from scripts.results import pyplot, save_figure, write_result
 
 HERE = Path(__file__).resolve().parent
 
@@ -79,7 +80,7 @@ def main() -> int:
     path = out / "bench_wire_kinds.json"
     doc = json.loads(path.read_text()) if path.exists() else {"runs": []}
     doc["runs"] = [x for x in doc["runs"] if x["label"] != args.label] + [result]
-    path.write_text(json.dumps(doc, indent=1))
+    write_result(path, doc, seeds=[args.seed])
     plot(doc, out / "bench_wire_kinds.png")
     print(f"{args.label}: wire {r['wire_bytes'] / 1e6:.1f} MB in {seconds:.0f} s, DHT+nudge payload "
           f"{payload / 1e6:.1f} MB, counted sent {r['bytes_sent_counted'] / 1e6:.2f} MB, "
@@ -100,10 +101,7 @@ def per_kind(run: dict) -> dict[str, float]:
 
 def plot(doc: dict, path: Path) -> None:
     """Stacked bars, one per label: the DHT's payload by kind, beside the wire and the counted payload."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     runs = doc["runs"]
     rates = [per_kind(r) for r in runs]
@@ -123,7 +121,7 @@ def plot(doc: dict, path: Path) -> None:
     ax.set_title(f"control plane by kind, {runs[0]['rate_mbit']:g} Mbit/s, decoupled, 4 regions", fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

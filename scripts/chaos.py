@@ -51,6 +51,7 @@ from types import SimpleNamespace
 
 from scripts.bars import bar, each
 from scripts.benchkit import evaluate_swarm
+from scripts.results import pyplot, save_figure, write_result
 from scripts.swarm import LocalSwarm
 
 from atoll.node.home.checkpoint import load_checkpoint
@@ -466,10 +467,7 @@ def run_once(root: Path, args: argparse.Namespace, chaos: bool, barrier: threadi
 
 
 def plot(out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     docs = [json.loads(p.read_text()) for p in sorted(out.glob("chaos_*.json"))]
     docs = [d for d in docs if "reference" in d]  # per-run files, not the summaries
@@ -496,7 +494,7 @@ def plot(out: Path) -> None:
         ax.set_ylabel("rounds completed")
         ax.legend(fontsize=7, ncol=2, loc="upper left")
     fig.tight_layout()
-    fig.savefig(out / "chaos.png", dpi=80)
+    save_figure(fig, out / "chaos.png")
 
 
 def run_seed(args: argparse.Namespace, name: str, out: Path) -> dict:
@@ -544,7 +542,7 @@ def run_seed(args: argparse.Namespace, name: str, out: Path) -> dict:
            "command": "python -m scripts.chaos " + " ".join(sys.argv[1:]), "args": vars(args), "metrics": metrics,
            "reference": reference, "chaos": chaos}
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(doc, indent=1))
+    write_result(out / f"{name}.json", doc)
     print(json.dumps({"name": name, **{k: v for k, v in metrics.items() if k != "start_to_first_step_s"}}, indent=1),
           flush=True)
     return doc
@@ -619,7 +617,7 @@ def main() -> int:
         args.seed = seed
         docs.append(run_seed(args, f"{name}_s{seed}", out))
     summary = {"command": "python -m scripts.chaos " + " ".join(sys.argv[1:]), **summarize(docs)}
-    (out / f"{name}_summary.json").write_text(json.dumps(summary, indent=1))
+    write_result(out / f"{name}_summary.json", summary)
     plot(out)
     print(json.dumps(summary, indent=1))
     return 0

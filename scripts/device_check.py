@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+from scripts.results import pyplot, save_figure, write_result
+
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("correctness", "swarm", "overhead", "quality")
 QUALITY_MIN = 120  # seconds the quality section is always left
@@ -165,10 +167,7 @@ def section_quality(args: argparse.Namespace) -> dict:
 def plot(path: Path) -> Path:
     """Draw a check's JSON: the quality section's held-out curves, and tokens/s of the bare loop, the learner and
     the daemons. Writes the PNG beside the JSON."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     doc = json.loads(path.read_text())
     sections = doc["sections"]
@@ -196,7 +195,7 @@ def plot(path: Path) -> Path:
     right.set(ylabel="thousand tokens/s", title="one GPU: bare loop, learner, and 3 daemons sharing it")
     fig.tight_layout()
     out = path.with_suffix(".png")
-    fig.savefig(out, dpi=110)
+    save_figure(fig, out)
     return out
 
 
@@ -284,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             entry["log"] = (stdout + stderr)[-4000:]
         doc["sections"][name] = entry
         doc["seconds"] = round(time.monotonic() - start, 1)
-        path.write_text(json.dumps(doc, indent=1))
+        write_result(path, doc)
         print(f"device_check: {name} rc={rc} in {entry['seconds']} s", flush=True)
     print(f"device_check: wrote {path}")
     return 0 if all(s.get("rc") == 0 for s in doc["sections"].values()) else 1

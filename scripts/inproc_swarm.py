@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import os
 import sys
@@ -40,6 +39,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
+
+from scripts.results import write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -428,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         print(f"{r.config['name']:28s} held-out {r.held_out:.4f}  / ddp {r.held_out / ddp:.4f}")
     if args.out:
-        Path(args.out).write_text(json.dumps(doc, indent=1))
+        write_result(Path(args.out), doc, seeds=[args.seed])
     return 0
 
 

@@ -25,6 +25,8 @@ from typing import Any
 
 from atoll.node.ops.curves import smoothed
 
+from scripts.results import pyplot, save_figure
+
 
 @dataclass
 class DaemonProcess:
@@ -355,10 +357,7 @@ def _live_table(doc: dict[str, Any], names: dict[str, str], elapsed: float, dura
 
 
 def plot_loss(swarm: LocalSwarm, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, (name, d) in enumerate(swarm.daemons.items()):
@@ -381,8 +380,7 @@ def plot_loss(swarm: LocalSwarm, path: Path) -> None:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def summary(swarm: LocalSwarm) -> list[dict[str, Any]]:

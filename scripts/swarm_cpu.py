@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from scripts.chaos import busy_share, cpu_times, step_lines
+from scripts.results import write_result
 from scripts.swarm import LocalSwarm, cpu_seconds
 
 
@@ -92,7 +93,7 @@ def main() -> int:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    write_result(out / f"{name}.json", result)
     print(json.dumps(result, indent=1))
     return 0
 
