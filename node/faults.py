@@ -46,7 +46,8 @@ from typing import Any
 import torch
 
 from atoll.protocols import codecs
-from atoll.protocols.averaging import HONEST, Answer, GroupSpec, Tamper
+from atoll.protocols.averaging import HONEST, Tamper
+from atoll.protocols.reducer import Answer, GroupSpec
 
 from .harness import KINDS as HARNESS_KINDS
 from .harness import parse_items

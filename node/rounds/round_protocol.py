@@ -23,8 +23,8 @@ from hivemind.utils import get_dht_time
 
 from atoll.models.robust import MergeRule
 from atoll.protocols import dht_io
-from atoll.protocols.averaging import (ANSWER_GRACE, HONEST, AllreduceResult, AveragingServicer, GroupSpec, Tamper,
-                                       allreduce)
+from atoll.protocols.averaging import ANSWER_GRACE, HONEST, AllreduceResult, Tamper, allreduce
+from atoll.protocols.reducer import AveragingServicer, GroupSpec
 from atoll.protocols.cooldown import Strikes
 from atoll.protocols.matchmaking import (POLL_INTERVAL, Decision, PeerView, Policy, Registrant, Round,
                                          SilentCoordinators, SpentDecisions, form_group, sibling_group)

@@ -23,7 +23,8 @@ from hivemind import DHT
 
 from atoll.models.fragments import Fragment
 from atoll.models.outer import NesterovOuter
-from atoll.protocols.averaging import ANSWER_GRACE, AveragingServicer
+from atoll.protocols.averaging import ANSWER_GRACE
+from atoll.protocols.reducer import AveragingServicer
 from atoll.protocols.cooldown import Cooldown
 from atoll.protocols.nudges import NudgeServicer, tell
 from atoll.protocols.p2p_guard import MemberGate, StreamGuard, install as install_p2p_guard

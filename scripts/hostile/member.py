@@ -51,7 +51,7 @@ from atoll.models.fragments import make_fragments
 from atoll.models.gpt import GPT
 from atoll.models.outer import tensor_hash
 from atoll.node.rounds.catchup import MAX_NORM_RATIO
-from atoll.protocols import averaging, dht_io, state_sync
+from atoll.protocols import dht_io, reducer, state_sync
 from atoll.protocols.auth import JoinToken, identity_bytes
 from atoll.protocols.matchmaking import group_key
 from atoll.protocols.records import (
@@ -432,7 +432,7 @@ class StateServicer(state_sync.StateServicer):
             yield response
 
 
-class AveragingServicer(averaging.AveragingServicer):
+class AveragingServicer(reducer.AveragingServicer):
     """The run's averaging RPC (same handler name): while the member attacks as a reducer, every request gets an
     answer with impossible scalars; otherwise it is refused as an unknown group."""
 

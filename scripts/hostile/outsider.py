@@ -131,7 +131,7 @@ async def strangers_aggregate(victim_maddr: str, victim: str, run_id: str, ident
     ``wait`` seconds for them (the waiting slots of ``AveragingServicer``). Returns each call's outcome counted
     (``refused``: an error answer or a stream closed unanswered; ``held``: no answer after ``wait`` + 30 s;
     ``answered_ok``; ``open_failed:<error>``: it never reached the victim) and how long the longest took."""
-    from atoll.protocols.averaging import AveragingServicer
+    from atoll.protocols.reducer import AveragingServicer
     from atoll.protocols.wire import pack_request, unpack
 
     async def call(p2p: P2P) -> tuple[bool, float]:

@@ -15,7 +15,7 @@ from hivemind.utils import get_dht_time
 from scripts.swarm import LocalSwarm, StatusReader
 from support.swarms import assert_replicas_agree, peer_id, wait_for
 
-from atoll.protocols.averaging import AveragingServicer
+from atoll.protocols.reducer import AveragingServicer
 from atoll.protocols.matchmaking import group_key
 from atoll.protocols.records import open_rounds_key, progress_keys, round_key
 from atoll.protocols.state_sync import StateServicer

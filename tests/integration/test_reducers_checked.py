@@ -11,7 +11,8 @@ from hivemind.p2p import P2P
 
 from atoll.node.faults import ScaledAnswer, SilentAnswer
 from atoll.protocols import averaging
-from atoll.protocols.averaging import LATE_OFFENCES, AveragingServicer, GroupSpec, allreduce
+from atoll.protocols.averaging import allreduce
+from atoll.protocols.reducer import LATE_OFFENCES, AveragingServicer, GroupSpec
 from atoll.protocols.stats import TrafficStats
 
 TIMEOUT = 20.0

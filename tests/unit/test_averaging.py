@@ -7,7 +7,7 @@ import msgpack
 import pytest
 import torch
 
-from atoll.protocols.averaging import AveragingServicer, GroupSpec, shard_bounds
+from atoll.protocols.reducer import AveragingServicer, GroupSpec, shard_bounds
 from atoll.protocols.stats import TrafficStats
 from atoll.protocols.wire import WireError, pack_request, parts_to_tensor, tensor_to_parts, unpack
 
@@ -264,7 +264,8 @@ def test_a_reducers_impossible_scalars_are_refused_with_their_kind(header, kind)
 def test_no_single_reducer_sets_the_rounds_weight_or_norm():
     """The replica's weight was the largest claimed by any shard, and RDA's norm came from that shard: one lying
     reducer set both. Now both are the median over shards, the same on every member."""
-    from atoll.protocols.averaging import ShardResult, combine_scalars
+    from atoll.protocols.averaging import combine_scalars
+    from atoll.protocols.reducer import ShardResult
 
     def shard(weight, norm):
         return ShardResult(torch.zeros(2), weight, ["a"], norm, None)
@@ -282,7 +283,8 @@ def _answer(spec, deltas, weights, clip=4.0, scale=1.0):
     """A reducer's answer to ``deltas`` (one per member, as members send them: encoded, then decoded): its header,
     the norm floor of its payload (×``scale``: a hostile reducer's), and each member's own (weight, norm, size)."""
     from atoll.protocols import codecs
-    from atoll.protocols.averaging import _Reduction, _size
+    from atoll.protocols.averaging import _size
+    from atoll.protocols.reducer import _Reduction
 
     sent = {m: codecs.decode(codecs.encode(d.float(), spec.codec, spec.block)) for m, d in zip(spec.members, deltas)}
     norms = {m: float(torch.linalg.vector_norm(d.double())) for m, d in zip(spec.members, deltas)}

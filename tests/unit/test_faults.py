@@ -72,7 +72,7 @@ def test_a_hostile_reducer_answers_with_its_shard_scaled_or_not_at_all():
 
     from atoll.node.faults import REDUCER_SCALE, SilentAnswer
     from atoll.protocols import codecs
-    from atoll.protocols.averaging import Answer, GroupSpec
+    from atoll.protocols.reducer import Answer, GroupSpec
 
     assert parse_faults(["reducer=silent"]) == {"reducer": "silent"}
     with pytest.raises(ValueError, match="unknown reducer kind"):

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from atoll.protocols import codecs, state_sync
-from atoll.protocols.averaging import AveragingServicer, GroupSpec
+from atoll.protocols.reducer import AveragingServicer, GroupSpec
 from atoll.protocols.matchmaking import parse_group_record
 from atoll.protocols.records import (
     ProgressRecord, make_validators, parse_open_round, parse_progress, parse_round_record, parse_run_config,
@@ -316,7 +316,7 @@ def test_a_donor_streaming_empty_parts_forever_is_refused():
 def _good_replay():
     from atoll.models.outer import NesterovOuter, merged_delta
     from atoll.node.rounds.replica import Replica
-    from atoll.protocols.averaging import shard_bounds
+    from atoll.protocols.reducer import shard_bounds
 
     torch.manual_seed(1)
     theta = torch.randn(256)

@@ -14,7 +14,8 @@ from hivemind.p2p import P2P
 
 from atoll.node.rounds.catchup import donor_order
 from atoll.node.rounds.round_protocol import RoundProtocol
-from atoll.protocols.averaging import AveragingServicer, GroupSpec, allreduce
+from atoll.protocols.averaging import allreduce
+from atoll.protocols.reducer import AveragingServicer, GroupSpec
 from atoll.protocols.stats import TrafficStats
 
 

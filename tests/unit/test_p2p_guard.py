@@ -8,7 +8,7 @@ import pytest
 from hivemind.p2p import P2P
 
 from atoll.protocols import p2p_guard
-from atoll.protocols.averaging import AveragingServicer
+from atoll.protocols.reducer import AveragingServicer
 from atoll.protocols.p2p_guard import (
     MAX_FRAME_BYTES,
     FrameTooLarge,

@@ -246,7 +246,7 @@ def test_reducer_merges_with_the_groups_rule(rule, mode):
     """A reducer of three members merges its shard with ``spec.merge`` (after the norm clip), in both modes: its
     values are the rule applied to the (rda: unit-direction) parts, in peer-id order whatever the arrival order."""
     from atoll.models.robust import clip_contributions, clip_scalars
-    from atoll.protocols.averaging import AveragingServicer, GroupSpec
+    from atoll.protocols.reducer import AveragingServicer, GroupSpec
     from atoll.protocols.stats import TrafficStats
 
     torch.manual_seed(5)
@@ -275,7 +275,7 @@ def test_reducer_merges_with_the_groups_rule(rule, mode):
 def test_group_ids_differ_by_merge_rule_and_the_default_keeps_the_old_id():
     import hashlib
 
-    from atoll.protocols.averaging import GroupSpec
+    from atoll.protocols.reducer import GroupSpec
 
     spec = GroupSpec("run", 0, 3, 0, ("a", "b"), 100)
     old = hashlib.sha256(b"run|0|3||0|a,b|100|mean|none|256").hexdigest()[:24]
