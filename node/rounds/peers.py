@@ -77,8 +77,10 @@ class _Shard:
 
 class PeerTable:
     def __init__(self, ctx: SyncContext, config_record: dict[str, Any] | None = None,
-                 shards: int = PROGRESS_SHARDS) -> None:
+                 shards: int = PROGRESS_SHARDS, run_public_key: bytes | None = None, revocation: Any = None) -> None:
         self.ctx = ctx
+        self.run_public_key = run_public_key  # a private run's run key (signs its revocation lists)
+        self.revocation = revocation  # the newest revocation list signed by the run key (auth.RevocationList), if any
         self.shards = shards
         self.my_shard = progress_shard(ctx.peer_id, shards)
         self._held: dict[int, _Shard] = {}  # what each shard held when it was last read
@@ -211,28 +213,28 @@ class PeerTable:
         if time.monotonic() - self._revocations_read < REVOCATION_POLL:
             return
         self._revocations_read = time.monotonic()
-        if ctx.run_public_key is not None:  # an open run has no revocations; its DHT's refusals are counted too
+        if self.run_public_key is not None:  # an open run has no revocations; its DHT's refusals are counted too
             await self._read_revocations()
-        refused = await dht_io.run_in_dht(ctx.dht, functools.partial(sync_run_validator, ctx.revocation),
+        refused = await dht_io.run_in_dht(ctx.dht, functools.partial(sync_run_validator, self.revocation),
                                           on_timeout=ctx.reject)
         for kind, count in (refused or {}).items():
             if count > self._dht_refused.get(kind, 0):
                 ctx.stats.reject(kind, count=count - self._dht_refused.get(kind, 0))
                 self._dht_refused[kind] = count
-        if ctx.revocation is not None and time.monotonic() - self._revocation_published > REVOCATION_REPUBLISH:
-            await dht_io.store(ctx.dht, revoked_key(ctx.cfg.run_id), ctx.revocation.to_record(),
+        if self.revocation is not None and time.monotonic() - self._revocation_published > REVOCATION_REPUBLISH:
+            await dht_io.store(ctx.dht, revoked_key(ctx.cfg.run_id), self.revocation.to_record(),
                                get_dht_time() + REVOCATION_TTL, ctx.subkey, on_timeout=ctx.reject)
             self._revocation_published = time.monotonic()
 
     async def _read_revocations(self) -> None:
         ctx = self.ctx
         entry = await dht_io.get(ctx.dht, revoked_key(ctx.cfg.run_id), on_timeout=ctx.reject)
-        newest, bad = newest_revocation(ctx.cfg.run_id, ctx.run_public_key, list(unwrap_subkeys(entry).values()),
-                                        ctx.revocation)
+        newest, bad = newest_revocation(ctx.cfg.run_id, self.run_public_key, list(unwrap_subkeys(entry).values()),
+                                        self.revocation)
         if bad:
             ctx.stats.reject("revocation_record", count=bad)
-        if newest is not ctx.revocation:
-            ctx.revocation = newest
+        if newest is not self.revocation:
+            self.revocation = newest
             logger.warning("revocation list %d of the run: %d member(s) revoked; their records and requests are "
                            "refused from now on", newest.serial, len(newest.revoked))
             from .join import save_revocation
@@ -240,17 +242,17 @@ class PeerTable:
             save_revocation(ctx.cfg.checkpoint_dir, newest)
             self._revocation_published = -1e9
             self._drop_revoked()
-        if ctx.revocation is not None and ctx.revoked(ctx.peer_id) and not self._told_revoked:
+        if self.revocation is not None and self.revoked(ctx.peer_id) and not self._told_revoked:
             self._told_revoked = True
             logger.error("this daemon's membership was revoked by the run key: the others refuse its records")
 
     def _drop_revoked(self) -> None:
         with self._lock:
             for held in self._held.values():
-                held.peers = {p: r for p, r in held.peers.items() if not self.ctx.revoked(p)}
-                held.everyone = {p: r for p, r in held.everyone.items() if not self.ctx.revoked(p)}
-            self._peers = {p: r for p, r in self._peers.items() if not self.ctx.revoked(p)}
-            self._everyone = {p: r for p, r in self._everyone.items() if not self.ctx.revoked(p)}
+                held.peers = {p: r for p, r in held.peers.items() if not self.revoked(p)}
+                held.everyone = {p: r for p, r in held.everyone.items() if not self.revoked(p)}
+            self._peers = {p: r for p, r in self._peers.items() if not self.revoked(p)}
+            self._everyone = {p: r for p, r in self._everyone.items() if not self.revoked(p)}
 
     # ---- the table ------------------------------------------------------------------------------------------
     async def refresh(self, max_age: float = 0.0) -> dict[str, ProgressRecord]:
@@ -352,11 +354,11 @@ class PeerTable:
             if shard != ALL_SHARDS and progress_shard(rec.peer_id, self.shards) != shard:
                 ctx.reject("progress_shard", subkey)  # our DHT's validator refuses these; a foreign node may not
                 continue
-            if ctx.run_public_key is not None:
+            if self.run_public_key is not None:
                 # Our DHT's validator refuses these already; a record it stored before it knew, or one a node
                 # without atoll's validators returned, is refused here too.
                 signer = peer_id_of(owner_of_raw_subkey(subkey) or b"")
-                if signer is None or ctx.revoked(signer):
+                if signer is None or self.revoked(signer):
                     ctx.reject("revoked", None)
                     continue
                 if rec.peer_id != signer:
@@ -381,6 +383,10 @@ class PeerTable:
     def training(self) -> list[ProgressRecord]:
         return [peer for peer in self.peers().values() if peer.status == Status.TRAINING]
 
+    def revoked(self, peer_id: str) -> bool:
+        """Whether the run key revoked ``peer_id``'s membership (its records and requests are refused)."""
+        return self.revocation is not None and peer_id in self.revocation.revoked
+
     async def is_member(self, peer_id: str) -> bool:
         """Private runs: whether ``peer_id`` published a progress record (the DHT accepts those only from members).
 
@@ -388,7 +394,7 @@ class PeerTable:
         unknown peer is looked for again for up to ``MEMBER_WAIT`` seconds before it is refused. Concurrent askers
         share one read of the peer's shard at a time, at most two a second, so a flood of strangers costs the DHT
         little."""
-        if self.ctx.revoked(peer_id):
+        if self.revoked(peer_id):
             self.ctx.reject("revoked")
             return False
         deadline = time.monotonic() + MEMBER_WAIT

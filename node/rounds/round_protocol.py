@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from hivemind.utils import get_dht_time
 
+from atoll.models.fragments import Fragment
 from atoll.models.robust import MergeRule
 from atoll.protocols import dht_io
 from atoll.protocols.averaging import ANSWER_GRACE, HONEST, AllreduceResult, Tamper, allreduce
@@ -127,8 +128,9 @@ class FragmentPeers(PeerView):
 
 
 class RoundProtocol:
-    def __init__(self, ctx: SyncContext, peers: PeerTable, catch_up: CatchUp) -> None:
-        self.ctx, self.peers, self.catch_up = ctx, peers, catch_up
+    def __init__(self, ctx: SyncContext, peers: PeerTable, catch_up: CatchUp, fragments: list[Fragment]) -> None:
+        self.ctx, self.peers, self.catch_up, self.fragments = ctx, peers, catch_up, fragments
+        self.started_at = get_dht_time()  # DHT time this process's rounds began: our registrations carry it
         self.averager: AveragingServicer | None = None  # set once the event loop has started
         self.last_group: list[str] | None = None  # ddp: the members of the last completed all-reduce
         self.sync_time = EMA()
@@ -176,9 +178,9 @@ class RoundProtocol:
                 ctx.spawn(self._announce(p, version, digest))
             members = await form_group(
                 ctx.dht, Round(ctx.namespace(), p, version, digest),
-                Registrant(ctx.peer_id, ctx.subkey, contribution.weight, started=ctx.started_at),
+                Registrant(ctx.peer_id, ctx.subkey, contribution.weight, started=self.started_at),
                 Policy(run.gather_timeout, run.quorum if algo.quorum else None, self.grace, run.max_group),
-                FragmentPeers(self.peers, p, base, ctx.revoked), abort=lambda: self.catch_up.behind(p),
+                FragmentPeers(self.peers, p, base, self.peers.revoked), abort=lambda: self.catch_up.behind(p),
                 on_reject=ctx.reject, on_decision=decided.append, spent=spent, nudges=self.nudges, silent=self.silent)
             formed = time.monotonic()
             if members is None:
@@ -206,7 +208,7 @@ class RoundProtocol:
             if run.quorum > 1:
                 self.quorum_time.update(formed - started)
             ctx.faults.group_formed(ctx.counters.rounds_done, version)
-            rda = algo.rda and run.rda and not ctx.fragments[p].has_embedding
+            rda = algo.rda and run.rda and not self.fragments[p].has_embedding
             mode = "rda" if rda else "mean"
             # A round merged alone is compressed too: every round of a compressed run is then replayable from its
             # codec bytes (a peer that missed it catches up cheaply), and error feedback keeps what it dropped.
@@ -287,7 +289,7 @@ class RoundProtocol:
             return Outcome.BEHIND
         # Peers we cool down or that were revoked are left out of our groups: they cannot meet us in the next round.
         same = [peer for peer in live if peer.fragment_versions[p] == version and peer.fragment_hashes[p] == digest
-                and not (self.ctx.cooldown.active(peer.peer_id) or self.ctx.revoked(peer.peer_id))]
+                and not (self.ctx.cooldown.active(peer.peer_id) or self.peers.revoked(peer.peer_id))]
         at, deferred = self._deferred.get(p, (version, 0))
         deferred = deferred if at == version else 0
         if same and LocalMerge(self.ctx.cfg.run.local_merge) is LocalMerge.DELTA and deferred < MAX_DEFERRALS:

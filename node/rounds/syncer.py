@@ -65,16 +65,17 @@ class Syncer:
         self.guard: StreamGuard | None = None  # bounds our handlers' streams (set once the P2P is up)
         self.ctx = ctx = SyncContext(
             cfg=cfg, algorithm=algorithm(cfg.run.algorithm), dht=dht, peer_id=str(dht.peer_id), subkey=subkey,
-            replica=replica, fragments=fragments, counters=counters, faults=faults, private=private,
-            stats=TrafficStats(), cooldown=Cooldown(cfg.peer_cooldown),
+            replica=replica, counters=counters, faults=faults, stats=TrafficStats(),
+            cooldown=Cooldown(cfg.peer_cooldown),
             outer=NesterovOuter(cfg.run.outer_lr, cfg.run.outer_momentum, cfg.run.outer_period), spawn=self._spawn,
-            run_public_key=run_public_key, revocation=revocation,
         )
+        self.private = private  # members only: the DHT holds members' records only; state is served to members only
+        self.realign = False  # after a stall: the next replica adopted before settle_until brings its donor's schedule
         ctx.stats.on_offence = ctx.offence
         ctx.error_feedback.load_state_dict(error_feedback or {})
-        self.table = PeerTable(ctx, config_record)
+        self.table = PeerTable(ctx, config_record, run_public_key=run_public_key, revocation=revocation)
         self.catch_up = CatchUp(ctx, self.table)
-        self.rounds = RoundProtocol(ctx, self.table, self.catch_up)
+        self.rounds = RoundProtocol(ctx, self.table, self.catch_up, fragments)
         self.rejoin = Rejoin(ctx)
         self.rounds.had_peers = lambda: bool(self.rejoin.seen)
         self._ready = threading.Event()
@@ -111,7 +112,7 @@ class Syncer:
         # a peer without a progress record is served only once its record is found (bounded waits), before
         # anything of its stream is read. Streams from peers in the table have a budget strangers cannot take.
         known = lambda peer: peer in self.table.peers()  # noqa: E731
-        gate = MemberGate(known, self.table.is_member) if ctx.private else None
+        gate = MemberGate(known, self.table.is_member) if self.private else None
         self.guard = StreamGuard(ctx.stats.reject, known, gate, arrived=ctx.stats.stream_in)
         self.guard.attach(ctx.p2p)
         self.rounds.averager = AveragingServicer(
@@ -123,7 +124,7 @@ class Syncer:
         # once instead of polling the DHT for them (a thin link's control plane: docs/results.md).
         self.rounds.nudges.send = lambda peers, key: self._spawn(tell(ctx.p2p, ctx.cfg.run_id, peers, key))
         await NudgeServicer(self.rounds.nudges, lambda peer: known(peer) and not ctx.cooldown.active(peer)
-                            and not ctx.revoked(peer), ctx.stats).add_p2p_handlers(ctx.p2p, namespace=ctx.cfg.run_id)
+                            and not self.table.revoked(peer), ctx.stats).add_p2p_handlers(ctx.p2p, namespace=ctx.cfg.run_id)
         await StateServicer(replica.snapshot, replica.num_fragments, ctx.stats,
                             authorize=gate.is_member if gate is not None else None,
                             replay=replica.replay_from, identity=replica.identity,
@@ -185,7 +186,7 @@ class Syncer:
                 ctx.gap_ended = now
             if stalled < max(STALL_MIN_S, 3 * ctx.cfg.heartbeat):
                 continue
-            ctx.settle_until, ctx.realign = now + STALL_SETTLE_S, True
+            ctx.settle_until, self.realign = now + STALL_SETTLE_S, True
             logger.warning("the daemon did not run for %.1f s (frozen, or starved of CPU): publishing our record "
                            "again and catching up", stalled)
             self._spawn(self._come_back())
@@ -268,9 +269,9 @@ class Syncer:
         adopted replica's sync-schedule step as its own (``Rounds._realign``), as a joiner or a restarted daemon
         does, so that its fragments fall due with the others' again."""
         ctx = self.ctx
-        if not ctx.realign:
+        if not self.realign:
             return False
-        ctx.realign = False
+        self.realign = False
         return time.monotonic() < ctx.settle_until
 
     def take_candidates(self) -> list[ReplicaState]:

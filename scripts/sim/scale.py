@@ -305,8 +305,7 @@ class Island:
             cfg=cfg, dht=sim.dht.client(self.traffic), peer_id=self.peer_id, subkey=self.subkey,
             replica=self.replica, counters=counters, stats=stats,
             cooldown=Cooldown(60.0, sim.clock),
-            run_public_key=None, revocation=None, namespace=lambda: sim.run_id,
-            revoked=lambda peer: False, reject=stats.reject,
+            namespace=lambda: sim.run_id, reject=stats.reject,
         )
         self.table = peers_module.PeerTable(self.ctx, shards=sim.cfg.progress_shards)
 

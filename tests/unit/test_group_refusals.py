@@ -17,8 +17,9 @@ def _protocol(outcomes, rejected):
                                               run=SimpleNamespace(codec_block=4, robust_merge="clip",
                                                                   round_timeout=5.0)),
                           peer_id="me", p2p=None, reject=lambda kind, source=None: rejected.append((kind, source)),
-                          cooldown=SimpleNamespace(active=lambda peer: False), revoked=lambda peer: False)
-    rounds = RoundProtocol(ctx, peers=SimpleNamespace(everyone=lambda: {}), catch_up=None)
+                          cooldown=SimpleNamespace(active=lambda peer: False))
+    rounds = RoundProtocol(ctx, peers=SimpleNamespace(everyone=lambda: {}, revoked=lambda peer: False), catch_up=None,
+                           fragments=[])
     rounds.averager = None
     return rounds
 

@@ -20,6 +20,9 @@ class Table:
     def __init__(self, records):
         self.records, self.reads, self.ages = records, 0, []
 
+    def revoked(self, peer_id):
+        return False
+
     async def refresh(self, max_age=0.0):
         self.reads += 1
         self.ages.append(max_age)
@@ -32,8 +35,8 @@ def peer(name, versions, status=Status.TRAINING, hashes=(OURS, OURS)):
 
 def protocol(records, settle_until=0.0, had_peers=False, local_merge="delta", cooled=()):
     ctx = SimpleNamespace(settle_until=settle_until, cfg=SimpleNamespace(run=SimpleNamespace(local_merge=local_merge)),
-                          cooldown=SimpleNamespace(active=lambda peer: peer in cooled), revoked=lambda peer: False)
-    rounds = RoundProtocol(ctx, peers=Table(records), catch_up=None)
+                          cooldown=SimpleNamespace(active=lambda peer: peer in cooled))
+    rounds = RoundProtocol(ctx, peers=Table(records), catch_up=None, fragments=[])
     rounds.had_peers = lambda: had_peers
     return rounds
 

@@ -21,7 +21,7 @@ def watching(monkeypatch, announcements: dict[str, dict], polls: int = 1):
     stats, asked = TrafficStats(), []
     ctx = SimpleNamespace(dht=None, peer_id="me", namespace=lambda: "run", reject=stats.reject, cooldown=Cooldown(60.0),
                           in_round=set(), replica=SimpleNamespace(num_fragments=2, identity=lambda p: IDS[p]))
-    rounds = RoundProtocol(ctx, peers=None, catch_up=None)
+    rounds = RoundProtocol(ctx, peers=None, catch_up=None, fragments=[])
 
     async def get_many(dht, keys, on_timeout=None):
         asked.append(list(keys))

@@ -100,8 +100,8 @@ def sharded_table(monkeypatch, peers: int, clock: list[float]) -> tuple[PeerTabl
     monkeypatch.setattr(peers_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     stats = TrafficStats()
     ctx = SimpleNamespace(dht=None, namespace=lambda: "run", reject=stats.reject, cooldown=Cooldown(60.0),
-                          replica=SimpleNamespace(num_fragments=1), peer_id="me", run_public_key=None,
-                          cfg=SimpleNamespace(heartbeat=2.0), revoked=lambda peer: False)
+                          replica=SimpleNamespace(num_fragments=1), peer_id="me",
+                          cfg=SimpleNamespace(heartbeat=2.0))
     return PeerTable(ctx), dht, stats
 
 
@@ -232,7 +232,7 @@ def test_a_progress_record_from_the_future_is_left_out_and_counted(monkeypatch, 
     monkeypatch.setattr("atoll.node.rounds.peers.dht_io.get_many", get_many)
     stats = TrafficStats()
     ctx = SimpleNamespace(dht=None, namespace=lambda: "run", reject=stats.reject, cooldown=Cooldown(60.0),
-                          replica=SimpleNamespace(num_fragments=1), peer_id="me", run_public_key=None,
+                          replica=SimpleNamespace(num_fragments=1), peer_id="me",
                           cfg=SimpleNamespace(heartbeat=2.0))  # open run
     peers = asyncio.run(PeerTable(ctx, shards=shards).refresh())
     assert set(peers) == {"b"} and stats.rejected_by_kind == {"progress_record_time": 1}

@@ -14,7 +14,7 @@ from atoll.node.rounds.round_protocol import OPEN_ROUND_POLL, POLL_INTERVAL, Rou
 def bare_protocol(step_time: float, read_time: float, **run: object) -> RoundProtocol:
     cfg = NodeConfig(run=dataclasses.replace(RunConfig(algorithm="decoupled"), **run))
     rounds = RoundProtocol(SimpleNamespace(cfg=cfg, counters=Counters(step_time=step_time)), peers=None,
-                           catch_up=None)
+                           catch_up=None, fragments=[])
     rounds.sync_time.update(0.1)
     rounds.read_time.update(read_time)
     return rounds

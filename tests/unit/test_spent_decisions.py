@@ -31,15 +31,16 @@ def _rounds(monkeypatch, decision, allreduce_result, quorum=True):
     rounds.ctx = SimpleNamespace(
         cfg=SimpleNamespace(run=run), algorithm=SimpleNamespace(joins_open_rounds=False, quorum=quorum, rda=False),
         in_round=set(), spawn=lambda coro: coro.close(), dht=None, namespace=lambda: "run", peer_id="a",
-        subkey=b"a", reject=lambda *a: None, revoked=lambda peer: False, started_at=0.0, faults=faults,
-        counters=SimpleNamespace(step_time=0.1, rounds_done=0), fragments=[SimpleNamespace(has_embedding=False)])
+        subkey=b"a", reject=lambda *a: None, faults=faults, counters=SimpleNamespace(step_time=0.1, rounds_done=0))
+    rounds.fragments, rounds.started_at = [SimpleNamespace(has_embedding=False)], 0.0
     rounds.catch_up = SimpleNamespace(behind=lambda p: False, maybe_catch_up=lambda: None)
 
     async def publish():
         return None
 
     followed = []
-    rounds.peers = SimpleNamespace(publish=publish, follow=followed.append, refresh=None, look_up=None)
+    rounds.peers = SimpleNamespace(publish=publish, follow=followed.append, refresh=None, look_up=None,
+                                   revoked=lambda peer: False)
     rounds.spent, rounds.silent, rounds.nudges = SpentDecisions(), None, None
     rounds._last_round, rounds._announced = {}, {}
     rounds.quorum_time = SimpleNamespace(update=lambda v: None)
