@@ -7,7 +7,7 @@ For each algorithm a fresh local swarm of four daemons (same model, data, batch 
 ``--steps`` inner steps each. Reported per algorithm: the held-out loss of every daemon's final global replica
 Θ (all fragments, from its last checkpoint, evaluated on the same held-out batches) and its ratio to ddp's,
 bytes every daemon sent per token trained and the ratio to ddp's, goodput (share of wall time in inner steps),
-time blocked on the network, rounds, forks healed and tokens lost. Writes docs/results/bench_algorithms.json
+time blocked on the network, rounds, forks healed and tokens lost. Writes docs/results/algorithms/bench_algorithms.json
 and .png.
 """
 
@@ -67,7 +67,7 @@ def main() -> int:
                              "and ratios are taken to the ddp run of the same seed when there is one")
     parser.add_argument("--append", action="store_true",
                         help="add these runs to the existing JSON (same label: replaced) instead of starting over")
-    parser.add_argument("--out", default="docs/results")
+    parser.add_argument("--out", default="docs/results/algorithms")
     parser.add_argument("--replot", action="store_true", help="only redraw the plot from the JSON")
     args = parser.parse_args()
     out = Path(args.out)

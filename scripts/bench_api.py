@@ -4,9 +4,9 @@
     python -m scripts.bench_api [--model tiny] [--steps 300] [--repeats 3] [--block 10]
     PJRT_DEVICE=CPU XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1" \
         PYTHONPATH=build/xla-path ~/.cache/atoll/venv-xla/bin/python -m scripts.bench_api --device xla \
-        --out docs/results/bench_api_xla        # torch_xla's CPU runtime, with the xla venv of `make test-xla`
+        --out docs/results/api/bench_api_xla        # torch_xla's CPU runtime, with the xla venv of `make test-xla`
     python -m scripts.bench_api --device cuda --precision bf16 --model llama-150m --batch 16 --steps 200 \
-        --out docs/results/bench_api_cuda       # a GPU: the ~150M Llama preset under bf16 autocast
+        --out docs/results/api/bench_api_cuda       # a GPU: the ~150M Llama preset under bf16 autocast
 
 Two copies of one user loop (the same model preset and seed, AdamW, clipping, the built-in corpus) run in this
 process on one torch thread, alternating blocks of ``--block`` steps in AB BA order, so that whatever else runs
@@ -25,7 +25,7 @@ boundary itself, so what it does there is never traced into the user's step.
 
 Each repetition builds both from seed ``repeat`` and times ``--steps`` steps of each after ``--warmup`` steps.
 The ratio island/bare is taken within each repetition; reported: per repetition, the mean with a 95% interval
-(Student's t) and the median. Writes docs/results/bench_api.{json,png}.
+(Student's t) and the median. Writes docs/results/api/bench_api.{json,png}.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", choices=("cpu", "cuda", "xla"), default="cpu")
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "bench_api"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "api" / "bench_api"))
     args = ap.parse_args()
     torch.set_num_threads(1)
     tokens, _ = load_corpus("builtin")

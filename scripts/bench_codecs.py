@@ -16,7 +16,7 @@ that background load hits every codec alike:
 
 Writes ``<out>/bench_codecs.json`` and ``<out>/bench_codecs.png``.
 
-    python -m scripts.bench_codecs            # defaults: --mib 64 --reps 15 --block 256 --out docs/results
+    python -m scripts.bench_codecs            # defaults: --mib 64 --reps 15 --block 256 --out docs/results/codecs
     python -m scripts.bench_codecs --replot   # redraw the PNG from the JSON
 """
 
@@ -86,7 +86,7 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=64, help="fp32 tensor size in MiB")
     ap.add_argument("--reps", type=int, default=15, help="timed repetitions per codec (median reported)")
     ap.add_argument("--block", type=int, default=256, help="block size of the atoll block codecs")
-    ap.add_argument("--out", type=pathlib.Path, default=ROOT / "docs" / "results")
+    ap.add_argument("--out", type=pathlib.Path, default=ROOT / "docs" / "results" / "codecs")
     ap.add_argument("--no-hivemind", action="store_true", help="skip the hivemind baselines")
     ap.add_argument("--replot", action="store_true", help="only redraw the PNG from an existing <out>/bench_codecs.json")
     args = ap.parse_args()

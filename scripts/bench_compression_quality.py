@@ -12,7 +12,7 @@ per daemon per step (the bandwidth-optimal volume; computed, since ddp would be 
 It is also reported without the joiners' one-off download of the whole state (``after joining``), which a
 short run cannot amortise as a long one does. With ``--seeds`` every codec runs once per seed (the initial
 model differs) and each ratio is taken against `none` of the same seed, then averaged: the spread between seeds
-shows how much of a difference is noise. Writes docs/results/bench_compression_quality_<algorithm>.json and .png.
+shows how much of a difference is noise. Writes docs/results/compression_quality/bench_compression_quality_<algorithm>.json and .png.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def main() -> int:
                         choices=[label for label, _, _ in RUNS], help="runs to make (the first is the reference)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run per codec and seed")
     parser.add_argument("--name", default=None, help="results file name (default: per algorithm)")
-    parser.add_argument("--out", default="docs/results")
+    parser.add_argument("--out", default="docs/results/compression_quality")
     args = parser.parse_args()
     run = RunConfig(model=args.model, sync_every=args.sync_every, algorithm=args.algorithm)
     n = get_model_config(args.model).num_params

@@ -40,7 +40,7 @@ its own vocabulary: a prepared dataset's or byte-level data's vocabulary must eq
 uint16 ``.bin`` shards must be below it. Bad arguments (a device torch does not see, a vocabulary mismatch, an
 unknown model) end the script with one line and exit status 2.
 Writes ``--out`` with the suffix .json (and .png unless ``--no-plot``); by default
-docs/results/bench_device_overhead.{json,png}.
+docs/results/device_overhead/bench_device_overhead.{json,png}.
 """
 
 from __future__ import annotations
@@ -438,7 +438,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--daemon-args", nargs=argparse.REMAINDER, default=["--algorithm", "diloco", "--sync-every", "50"],
                    help="extra flags of the daemon variant (last on the command line)")
     p.add_argument("--xla-python", default=default_xla_python())
-    p.add_argument("--out", default=str(ROOT / "docs" / "results" / "bench_device_overhead"),
+    p.add_argument("--out", default=str(ROOT / "docs" / "results" / "device_overhead" / "bench_device_overhead"),
                    help="where the JSON (its suffix made .json) and the PNG (.png) go")
     p.add_argument("--no-plot", action="store_true", help="write the JSON only")
     p.add_argument("--worker", choices=("pair",), help=argparse.SUPPRESS)

@@ -11,7 +11,7 @@ that many daemons. Then a client node reads the key ``--reads`` times in a row, 
 round formation do. Reported per size: seconds per read and the reading DHT process's CPU seconds per read (it
 checks every record of every node's answer), and how long ``atoll status --json``'s collection takes
 (``node.status.collect_status``: the progress and config keys read, every record parsed) on a fresh client. The
-variants run one after the other within each repeat, on fresh nodes. Writes docs/results/bench_dht_reads.json and
+variants run one after the other within each repeat, on fresh nodes. Writes docs/results/dht_reads/bench_dht_reads.json and
 .png.
 """
 
@@ -138,7 +138,7 @@ def main() -> int:
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--reads", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "bench_dht_reads")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "dht_reads" / "bench_dht_reads")
     args = ap.parse_args()
     run_key = RunKey.generate()
     print(f"signing {max(args.records)} members' records...", flush=True)

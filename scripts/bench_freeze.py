@@ -82,7 +82,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1, help="independent runs, one after the other")
     parser.add_argument("--early", type=float, default=30.0,
                         help="seconds after the thaw whose lone rounds and forks are counted apart (*_early)")
-    parser.add_argument("--out", default="docs/results")
+    parser.add_argument("--out", default="docs/results/freeze")
     args = parser.parse_args()
     runs = []
     for i in range(args.repeats):

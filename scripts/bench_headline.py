@@ -41,7 +41,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--sync-every", type=int, default=40)
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--out", default="docs/results")
+    parser.add_argument("--out", default="docs/results/headline")
     args = parser.parse_args()
     started = time.time()
     runs = []

@@ -30,7 +30,7 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=0.88, help="Mbit/s each way, every region")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--step-delay", type=float, default=0.1)
-    parser.add_argument("--out", default="docs/results")
+    parser.add_argument("--out", default="docs/results/idle_wire")
     args = parser.parse_args()
     run_args = argparse.Namespace(model="nano", sync_every=100 * args.steps, seed=0, run_timeout=600,
                                   straggler_wait=30, daemon_args=["--harness", f"step_delay={args.step_delay}"])

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What an island of several ranks gives and costs on this machine: tokens/s and the island's own sync time.
 
-    python -m scripts.bench_island [--model tiny] [--steps 160] [--repeats 3] [--out docs/results/bench_island]
+    python -m scripts.bench_island [--model tiny] [--steps 160] [--repeats 3] [--out docs/results/island/bench_island]
 
 Each configuration is one ``atoll start`` island alone in a new open run (diloco, H=``--sync-every``: every round
 merges the whole model, so every round sends all of θ from rank 0 to the other ranks), trained for ``--steps``
@@ -72,7 +72,7 @@ def main() -> int:
     ap.add_argument("--island-batch", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--configs", default=",".join(CONFIGS))
-    ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "bench_island"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "island" / "bench_island"))
     args = ap.parse_args()
     names = args.configs.split(",")
     runs: list[dict] = []

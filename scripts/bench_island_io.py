@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The throughputs an island's rank 0 depends on when a fragment's delta leaves the island through it.
 
-    python -m scripts.bench_island_io [--mib 256] [--repeats 5] [--out docs/results/bench_island_io.json]
+    python -m scripts.bench_island_io [--mib 256] [--repeats 5] [--out docs/results/island_io/bench_island_io.json]
 
 Measured on this machine, side by side in one invocation, each ``--repeats`` times (medians and 95% intervals):
 
@@ -103,7 +103,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "bench_island_io.json"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "island_io" / "bench_island_io.json"))
     args = ap.parse_args()
     numel = args.mib * 2**20 // 4
     x = torch.randn(numel, generator=torch.Generator().manual_seed(0))

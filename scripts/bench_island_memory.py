@@ -81,7 +81,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--label", default="", help="what this run measures (kept in the JSON)")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "bench_island_memory.json"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "island_memory" / "bench_island_memory.json"))
     ap.add_argument("--fit", nargs=2, metavar=("SMALL_JSON", "BIG_JSON"),
                     help="no run: fit each rank's peak to fixed + slope × parameters from two earlier runs, and the "
                          "largest model whose ranks fit in --budget-mib together (written into BIG_JSON)")

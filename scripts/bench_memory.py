@@ -15,7 +15,7 @@ For each model, a private swarm of two daemons trains (decoupled, the defaults) 
   copies of the parameters (the codec's buffers and the error-feedback residuals come on top, and count as
   beyond it here).
 
-Writes docs/results/bench_memory.json (``--out`` to change).
+Writes docs/results/memory/bench_memory.json (``--out`` to change).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def main() -> int:
     ap.add_argument("--models", nargs="+", default=["nano", "tiny"])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "bench_memory")
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "bench_memory.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "memory" / "bench_memory.json")
     args = ap.parse_args()
     results = []
     for model in each(args.models, "models"):

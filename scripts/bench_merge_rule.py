@@ -15,7 +15,7 @@ flight, as a daemon does, and each merge carries k steps; ``--carry-max N`` boun
 (beyond it the work is dropped, as the daemon's carry bound does). The bound is chosen with
 ``--delays 0 50 100 150 --rules delta overwrite --outers avg``: carrying k steps against dropping them.
 
-Writes docs/results/bench_merge_rule.{json,png} (``--out`` for another stem); ``--replot`` redraws from the JSON.
+Writes docs/results/merge_rule/bench_merge_rule.{json,png} (``--out`` for another stem); ``--replot`` redraws from the JSON.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def main() -> int:
     parser.add_argument("--outers", nargs="+", default=list(OUTERS), choices=list(OUTERS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--carry-max", type=int, default=0, help="the delta rule's bound in steps (0: none)")
-    parser.add_argument("--out", default=str(ROOT / "docs/results/bench_merge_rule"))
+    parser.add_argument("--out", default=str(ROOT / "docs/results/merge_rule/bench_merge_rule"))
     parser.add_argument("--replot", action="store_true", help="redraw the plot from the JSON")
     args = parser.parse_args()
     path = Path(args.out).with_suffix(".json")

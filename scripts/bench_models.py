@@ -203,7 +203,7 @@ def main() -> int:
     parser.add_argument("--tolerance", type=float, default=0.02, help="largest relative parameter-count gap")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--data-root", default="runs/bench_models")
-    parser.add_argument("--out", default="docs/results")
+    parser.add_argument("--out", default="docs/results/models")
     parser.add_argument("--replot", action="store_true", help="only redraw bench_models.png from the JSON in --out")
     args = parser.parse_args()
     if args.replot:

@@ -19,7 +19,7 @@ configuration after another, each from the same initial model:
 Everything is deterministic: a configuration run twice gives the same loss, so differences between rows are the
 configurations' (at one seed and one data order), not this machine's load. Reported: the held-out loss of Θ (ddp:
 of the model) on the same held-out batches, and its ratio to ddp's in the same setting (steps, batch, model, inner
-learning rate and schedule). Results are appended to docs/results/bench_outer.json (a row with the same setting and
+learning rate and schedule). Results are appended to docs/results/outer/bench_outer.json (a row with the same setting and
 config is replaced) and plotted.
 """
 
@@ -146,7 +146,7 @@ def main() -> int:
     parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--configs", nargs="+", default=["ddp", "40,0.7,0.9", "40,1,0"])
-    parser.add_argument("--out", default="docs/results")
+    parser.add_argument("--out", default="docs/results/outer")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     out = Path(args.out)

@@ -7,7 +7,7 @@
 127.0.0.1 with ``--max-steps steps`` each (the same tokens in total). Both are evaluated on the same held-out
 batches: (a) its final model, (b) the final global replica Θ from a daemon's last checkpoint. Reports the
 held-out loss of each, their ratio, and the bytes each daemon sent per outer round. Writes
-docs/results/bench_parity.json and .png.
+docs/results/parity/bench_parity.json and .png.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=600, help="inner steps per daemon (solo: 3x)")
     parser.add_argument("--sync-every", type=int, default=50)
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--out", default="docs/results")
+    parser.add_argument("--out", default="docs/results/parity")
     args = parser.parse_args()
     run = RunConfig(model=args.model, sync_every=args.sync_every)
     print(f"(b) three daemons, {args.steps} steps each, H={args.sync_every} ...", flush=True)

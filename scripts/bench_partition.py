@@ -179,7 +179,7 @@ def main() -> int:
     p.add_argument("--rate", type=float, default=0.0, help="Mbit/s each way, every region (0: uncapped)")
     p.add_argument("--model", default="nano")
     p.add_argument("--sync-every", type=int, default=100)
-    p.add_argument("--out", default="docs/results")
+    p.add_argument("--out", default="docs/results/partition")
     p.add_argument("--name", default="bench_partition", help="the output files' stem")
     args = p.parse_args()
     doc = {"model": args.model, "sync_every": args.sync_every, "rtt_ms": args.rtt, "rate_mbit": args.rate,

@@ -15,7 +15,7 @@ times in each of two ways, alternating which goes first:
 Measured from the moment ``atoll resume`` is sent (or the new process is started) to the first round the daemon
 then contributes to with the other (its own metrics' time of that round), and, for the pause, the time the resume
 itself took (θ back on the device, the catch-up). Reported per model: mean and 95% interval of each, and the ratio
-of the means. Writes docs/results/bench_pause.json and .png.
+of the means. Writes docs/results/pause/bench_pause.json and .png.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from scripts.results import pyplot, save_figure, write_result
 from scripts.stats import fmt, interval
 from scripts.swarm import LocalSwarm, peer_id, wait_for
 
-OUT = Path(__file__).resolve().parent.parent / "docs" / "results"
+OUT = Path(__file__).resolve().parent.parent / "docs" / "results" / "pause"
 SETTINGS = {  # per model: batch and sync period, so that a round of each fragment falls due every few seconds
     "tiny": ["--batch-size", "8", "--sync-every", "40"],
     "small": ["--batch-size", "4", "--sync-every", "20"],

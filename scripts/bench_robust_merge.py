@@ -96,7 +96,7 @@ def main() -> int:
     parser.add_argument("--sync-every", type=int, default=15)
     parser.add_argument("--rules", nargs="+", default=["trimmed", "centered"])
     parser.add_argument("--attacks", nargs="+", default=["none", "direction"])
-    parser.add_argument("--out", default="docs/results")
+    parser.add_argument("--out", default="docs/results/robust_merge")
     parser.add_argument("--name", default="bench_robust_merge", help="file name (without .json/.png) under --out")
     parser.add_argument("--pool", nargs="+", metavar="JSON", help="run nothing: summarize the runs of these earlier "
                         "invocations together (same steps, H, rules and attacks; distinct seeds)")

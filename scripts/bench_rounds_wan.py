@@ -150,7 +150,7 @@ def main() -> int:
                    help="environment of this label's daemons (and their p2pd), e.g. LIBP2P_TCP_REUSEPORT=true")
     p.add_argument("--run-timeout", type=float, default=600.0)
     p.add_argument("--straggler-wait", type=float, default=60.0)
-    p.add_argument("--out", default="docs/results")
+    p.add_argument("--out", default="docs/results/rounds_wan")
     p.add_argument("--replot", action="store_true")
     args = p.parse_args()
     out = Path(args.out)

@@ -24,7 +24,7 @@ Daemons count as started once their own metrics show training (not through the D
 
 Each figure's growth with N is fit as a power law (slope of log figure against log N: 0 is flat, 1 linear) over
 the sizes at which the whole swarm used less than 95% of the machine's cores; the plot marks the others. Writes
-docs/results/bench_scale.json and .png (``--out`` to change; ``--replot JSON`` redraws an earlier run).
+docs/results/scale/bench_scale.json and .png (``--out`` to change; ``--replot JSON`` redraws an earlier run).
 """
 
 from __future__ import annotations
@@ -246,7 +246,7 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=120.0, help="the measured window per size")
     ap.add_argument("--model", default="nano")
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "bench_scale")
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "bench_scale")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "scale" / "bench_scale")
     ap.add_argument("--replot", type=Path, help="recompute the summary and plot of an earlier run's JSON, and exit")
     args = ap.parse_args()
     if args.replot is not None:

@@ -18,7 +18,7 @@ one replica.
 
 Each figure is the mean over seeds, with the lowest and highest seed; its growth with N is the least-squares
 slope of log figure against log N (0: flat, 1: linear). Nothing here is timed on the wall clock: the figures are
-counts, the same on any machine. Writes docs/results/bench_scale_sim.json and .png (``--out`` to change);
+counts, the same on any machine. Writes docs/results/scale_sim/bench_scale_sim.json and .png (``--out`` to change);
 ``--add-to JSON`` keeps an earlier run's results and adds the sizes given (each variant of the largest size can
 then run in its own process: ``--variants``). ``--before JSON`` shows an earlier revision's merged runs beside
 these, as the baseline of a change to the protocol (the old code cannot run in the same process as the new).
@@ -115,7 +115,7 @@ def main() -> int:
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     ap.add_argument("--max-group", type=int, default=16)
     ap.add_argument("--latency", type=float, default=0.1, help="seconds per DHT call")
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "bench_scale_sim")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "scale_sim" / "bench_scale_sim")
     ap.add_argument("--add-to", type=Path, nargs="+", default=[], help="earlier runs' JSON: keep their runs and add "
                     "these sizes' (the figures are counts in virtual time, the same on any machine and day)")
     ap.add_argument("--before", type=Path, help=f"an earlier revision's JSON: its merged runs are shown as "

@@ -14,7 +14,7 @@ expiry, as the members' heartbeats do (so that the nodes hold something newer th
 swarm); then a client node reads them: under one key (``<run>_progress_all``, as before the shards) or under the 16
 shards' keys in one call. Reported per read: its time, the reader's CPU (its DHT process and p2pd) and the serving
 nodes' CPU (all of theirs), each the mean over ``--reads`` reads. Variants run in an order that rotates between
-repeats. Writes docs/results/bench_shard_reads.json (``--out``).
+repeats. Writes docs/results/shard_reads/bench_shard_reads.json (``--out``).
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def main() -> int:
     ap.add_argument("--reads", type=int, default=15)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "bench_shard_reads")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "shard_reads" / "bench_shard_reads")
     args = ap.parse_args()
     owners = []
     for i in range(max(args.records)):

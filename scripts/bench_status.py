@@ -15,7 +15,7 @@ that alternates between repeats, it times:
 - the whole command, ``atoll status --json --no-peers`` and ``--peers``, each a fresh process: importing torch and
   hivemind, starting a DHT client and its p2pd, reading, printing.
 
-Writes docs/results/bench_status.json and .png (``--out``).
+Writes docs/results/status/bench_status.json and .png (``--out``).
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ def main() -> int:
     ap.add_argument("--records", type=int, nargs="+", default=[64, 256, 1024])
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "bench_status")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "status" / "bench_status")
     args = ap.parse_args()
     run_key = RunKey.generate()
     print(f"signing {max(args.records)} members' records...", flush=True)

@@ -18,7 +18,7 @@ waiting more than the noise of four daemons sharing two cores. Reported, per set
 95% interval): the fast daemons' seconds blocked on the network (the headline: a straggler must not make the
 others wait), their tokens/s with the straggler relative to the control of the same repeat (like-for-like CPU)
 and to all fast, the straggler's share of merged rounds, and the held-out loss of each swarm's final global
-replica. Writes docs/results/bench_straggler.json and .png.
+replica. Writes docs/results/straggler/bench_straggler.json and .png.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def main() -> int:
     parser.add_argument("--overlap", type=int, default=8)
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--compute-estimate", type=float, default=0.05, help="seconds of compute per step")
-    parser.add_argument("--out", default="docs/results")
+    parser.add_argument("--out", default="docs/results/straggler")
     args = parser.parse_args()
     started = time.time()
     runs: dict[str, list[dict]] = {label: [] for label in args.settings}

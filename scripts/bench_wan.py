@@ -416,7 +416,7 @@ def main() -> int:
                    help="with --replot: add the global model's held-out loss (held_out_loss_global) to every atoll run "
                         "of this code whose folder under runs/bench_wan is still there")
     p.add_argument("--fresh", action="store_true")
-    p.add_argument("--out", default="docs/results")
+    p.add_argument("--out", default="docs/results/wan")
     p.add_argument("--replot", action="store_true")
     args = p.parse_args()
     out = Path(args.out)

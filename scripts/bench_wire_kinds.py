@@ -48,7 +48,7 @@ def main() -> int:
     p.add_argument("--sync-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--label", default="default")
-    p.add_argument("--out", default="docs/results")
+    p.add_argument("--out", default="docs/results/wire_kinds")
     p.add_argument("--replot", action="store_true", help="only redraw the plot from the JSON")
     args = p.parse_args()
     if args.replot:

@@ -602,7 +602,7 @@ def main() -> int:
                         help="run the fault-free swarm first, then the chaos swarm (default: both at once)")
     parser.add_argument("--name", help="results name (default chaos_<algorithm>): <out>/<name>_s<seed>.json, "
                                        "<out>/<name>_summary.json, runs/chaos/<name>_s<seed>")
-    parser.add_argument("--out", default="docs/results")
+    parser.add_argument("--out", default="docs/results/chaos")
     parser.add_argument("--replot", action="store_true", help="only redraw chaos.png from the JSON files")
     args = parser.parse_args()
     out = Path(args.out)

@@ -2,7 +2,7 @@
 """Plan a run at internet scale: a goodput simulator and a bandwidth/step-schedule model.
 
 Two subcommands, each prints a table and writes JSON + a PNG plot into ``--out``
-(default ``runs/sim``, created if missing and ignored by git; ``--out docs/results``
+(default ``runs/sim``, created if missing and ignored by git; ``--out docs/results/simulate``
 rewrites the committed results):
 
 ``goodput``
@@ -51,7 +51,7 @@ from scripts.sim.plots import plot_bandwidth, plot_goodput
 # Relative to the cwd, like any --out; runs/ is git-ignored wherever it is.
 DEFAULT_OUT = "runs/sim"
 OUT_HELP = ("output folder for JSON and PNG, created if missing; "
-            "--out docs/results rewrites the committed results")
+            "--out docs/results/simulate rewrites the committed results")
 
 
 def _env() -> dict[str, Any]:

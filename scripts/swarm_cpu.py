@@ -8,7 +8,7 @@ averaging, ``--step-delay`` seconds of sleep per step), lets them train 10 s, th
 the machine's busy share (/proc/stat), each process group's CPU seconds split by kind (the daemon's own process,
 its hivemind DHT process, its p2pd), and the inner steps per second of each daemon. Then kills one daemon and
 restarts it from its checkpoint, and times the restart: process start to printed multiaddrs (the DHT is up), to
-its checkpoint loaded, to its first step. Writes ``docs/results/<name>.json``.
+its checkpoint loaded, to its first step. Writes ``docs/results/swarm_cpu/<name>.json``.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def main() -> int:
     parser.add_argument("--step-delay", type=float, default=0.1)
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--name", default=None, help="results name (default swarm_cpu_<daemons>)")
-    parser.add_argument("--out", default="docs/results")
+    parser.add_argument("--out", default="docs/results/swarm_cpu/swarm_cpu")
     args = parser.parse_args()
     name = args.name or f"swarm_cpu_{args.daemons}"
     common = ["--model", "nano", "--algorithm", "decoupled", "--sync-every", "40", "--batch-size", "4",
