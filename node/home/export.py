@@ -44,7 +44,8 @@ from atoll.models.gpt import GPTConfig
 from atoll.models.llama import LlamaConfig
 from atoll.models.registry import ModelError, build_model, embedding_of, is_hf, model_digest
 
-from ..config import LOCAL_DATA, OWN_MODEL, ConfigError, NodeConfig, RunConfig, reconcile_run_config
+from ..config import NodeConfig, reconcile_run_config
+from ..run_config import LOCAL_DATA, OWN_MODEL, ConfigError, RunConfig
 
 logger = logging.getLogger("atoll")
 EXPORT_FORMAT = "atoll-export/1"

@@ -130,7 +130,7 @@ def _sample(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from atoll.models.registry import shape_of
 
-    from ..config import LOCAL_DATA
+    from ..run_config import LOCAL_DATA
     from .evaluate import evaluate, held_out_batches, tokenizer_for
 
     if args.batch_size < 1 or args.batches < 0:

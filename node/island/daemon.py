@@ -33,7 +33,8 @@ import torch
 from atoll.models.data import BYTES, Corpus, load_corpus, load_held_out, shard_for_peer, tokenizer_of
 from atoll.models.registry import ModelError, build_model, model_digest
 
-from ..config import OWN_MODEL, ConfigError, NodeConfig, RunConfig, check_socket_path
+from ..config import NodeConfig, check_socket_path
+from ..run_config import OWN_MODEL, ConfigError, RunConfig
 from ..device import Device, resolve_device
 from ..faults import Faults
 from ..metrics import peak_rss_mib

@@ -41,7 +41,8 @@ from atoll.protocols import codecs
 from atoll.protocols.records import Status
 
 from ..algorithm import algorithm
-from ..config import OWN_MODEL, ConfigError, NodeConfig, RunConfig, load_config
+from ..config import NodeConfig, load_config
+from ..run_config import OWN_MODEL, ConfigError, RunConfig
 from ..device import Device, codec_threads
 from ..faults import Faults
 from ..home import persist
