@@ -48,15 +48,9 @@ from collections import Counter
 import torch
 
 from atoll.protocols.records import ProgressRecord, Status, heavier
-from atoll.protocols.state_sync import (
-    MAX_ANCESTORS,
-    MAX_TRANSFERS_PER_PEER,
-    DonorRefused,
-    Replay,
-    ReplicaState,
-    download_state,
-    p2p_opener,
-)
+from atoll.protocols.state_serve import p2p_opener
+from atoll.protocols.state_sync import (MAX_ANCESTORS, MAX_TRANSFERS_PER_PEER, DonorRefused, Replay, ReplicaState,
+                                        download_state)
 
 from ..progress import track
 from .context import SyncContext

@@ -29,7 +29,8 @@ from atoll.protocols.cooldown import Cooldown
 from atoll.protocols.nudges import NudgeServicer, tell
 from atoll.protocols.p2p_guard import MemberGate, StreamGuard, install as install_p2p_guard
 from atoll.protocols.records import HeadRecord, ProgressRecord, Status
-from atoll.protocols.state_sync import ReplicaState, StateServicer
+from atoll.protocols.state_serve import StateServicer
+from atoll.protocols.state_sync import ReplicaState
 from atoll.protocols.stats import TrafficStats
 
 from ..algorithm import algorithm

@@ -51,7 +51,7 @@ from atoll.models.fragments import make_fragments
 from atoll.models.gpt import GPT
 from atoll.models.outer import tensor_hash
 from atoll.node.rounds.catchup import MAX_NORM_RATIO
-from atoll.protocols import dht_io, reducer, state_sync
+from atoll.protocols import dht_io, reducer, state_serve, state_sync
 from atoll.protocols.auth import JoinToken, identity_bytes
 from atoll.protocols.matchmaking import group_key
 from atoll.protocols.records import (
@@ -414,7 +414,7 @@ class HostileMember:
         return counts
 
 
-class StateServicer(state_sync.StateServicer):
+class StateServicer(state_serve.StateServicer):
     """The run's state RPC (same handler name), serving whatever the hostile member's snapshot returns, deaf to the
     replica a requester wants (an honest donor that holds another one refuses)."""
 

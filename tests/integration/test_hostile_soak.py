@@ -18,7 +18,7 @@ from support.swarms import assert_replicas_agree, peer_id, wait_for
 from atoll.protocols.reducer import AveragingServicer
 from atoll.protocols.matchmaking import group_key
 from atoll.protocols.records import open_rounds_key, progress_keys, round_key
-from atoll.protocols.state_sync import StateServicer
+from atoll.protocols.state_serve import StateServicer
 from atoll.protocols.wire import pack_request
 
 pytestmark = pytest.mark.integration

@@ -15,7 +15,8 @@ from atoll.protocols.stats import TrafficStats
 from atoll.protocols.records import make_validators, open_rounds_key, progress_key, progress_shard, round_key
 from atoll.models.configs import get_model_config
 from atoll.models.gpt import GPT
-from atoll.protocols.state_sync import _continue_from, _Transfer, p2p_opener
+from atoll.protocols.state_serve import p2p_opener
+from atoll.protocols.state_sync import _continue_from, _Transfer
 
 pytestmark = pytest.mark.integration
 

@@ -11,14 +11,8 @@ from hivemind.p2p import P2P
 from atoll.models.outer import tensor_hash
 from scripts.hostile.member import StateServicer as HostileServicer
 
-from atoll.protocols.state_sync import (
-    DonorRefused,
-    NotTheClaim,
-    ReplicaState,
-    StateServicer,
-    download_state,
-    p2p_opener,
-)
+from atoll.protocols.state_serve import StateServicer, p2p_opener
+from atoll.protocols.state_sync import DonorRefused, NotTheClaim, ReplicaState, download_state
 from atoll.protocols.stats import TrafficStats
 
 pytestmark = pytest.mark.integration

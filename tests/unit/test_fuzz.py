@@ -21,7 +21,7 @@ from hivemind.utils import get_dht_time
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from atoll.protocols import codecs, state_sync
+from atoll.protocols import codecs, state_serve, state_sync
 from atoll.protocols.reducer import AveragingServicer, GroupSpec
 from atoll.protocols.matchmaking import parse_group_record
 from atoll.protocols.records import (
@@ -327,7 +327,7 @@ def _good_replay():
         shards = [(hi - lo, codecs.encode(delta[lo:hi].float(), "int4", 64)) for lo, hi in shard_bounds(256, 2, 64)]
         merged = merged_delta([codecs.decode(b, expected_numel=n) for n, b in shards], None)
         ahead.apply_outer_step(0, version, merged, 1.0, NesterovOuter(), digest, shards, None)
-    servicer = state_sync.StateServicer(ahead.snapshot, 1, TrafficStats(), replay=ahead.replay_from)
+    servicer = state_serve.StateServicer(ahead.snapshot, 1, TrafficStats(), replay=ahead.replay_from)
 
     async def collect():
         request = pack_request({"fragment": 0, "have": behind.identity(0)[2]})

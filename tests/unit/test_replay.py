@@ -12,7 +12,8 @@ from atoll.models.outer import NesterovOuter, merged_delta, pseudo_gradient
 from atoll.node.rounds.replica import Replica
 from atoll.protocols import codecs
 from atoll.protocols.reducer import shard_bounds
-from atoll.protocols.state_sync import Replay, StateServicer, download_state
+from atoll.protocols.state_serve import StateServicer
+from atoll.protocols.state_sync import Replay, download_state
 from atoll.protocols.stats import TrafficStats
 from atoll.protocols.wire import pack_request
 

@@ -11,7 +11,8 @@ import torch
 
 from atoll.models.outer import tensor_hash
 from atoll.node.rounds.catchup import donor_order
-from atoll.protocols.state_sync import ReplicaState, StateServicer, download_state
+from atoll.protocols.state_serve import StateServicer
+from atoll.protocols.state_sync import ReplicaState, download_state
 from atoll.protocols.stats import TrafficStats
 from atoll.protocols.wire import pack_request, unpack
 from support.records import progress_record
@@ -294,9 +295,9 @@ def test_a_transfer_whose_reader_stalls_is_cut_and_its_copy_released(monkeypatch
     """A requester that keeps its stream open but stops reading held the transfer (and its share of the replica's
     bytes) as long as it liked. Each part must now leave within ``PART_DEADLINE`` of the previous one; past it the
     task that writes the transfer (hivemind's, emulated here: it awaits each write) is cancelled."""
-    from atoll.protocols import state_sync
+    from atoll.protocols import state_serve
 
-    monkeypatch.setattr(state_sync, "PART_DEADLINE", 0.2)
+    monkeypatch.setattr(state_serve, "PART_DEADLINE", 0.2)
     state = replica(1)
     stats = TrafficStats()
     servicer = StateServicer(lambda _p: state, 1, stats, part_bytes=PART,
@@ -329,9 +330,9 @@ def test_a_transfer_whose_reader_stalls_is_cut_and_its_copy_released(monkeypatch
 
 
 def test_a_transfer_read_in_time_is_not_cut(monkeypatch):
-    from atoll.protocols import state_sync
+    from atoll.protocols import state_serve
 
-    monkeypatch.setattr(state_sync, "PART_DEADLINE", 0.2)
+    monkeypatch.setattr(state_serve, "PART_DEADLINE", 0.2)
     donors = {"a": Donor(replica(1))}
     state, _ = fetch(donors, ["a"])
     assert state is not None and donors["a"].stats.rejected == 0
