@@ -19,8 +19,9 @@ def wandb_history(run_dir):
             pos += block - pos % block
             continue
         _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if length == 0 and kind == 0:
-            break
+        if length == 0 and kind == 0:  # zero padding (LevelDB's preallocated type): the rest of this block is empty
+            pos += block - pos % block
+            continue
         pending += data[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # a whole record, or the last piece of one
