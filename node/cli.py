@@ -185,7 +185,8 @@ def revoke(run_key: str, run_id: str, initial_peers: list[str], tokens: list[str
     from atoll.protocols import dht_io
     from atoll.protocols.auth import (AuthError, Certificate, RevocationList, RunKey, fingerprint, is_peer_id,
                                       newest_revocation, peer_id_of)
-    from atoll.protocols.records import make_validators, revoked_key, unwrap_subkeys
+    from atoll.protocols.record_validator import make_validators
+    from atoll.protocols.records import revoked_key, unwrap_subkeys
 
     from .rounds.join import start_dht
     from .rounds.peers import REVOCATION_TTL

@@ -18,7 +18,7 @@ its signer's, and a record's subkey must be exactly one owner marker, so one tok
 
 **Revocation.** A holder of the run key signs a ``RevocationList`` (the peer ids of revoked members, a serial that
 only grows) and stores it under ``<run>_revoked``; members read it periodically, republish it, keep it on disk, and
-from then on refuse the revoked members' records (``records.RunRecordValidator``) and requests (``is_member``).
+from then on refuse the revoked members' records (``record_validator.RunRecordValidator``) and requests (``is_member``).
 A token is also invalid once it expires (``expires_at``, 0 = never).
 """
 
@@ -339,7 +339,8 @@ class MembershipValidator(RecordValidatorBase):
         self._suffix = _MEMBER_FORMAT % base64.b64encode(certificate) if certificate is not None else b""
         self._verified: dict[bytes, tuple[float, bytes]] = {}  # certificate -> (expiry or 0, member key)
         self._last_log: dict[str, float] = {}
-        self.refused: dict[str, int] = {}  # by kind ("dht_member"), read by the daemon (records.sync_run_validator)
+        # By kind ("dht_member"), read by the daemon (record_validator.sync_run_validator).
+        self.refused: dict[str, int] = {}
 
     @property
     def priority(self) -> int:

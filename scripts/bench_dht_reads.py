@@ -35,7 +35,8 @@ from scripts.swarm import cpu_seconds
 from atoll.node.ops.status import collect_status
 from atoll.protocols import dht_io, validated
 from atoll.protocols.auth import RunKey
-from atoll.protocols.records import make_validators, parse_progress, progress_keys, unwrap_subkeys
+from atoll.protocols.record_validator import make_validators
+from atoll.protocols.records import parse_progress, progress_keys, unwrap_subkeys
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -52,7 +52,7 @@ def run_swarm(root: Path, identities: Path, args: list[str], rule: str, attack: 
     """Four daemons started together; each trains ``--max-steps`` and exits. The final round's held-out loss."""
     from hivemind import DHT
 
-    from atoll.protocols.records import make_validators
+    from atoll.protocols.record_validator import make_validators
 
     started = time.time()
     bootstrap = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=list(make_validators("atoll")))

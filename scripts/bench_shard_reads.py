@@ -42,14 +42,8 @@ from scripts.swarm import cpu_seconds
 from scripts.swarm import descendants
 
 from atoll.protocols import dht_io
-from atoll.protocols.records import (
-    make_validators,
-    parse_progress,
-    progress_key,
-    progress_keys,
-    progress_shard,
-    unwrap_subkeys,
-)
+from atoll.protocols.record_validator import make_validators
+from atoll.protocols.records import parse_progress, progress_key, progress_keys, progress_shard, unwrap_subkeys
 
 ROOT = Path(__file__).resolve().parents[1]
 

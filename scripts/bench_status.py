@@ -42,7 +42,8 @@ from scripts.results import pyplot, save_figure, write_result
 from atoll.node.ops.status import collect_status
 from atoll.protocols.auth import RunKey
 from atoll.node.rounds.peers import WRITE_ALL_UP_TO
-from atoll.protocols.records import ALL_SHARDS, MAX_EXPIRY, make_validators, parse_progress, progress_key
+from atoll.protocols.record_validator import make_validators
+from atoll.protocols.records import ALL_SHARDS, MAX_EXPIRY, parse_progress, progress_key
 from atoll.protocols.summary import SUMMARIZERS, is_summarizer, summary_key, totals
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,8 @@ from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from atoll.protocols.auth import RunKey, peer_id_of
-from atoll.protocols.records import MAX_EXPIRY, make_validators, progress_key, progress_shard
+from atoll.protocols.record_validator import make_validators
+from atoll.protocols.records import MAX_EXPIRY, progress_key, progress_shard
 
 RUN = "bench"
 HOLD_CHUNK = 1  # records per call into a DHT process: a call within PIPE_BUF (4 KiB) reaches its non-blocking pipe

@@ -326,7 +326,7 @@ class StatusReader:
     def __init__(self, initial_peers: list[str], run_id: str = "atoll") -> None:
         from atoll.node.config import NodeConfig
         from atoll.node.rounds.join import start_dht
-        from atoll.protocols.records import make_validators
+        from atoll.protocols.record_validator import make_validators
 
         cfg = NodeConfig(run_id=run_id, initial_peers=tuple(initial_peers), host_maddrs=("/ip4/127.0.0.1/tcp/0",))
         self.run_id = run_id

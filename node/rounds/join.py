@@ -34,8 +34,8 @@ from atoll.protocols.auth import (
 )
 from hivemind.utils.crypto import RSAPrivateKey
 import msgpack
-from atoll.protocols.records import (RunConfigRecord, config_key, config_payload, make_validators, parse_run_config,
-                                    unwrap_subkeys)
+from atoll.protocols.record_validator import make_validators
+from atoll.protocols.records import RunConfigRecord, config_key, config_payload, parse_run_config, unwrap_subkeys
 
 from ..config import ConfigError, NodeConfig, RunConfig, reconcile_run_config
 

@@ -26,24 +26,10 @@ from hivemind.utils import get_dht_time
 
 from atoll.protocols import dht_io
 from atoll.protocols.auth import newest_revocation, owner_of_raw_subkey, peer_id_of
-from atoll.protocols.records import (
-    ALL_SHARDS,
-    MAX_CLOCK_SKEW,
-    MAX_EXPIRY,
-    PROGRESS_SHARDS,
-    HeadRecord,
-    ProgressRecord,
-    Status,
-    config_key,
-    head_key,
-    parse_head,
-    parse_progress,
-    progress_key,
-    progress_shard,
-    revoked_key,
-    sync_run_validator,
-    unwrap_subkeys,
-)
+from atoll.protocols.record_validator import sync_run_validator
+from atoll.protocols.records import (ALL_SHARDS, MAX_CLOCK_SKEW, MAX_EXPIRY, PROGRESS_SHARDS, HeadRecord,
+                                     ProgressRecord, Status, config_key, head_key, parse_head, parse_progress,
+                                     progress_key, progress_shard, revoked_key, unwrap_subkeys)
 from atoll.protocols.summary import is_summarizer, summary_key, totals
 
 from .context import SyncContext

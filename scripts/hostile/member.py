@@ -54,20 +54,10 @@ from atoll.node.rounds.catchup import MAX_NORM_RATIO
 from atoll.protocols import dht_io, reducer, state_serve, state_sync
 from atoll.protocols.auth import JoinToken, identity_bytes
 from atoll.protocols.matchmaking import group_key
-from atoll.protocols.records import (
-    ALL_SHARDS,
-    ProgressRecord,
-    config_key,
-    make_validators,
-    open_rounds_key,
-    parse_progress,
-    progress_key,
-    progress_keys,
-    progress_shard,
-    replica_key,
-    round_key,
-    unwrap_subkeys,
-)
+from atoll.protocols.record_validator import make_validators
+from atoll.protocols.records import (ALL_SHARDS, ProgressRecord, config_key, open_rounds_key, parse_progress,
+                                     progress_key, progress_keys, progress_shard, replica_key, round_key,
+                                     unwrap_subkeys)
 from atoll.protocols.stats import TrafficStats
 from atoll.protocols.wire import WireError, pack_request, pack_response, unpack
 

@@ -31,7 +31,8 @@ from atoll.node.rounds.join import choose_config
 from atoll.protocols import dht_io
 from atoll.protocols.auth import JoinToken, RunKey
 from atoll.protocols.p2p_guard import MAX_STRANGER_STREAMS, MAX_STREAMS_PER_PEER
-from atoll.protocols.records import config_key, make_validators, unwrap_subkeys
+from atoll.protocols.record_validator import make_validators
+from atoll.protocols.records import config_key, unwrap_subkeys
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,7 +20,7 @@ import pytest
 from hivemind import DHT
 from scripts.swarm import LocalSwarm
 
-from atoll.protocols.records import make_validators
+from atoll.protocols.record_validator import make_validators
 from support.swarms import assert_replicas_agree
 
 pytestmark = pytest.mark.integration

@@ -8,7 +8,7 @@ import pytest
 from hivemind import DHT
 from scripts.swarm import LocalSwarm, wait_for
 
-from atoll.protocols.records import make_validators
+from atoll.protocols.record_validator import make_validators
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,8 @@ from support.records import forged_progress
 from support.swarms import assert_replicas_agree, peer_id, wait_for
 
 from atoll.protocols.stats import TrafficStats
-from atoll.protocols.records import make_validators, open_rounds_key, progress_key, progress_shard, round_key
+from atoll.protocols.record_validator import make_validators
+from atoll.protocols.records import open_rounds_key, progress_key, progress_shard, round_key
 from atoll.models.configs import get_model_config
 from atoll.models.gpt import GPT
 from atoll.protocols.state_serve import p2p_opener

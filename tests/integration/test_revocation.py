@@ -14,7 +14,8 @@ from support.records import forged_progress
 from support.swarms import peer_id, wait_for
 
 from atoll.protocols.auth import JoinToken, peer_id_of
-from atoll.protocols.records import make_validators, progress_key, progress_shard
+from atoll.protocols.record_validator import make_validators
+from atoll.protocols.records import progress_key, progress_shard
 
 pytestmark = pytest.mark.integration
 

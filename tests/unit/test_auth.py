@@ -15,7 +15,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from atoll.node.cli import main
 from atoll.protocols.auth import AuthError, Certificate, JoinToken, MembershipValidator, RunKey, fingerprint
-from atoll.protocols.records import make_validators
+from atoll.protocols.record_validator import make_validators
 
 
 @pytest.fixture(scope="module")

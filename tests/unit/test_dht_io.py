@@ -90,15 +90,8 @@ def test_calls_are_counted_by_kind_with_the_entries_read():
     from hivemind.utils import ValueWithExpiration
 
     from atoll.protocols.matchmaking import group_key
-    from atoll.protocols.records import (
-        ALL_SHARDS,
-        config_key,
-        head_key,
-        open_rounds_key,
-        progress_key,
-        revoked_key,
-        round_key,
-    )
+    from atoll.protocols.records import (ALL_SHARDS, config_key, head_key, open_rounds_key, progress_key, revoked_key,
+                                         round_key)
     from atoll.protocols.summary import summary_key
 
     kinds = {progress_key("r_open", 3): "progress", progress_key("r", 12): "progress",

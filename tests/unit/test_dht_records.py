@@ -1,5 +1,5 @@
-"""The DHT record rules a hostile member cannot get around (``records.RunRecordValidator``), checked the way hivemind
-checks a record on store and on read: through the daemon's whole validator chain (no sockets)."""
+"""The DHT record rules a hostile member cannot get around (``record_validator.RunRecordValidator``), checked the way
+hivemind checks a record on store and on read: through the daemon's whole validator chain (no sockets)."""
 
 import dataclasses
 import time
@@ -26,20 +26,9 @@ from atoll.protocols.auth import (
     owner_of_subkey,
     peer_id_of,
 )
-from atoll.protocols.records import (
-    MAX_FRAGMENTS,
-    MAX_REJECTION_KINDS,
-    RunRecordValidator,
-    _validate_dictionary_per_subkey,
-    config_key,
-    head_key,
-    make_validators,
-    open_rounds_key,
-    progress_key,
-    progress_shard,
-    revoked_key,
-    round_key,
-)
+from atoll.protocols.record_validator import RunRecordValidator, _validate_dictionary_per_subkey, make_validators
+from atoll.protocols.records import (MAX_FRAGMENTS, MAX_REJECTION_KINDS, config_key, head_key, open_rounds_key,
+                                     progress_key, progress_shard, revoked_key, round_key)
 from support.records import progress
 from atoll.protocols.summary import summary_key
 

@@ -24,11 +24,9 @@ from hypothesis import strategies as st
 from atoll.protocols import codecs, state_serve, state_sync
 from atoll.protocols.reducer import AveragingServicer, GroupSpec
 from atoll.protocols.matchmaking import parse_group_record
-from atoll.protocols.records import (
-    ProgressRecord, make_validators, parse_open_round, parse_progress, parse_round_record, parse_run_config,
-    progress_key,
-    progress_shard,
-)
+from atoll.protocols.record_validator import make_validators
+from atoll.protocols.records import (ProgressRecord, parse_open_round, parse_progress, parse_round_record,
+                                     parse_run_config, progress_key, progress_shard)
 from atoll.protocols.stats import TrafficStats
 from atoll.protocols.wire import MAX_MESSAGE_BYTES, WireError, pack_request, pack_response, parts_to_tensor, unpack
 

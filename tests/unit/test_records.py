@@ -8,17 +8,9 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from atoll.protocols.records import (
-    ALL_SHARDS,
-    PROGRESS_SHARDS,
-    heavier,
-    make_validators,
-    parse_progress,
-    parse_round_record,
-    progress_key,
-    progress_shard,
-    unwrap_subkeys,
-)
+from atoll.protocols.record_validator import make_validators
+from atoll.protocols.records import (ALL_SHARDS, PROGRESS_SHARDS, heavier, parse_progress, parse_round_record,
+                                     progress_key, progress_shard, unwrap_subkeys)
 from support.records import busy_progress
 
 

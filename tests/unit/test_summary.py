@@ -11,14 +11,7 @@ from hivemind.utils import get_dht_time
 
 from atoll.node.ops import status as status_module
 from atoll.node.ops.status import collect_status
-from atoll.protocols.records import (
-    ALL_SHARDS,
-    config_key,
-    parse_progress,
-    progress_key,
-    progress_keys,
-    progress_shard,
-)
+from atoll.protocols.records import ALL_SHARDS, config_key, parse_progress, progress_key, progress_keys, progress_shard
 from atoll.protocols.summary import (
     SUMMARIZERS,
     TOTALS,

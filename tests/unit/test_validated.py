@@ -11,7 +11,8 @@ from support.records import progress as progress_fields
 
 from atoll.protocols import validated
 from atoll.protocols.auth import RevocationList, RunKey, peer_id_of
-from atoll.protocols.records import RunRecordValidator, make_validators, progress_key, progress_shard, revoked_key
+from atoll.protocols.record_validator import RunRecordValidator, make_validators
+from atoll.protocols.records import progress_key, progress_shard, revoked_key
 
 RUN = "run1"
 
