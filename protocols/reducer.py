@@ -82,7 +82,7 @@ class GroupSpec:
     base: str = ""  # the digest of the replica the round starts from: forks at one version are different groups
     merge: MergeRule = MergeRule.CLIP  # how reducers merge (the run's robust_merge)
     reducers: tuple[str, ...] = ()  # the members that reduce a shard, in member order; () means every member
-    # Sum the parts in member order, not sorted by peer id: sibling groups (matchmaking.sibling_group) list one
+    # Sum the parts in member order, not sorted by peer id: sibling groups (coordination.sibling_group) list one
     # member of each round group in the groups' order, and each must compute the same bits from the same parts.
     ordered: bool = False
 

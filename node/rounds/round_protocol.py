@@ -27,8 +27,9 @@ from atoll.protocols import dht_io
 from atoll.protocols.averaging import ANSWER_GRACE, HONEST, AllreduceResult, Tamper, allreduce
 from atoll.protocols.reducer import AveragingServicer, GroupSpec
 from atoll.protocols.cooldown import Strikes
-from atoll.protocols.matchmaking import (POLL_INTERVAL, Decision, PeerView, Policy, Registrant, Round,
-                                         SilentCoordinators, SpentDecisions, form_group, sibling_group)
+from atoll.protocols.coordination import Decision, SpentDecisions, sibling_group
+from atoll.protocols.matchmaking import (POLL_INTERVAL, PeerView, Policy, Registrant, Round, SilentCoordinators,
+                                         form_group)
 from atoll.protocols.nudges import Nudges
 from atoll.protocols.records import Status, open_rounds_key, parse_open_round, unwrap_subkeys
 
@@ -309,7 +310,7 @@ class RoundProtocol:
         is linear in the merged delta: the groups' merged deltas averaged by their weights give what one group of
         all the members would have (a ``mean`` round exactly, up to the codec; RDA's per-group results are averaged
         as they are). This member merges with the one at its position in every other group
-        (``matchmaking.sibling_group``), and all those sibling groups sum in the groups' order: each computes the
+        (``coordination.sibling_group``), and all those sibling groups sum in the groups' order: each computes the
         same bits. One that fails, or a member at a position not every group has, keeps its own group's result,
         the lighter replica: it adopts the merged one by download, as it would a fork's."""
         siblings = sibling_group(groups, self.ctx.peer_id)

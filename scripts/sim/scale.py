@@ -45,7 +45,7 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 
 from atoll.node.rounds import peers as peers_module
 from atoll.node.rounds.round_protocol import OPEN_ROUND_POLL, FragmentPeers, grace_window, join_window
-from atoll.protocols import dht_io, matchmaking, records
+from atoll.protocols import coordination, dht_io, matchmaking, records
 from atoll.protocols.cooldown import Cooldown
 from atoll.protocols.dht_io import key_kind
 from atoll.protocols.records import PROGRESS_SHARDS, Status, heavier, open_rounds_key, parse_open_round
@@ -388,7 +388,7 @@ class Island:
         version, _, digest = self.replica.identity()
         self.in_round, self.last_round_version = True, version
         started = sim.clock.now
-        decided: list[matchmaking.Decision] = []
+        decided: list[coordination.Decision] = []
         try:
             if self.announced != version:
                 await self.ctx.dht.store(open_rounds_key(sim.run_id, 0, version, digest),
@@ -413,7 +413,7 @@ class Island:
                 self.formation.append(sim.clock.now - started)
             merged = await sim.allreduce(self, version, digest, tuple(members))
             if (merged is not None and cfg.merge_groups and len(decided[-1].groups) > 1
-                    and matchmaking.sibling_group(decided[-1].groups, self.peer_id)):
+                    and coordination.sibling_group(decided[-1].groups, self.peer_id)):
                 merged = await sim.merge_siblings(version, digest, decided[-1].groups, merged) or merged
             if merged is None or self.replica.identity() != (version, self.replica.weight, digest):
                 return  # the round failed, or we adopted another replica meanwhile

@@ -6,7 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from atoll.protocols.matchmaking import MAX_GROUP, Policy, Registrant, Round, parse_group_record, split_groups
+from atoll.protocols.coordination import split_groups
+from atoll.protocols.matchmaking import MAX_GROUP, Policy, Registrant, Round, parse_group_record
 from support.views import Peers
 
 
@@ -172,7 +173,7 @@ def test_the_coordinator_is_the_first_registrant_in_hash_order_for_a_turn_each_c
     """The second review's squatter re-registered with a time that kept it the earliest registrant, and never
     decided: every fragment froze. The order of coordinators is a hash of the round key and the peer id, and
     every deadline is counted from the reader's own registration (``start``), so no registration time steers it."""
-    from atoll.protocols.matchmaking import MAX_TURNS, _coordinator, coordinator_rank, turn_seconds
+    from atoll.protocols.coordination import MAX_TURNS, coordinator, coordinator_rank, turn_seconds
 
     key = "run_f0_v13"
     registered = {"old": -1e6, "b": 98.0, "a": 98.0, "c": 99.0, "d": 1e6}
@@ -180,22 +181,23 @@ def test_the_coordinator_is_the_first_registrant_in_hash_order_for_a_turn_each_c
     assert order != sorted(registered, key=lambda p: (registered[p], p))  # not by time
     start, gather, turn = 100.0, 10.0, turn_seconds(10.0)
     passed = set()
-    assert _coordinator(registered, key, 100.0, start, gather, passed) == (order[0], start + gather)
-    assert _coordinator(registered, key, start + gather + turn, start, gather, passed)[0] == order[0]
+    assert coordinator(registered, key, 100.0, start, gather, passed) == (order[0], start + gather)
+    assert coordinator(registered, key, start + gather + turn, start, gather, passed)[0] == order[0]
     assert passed == set()
-    assert _coordinator(registered, key, start + gather + turn + 0.1, start, gather, passed) == (
+    assert coordinator(registered, key, start + gather + turn + 0.1, start, gather, passed) == (
         order[1], start + gather + turn)
     assert passed == {order[0]}
-    assert _coordinator(registered, key, start + gather + MAX_TURNS * turn + 0.1, start, gather, passed)[0] is None
+    assert coordinator(registered, key, start + gather + MAX_TURNS * turn + 0.1, start, gather, passed)[0] is None
     assert passed == set(order[:MAX_TURNS])  # at most MAX_TURNS tried: the round always ends
     # Whatever the times, the same order.
-    assert _coordinator({p: 0.0 for p in registered}, key, 100.0, start, gather)[0] == order[0]
+    assert coordinator({p: 0.0 for p in registered}, key, 100.0, start, gather)[0] == order[0]
 
 
 def test_a_registrant_that_re_registers_with_another_time_keeps_its_first(monkeypatch):
     """A registrant's later registration under another time is counted and ignored: the time it was first read
     with stands (it cannot move a deadline or its place in the dealing of groups)."""
-    from atoll.protocols.matchmaking import coordinator_rank, round_key
+    from atoll.protocols.coordination import coordinator_rank
+    from atoll.protocols.matchmaking import round_key
 
     key = round_key("run", 0, 13, "D")
     shared = {key: {b"x": {"peer_id": "x", "weight": 1.0, "time": 4999.0}}}
@@ -219,7 +221,8 @@ def test_a_registrant_that_re_registers_with_another_time_keeps_its_first(monkey
 def test_a_round_ends_after_max_turns_whatever_its_registrants_do(monkeypatch):
     """Registrants that never decide, however many, and however they re-register: the round is skipped after
     ``MAX_TURNS`` coordinators had their turn, counted from our own registration."""
-    from atoll.protocols.matchmaking import MAX_TURNS, coordinator_rank, round_key, turn_seconds
+    from atoll.protocols.coordination import MAX_TURNS, coordinator_rank, turn_seconds
+    from atoll.protocols.matchmaking import round_key
 
     key = round_key("run", 0, 13, "D")
     mutes = [f"m{i}" for i in range(40)]
@@ -409,7 +412,7 @@ def test_a_spent_decision_is_not_followed_again_and_a_new_one_is_made(monkeypatc
 
 
 def test_spent_decisions_are_remembered_for_the_latest_rounds_only():
-    from atoll.protocols.matchmaking import SpentDecisions
+    from atoll.protocols.coordination import SpentDecisions
 
     spent = SpentDecisions()
     spent.of((0, 1, "D")).add((b"b", 1.0))

@@ -10,7 +10,7 @@ from atoll.node.rounds import round_protocol
 from atoll.node.rounds.contribution import Contribution
 from atoll.node.rounds.round_protocol import Outcome, RoundProtocol
 from atoll.protocols.averaging import HONEST
-from atoll.protocols.matchmaking import Decision, SpentDecisions
+from atoll.protocols.coordination import Decision, SpentDecisions
 
 
 def _rounds(monkeypatch, decision, allreduce_result, quorum=True):
