@@ -54,6 +54,7 @@ from atoll.protocols.state_sync import (MAX_ANCESTORS, MAX_TRANSFERS_PER_PEER, D
 
 from ..progress import track
 from .context import SyncContext
+from .donors import donor_order, donors, vouched
 from .peers import PeerTable
 
 logger = logging.getLogger("atoll")
@@ -440,37 +441,3 @@ def _set(values: list, i: int, value) -> list:
     out = list(values)
     out[i] = value
     return out
-
-
-def donors(peers: dict[str, ProgressRecord]) -> list[ProgressRecord]:
-    """Whom a joiner (or a daemon back from a checkpoint or a pause) downloads the run's state from: the training
-    peers; when none trains, the paused ones, which still hold it and serve it. Never both: a paused peer's replica
-    is as old as its pause, and counting it among the vouchers would leave a training peer's newer replica
-    unvouched."""
-    training = [peer for peer in peers.values() if peer.status == Status.TRAINING]
-    return training or [peer for peer in peers.values() if peer.status == Status.PAUSED]
-
-
-def vouched(p: int, peers: list[ProgressRecord], vouchers: int) -> list[ProgressRecord]:
-    """The ``peers`` whose replica of fragment ``p`` is vouched for: held, with the same (version, weight, digest),
-    by at least ``min(vouchers, len(peers))`` of them (``peers``: distinct live peers, ourselves left out)."""
-    held = Counter(peer.fragment(p) for peer in peers)
-    needed = min(vouchers, len(peers))
-    return [peer for peer in peers if held[peer.fragment(p)] >= needed]
-
-
-def donor_order(p: int, peers: list[ProgressRecord]) -> list[ProgressRecord]:
-    """Whom to download fragment ``p`` from, best first: the peers holding its heaviest replica, rotated by ``p``
-    so that concurrent downloads of different fragments start at different donors (and a donor that fails
-    mid-transfer is followed by another holding the same replica, which can resume it), then the others,
-    heaviest first. Peers behind NAT (``reachable`` False) are never donors: nobody can open a stream to them,
-    and a download that cannot succeed must not count against them as a claim they did not back."""
-    peers = [peer for peer in peers if peer.reachable]
-    if not peers:
-        return []
-    best = max(peer.fragment(p) for peer in peers)
-    holders = sorted((peer for peer in peers if peer.fragment(p) == best), key=lambda peer: peer.peer_id)
-    k = p % len(holders)
-    rest = sorted((peer for peer in peers if peer.fragment(p) != best), key=lambda peer: peer.fragment(p),
-                  reverse=True)
-    return holders[k:] + holders[:k] + rest

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 import torch
 
-from atoll.node.rounds.catchup import UNBACKED_OFFENCES, CatchUp, vouched
+from atoll.node.rounds.catchup import UNBACKED_OFFENCES, CatchUp
+from atoll.node.rounds.donors import vouched
 from atoll.node.rounds.replica import Replica
 from atoll.protocols.cooldown import Cooldown
 from atoll.protocols.stats import TrafficStats

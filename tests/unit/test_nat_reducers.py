@@ -12,7 +12,7 @@ import pytest
 import torch
 from hivemind.p2p import P2P
 
-from atoll.node.rounds.catchup import donor_order
+from atoll.node.rounds.donors import donor_order
 from atoll.node.rounds.round_protocol import RoundProtocol
 from atoll.protocols.averaging import allreduce
 from atoll.protocols.reducer import AveragingServicer, GroupSpec

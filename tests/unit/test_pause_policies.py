@@ -430,7 +430,7 @@ def test_a_failed_reclaim_leaves_the_trainee_released_to_try_again(device_name):
 
 
 def test_donors_are_the_training_peers_else_the_paused_ones():
-    from atoll.node.rounds.catchup import donors
+    from atoll.node.rounds.donors import donors
     from atoll.protocols.records import Status
 
     def peer(name, status):

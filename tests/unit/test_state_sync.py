@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import torch
 
 from atoll.models.outer import tensor_hash
-from atoll.node.rounds.catchup import donor_order
+from atoll.node.rounds.donors import donor_order
 from atoll.protocols.state_serve import StateServicer
 from atoll.protocols.state_sync import ReplicaState, download_state
 from atoll.protocols.stats import TrafficStats
