@@ -183,8 +183,8 @@ def revoke(run_key: str, run_id: str, initial_peers: list[str], tokens: list[str
     from hivemind.utils import get_dht_time
 
     from atoll.protocols import dht_io
-    from atoll.protocols.auth import (AuthError, Certificate, RevocationList, RunKey, fingerprint, is_peer_id,
-                                      newest_revocation, peer_id_of)
+    from atoll.protocols.auth import AuthError, Certificate, RunKey, fingerprint, is_peer_id, peer_id_of
+    from atoll.protocols.revocation import RevocationList, newest_revocation
     from atoll.protocols.record_validator import make_validators
     from atoll.protocols.records import revoked_key, unwrap_subkeys
 

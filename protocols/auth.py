@@ -49,8 +49,6 @@ _OWNER_RE = re.compile(rb"\[owner:(.+?)\]")
 _MEMBER_RE = re.compile(rb"\[member:([A-Za-z0-9+/=]+)\]$")
 _MEMBER_FORMAT = b"[member:%s]"
 _OWNER_SUBKEY_RE = re.compile(rb"\[owner:(ssh-rsa [A-Za-z0-9+/]+={0,2})\]")
-REVOCATION_FORMAT = "atoll-revoked-1"
-MAX_REVOKED = 1024
 _PEER_ID_RE = re.compile(r"[1-9A-HJ-NP-Za-km-z]{40,60}")  # base58 of a sha2-256 multihash (46 characters)
 logger = logging.getLogger("atoll")
 
@@ -398,58 +396,3 @@ class MembershipValidator(RecordValidatorBase):
 
     def merge_with(self, other: RecordValidatorBase) -> bool:
         return isinstance(other, MembershipValidator)  # one is enough; a second would append a second certificate
-
-
-@dataclass(frozen=True)
-class RevocationList:
-    """The run key's list of revoked members (their peer ids, i.e. member keys: see ``peer_id_of``). ``serial``
-    only grows: a reader keeps the list of the highest serial it saw signed by the run key, so replaying an older
-    list (which any member can, it is public) takes nobody off it."""
-
-    run_id: str
-    serial: int
-    revoked: tuple[str, ...]
-    time: float
-    signature: bytes = b""
-
-    def payload(self) -> bytes:
-        return msgpack.packb([REVOCATION_FORMAT, self.run_id, self.serial, sorted(self.revoked), self.time],
-                             use_bin_type=True)
-
-    def signed(self, key: RunKey) -> RevocationList:
-        return RevocationList(self.run_id, self.serial, tuple(sorted(set(self.revoked))), self.time,
-                              key.sign(self.payload()))
-
-    def to_record(self) -> dict:
-        return {"serial": self.serial, "revoked": sorted(self.revoked), "time": self.time,
-                "signature": self.signature}
-
-    @classmethod
-    def parse(cls, run_id: str, value: object) -> RevocationList | None:
-        """The list a DHT value holds, or None if malformed (its signature is not checked here: ``verify``)."""
-        if not isinstance(value, dict) or set(value) != {"serial", "revoked", "time", "signature"}:
-            return None
-        serial, revoked, time_, signature = value["serial"], value["revoked"], value["time"], value["signature"]
-        if not (type(serial) is int and 0 < serial < 2**62 and isinstance(revoked, list)
-                and len(revoked) <= MAX_REVOKED and all(is_peer_id(p) for p in revoked)
-                and len(set(revoked)) == len(revoked) and revoked == sorted(revoked)
-                and isinstance(time_, float) and isinstance(signature, bytes) and len(signature) == 64):
-            return None
-        return cls(run_id, serial, tuple(revoked), time_, signature)
-
-    def verify(self, run_public_key: bytes) -> bool:
-        return signed_by(run_public_key, self.payload(), self.signature)
-
-
-def newest_revocation(run_id: str, run_public_key: bytes, values: list, current: RevocationList | None = None
-                      ) -> tuple[RevocationList | None, int]:
-    """The highest-serial list among ``values`` (and ``current``) signed by the run key, and how many values were
-    malformed or not signed by it."""
-    best, bad = current, 0
-    for value in values:
-        rec = RevocationList.parse(run_id, value)
-        if rec is None or not rec.verify(run_public_key):
-            bad += 1
-        elif best is None or rec.serial > best.serial:
-            best = rec
-    return best, bad

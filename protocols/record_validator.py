@@ -18,7 +18,8 @@ from hivemind.utils import get_dht_time
 import msgpack
 
 from . import validated
-from .auth import JoinToken, MembershipValidator, RevocationList, owner_of_subkey, peer_id_of
+from .auth import JoinToken, MembershipValidator, owner_of_subkey, peer_id_of
+from .revocation import RevocationList
 from .summary import parse_summary, summary_key
 
 logger = logging.getLogger("atoll")

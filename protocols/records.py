@@ -296,7 +296,7 @@ def parse_group_record(value: Any) -> Optional[List[List[str]]]:
 
 
 def revoked_key(run_id: str) -> str:
-    """Where the run key's list of revoked members lives (``auth.RevocationList``)."""
+    """Where the run key's list of revoked members lives (``revocation.RevocationList``)."""
     return f"{run_id}_revoked"
 
 

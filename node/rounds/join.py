@@ -21,17 +21,9 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time
 
 from atoll.protocols import dht_guard, dht_io
-from atoll.protocols.auth import (
-    AuthError,
-    JoinToken,
-    RevocationList,
-    RunKey,
-    fingerprint,
-    identity_bytes,
-    key_of_identity,
-    peer_id_of,
-    signed_by,
-)
+from atoll.protocols.auth import (AuthError, JoinToken, RunKey, fingerprint, identity_bytes, key_of_identity,
+                                  peer_id_of, signed_by)
+from atoll.protocols.revocation import RevocationList
 from hivemind.utils.crypto import RSAPrivateKey
 import msgpack
 from atoll.protocols.record_validator import make_validators

@@ -25,7 +25,8 @@ from typing import Any
 from hivemind.utils import get_dht_time
 
 from atoll.protocols import dht_io
-from atoll.protocols.auth import newest_revocation, owner_of_raw_subkey, peer_id_of
+from atoll.protocols.auth import owner_of_raw_subkey, peer_id_of
+from atoll.protocols.revocation import newest_revocation
 from atoll.protocols.record_validator import sync_run_validator
 from atoll.protocols.records import (ALL_SHARDS, MAX_CLOCK_SKEW, MAX_EXPIRY, PROGRESS_SHARDS, HeadRecord,
                                      ProgressRecord, Status, config_key, head_key, parse_head, parse_progress,
@@ -66,7 +67,7 @@ class PeerTable:
                  shards: int = PROGRESS_SHARDS, run_public_key: bytes | None = None, revocation: Any = None) -> None:
         self.ctx = ctx
         self.run_public_key = run_public_key  # a private run's run key (signs its revocation lists)
-        self.revocation = revocation  # the newest revocation list signed by the run key (auth.RevocationList), if any
+        self.revocation = revocation  # the newest list signed by the run key (revocation.RevocationList), if any
         self.shards = shards
         self.my_shard = progress_shard(ctx.peer_id, shards)
         self._held: dict[int, _Shard] = {}  # what each shard held when it was last read

@@ -17,15 +17,8 @@ from atoll.node.cli import main
 from atoll.node.config import ConfigError, NodeConfig
 from atoll.node.faults import Faults
 from atoll.node.rounds.join import identity_file, load_revocation, save_revocation
-from atoll.protocols.auth import (
-    RevocationList,
-    RunKey,
-    identity_bytes,
-    is_peer_id,
-    newest_revocation,
-    owner_of_subkey,
-    peer_id_of,
-)
+from atoll.protocols.auth import RunKey, identity_bytes, is_peer_id, owner_of_subkey, peer_id_of
+from atoll.protocols.revocation import RevocationList, newest_revocation
 from atoll.protocols.record_validator import RunRecordValidator, _validate_dictionary_per_subkey, make_validators
 from atoll.protocols.records import (MAX_FRAGMENTS, MAX_REJECTION_KINDS, config_key, head_key, open_rounds_key,
                                      progress_key, progress_shard, revoked_key, round_key)

@@ -10,7 +10,8 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from support.records import progress as progress_fields
 
 from atoll.protocols import validated
-from atoll.protocols.auth import RevocationList, RunKey, peer_id_of
+from atoll.protocols.auth import RunKey, peer_id_of
+from atoll.protocols.revocation import RevocationList
 from atoll.protocols.record_validator import RunRecordValidator, make_validators
 from atoll.protocols.records import progress_key, progress_shard, revoked_key
 
