@@ -105,7 +105,7 @@ class RunConfig:
                                   "then merged into one", metavar="N")
     grace_gamma: float = opt(0.5, help="share of the overlap's slack a round may wait for more members, in [0, 1)",
                              metavar="G")
-    # Without the join window (atoll.node.rounds.round_protocol.join_window), at τ·step_time below a second, rounds
+    # Without the join window (atoll.node.rounds.waits.join_window), at τ·step_time below a second, rounds
     # close before a peer a few steps off its schedule has joined, and the peers left out drop their unmerged work.
     join_window: bool = opt(True, help="decoupled, with --grace-gamma > 0: a round waits at least as long as a "
                                        "peer needs to notice and join it")

@@ -25,26 +25,25 @@ from atoll.models.fragments import Fragment
 from atoll.models.robust import MergeRule
 from atoll.protocols import dht_io
 from atoll.protocols.averaging import ANSWER_GRACE, HONEST, AllreduceResult, Tamper, allreduce
-from atoll.protocols.reducer import AveragingServicer, GroupSpec
 from atoll.protocols.cooldown import Strikes
 from atoll.protocols.coordination import Decision, SpentDecisions, sibling_group
-from atoll.protocols.matchmaking import (POLL_INTERVAL, PeerView, Policy, Registrant, Round, SilentCoordinators,
-                                         form_group)
+from atoll.protocols.matchmaking import POLL_INTERVAL, Policy, Registrant, Round, SilentCoordinators, form_group
 from atoll.protocols.nudges import Nudges
 from atoll.protocols.records import Status, open_rounds_key, parse_open_round, unwrap_subkeys
+from atoll.protocols.reducer import AveragingServicer, GroupSpec
 
 from ..algorithm import LocalMerge
 from .catchup import MAX_LONELY_LEAD, CatchUp
 from .context import SyncContext
 from .contribution import Contribution
 from .peers import PeerTable
+from .waits import PEERS_MAX_AGE, EMA, FragmentPeers, grace_window, join_window
 
 logger = logging.getLogger("atoll")
 MAX_ATTEMPTS = 3
 SIBLING_ATTEMPTS = 1000  # the attempt numbers (in group ids) of a split round's merge of its groups
 OPEN_ROUND_POLL = 0.5  # seconds at least between reads of the rounds others opened (decoupled)
 OPEN_ROUND_FALLBACK = 3.0  # seconds at most between them: a peer that opens one tells us (``protocols/nudges.py``)
-PEERS_MAX_AGE = 1.0  # seconds a peer table read may be reused while forming a group (it is polled)
 REFUSAL_OFFENCES = 3  # groups in a row a member refused before it is an offender
 MAX_DEFERRALS = 2  # lone rounds deferred at one version of a fragment before one merges alone anyway
 
@@ -71,61 +70,6 @@ class RoundOutcome:
     weight: float = 0.0
     reducers: list[str] = field(default_factory=list)
     formation_seconds: float = 0.0
-
-
-def grace_window(gamma: float, overlap_steps: int, step_time: float, quorum_time: float, sync_time: float) -> float:
-    """How long a round may wait for more members after quorum without costing compute:
-    γ·(τ·step_time − quorum_time − sync_time), never negative (the merge is due τ steps after the snapshot)."""
-    if not 0 <= gamma < 1:
-        raise ValueError(f"gamma must be in [0, 1), got {gamma}")
-    return max(0.0, gamma * (overlap_steps * step_time - quorum_time - sync_time))
-
-
-def join_window(step_time: float, read_time: float, sync_every: int, open_poll: float, group_poll: float) -> float:
-    """How long a live peer at the same version needs to join a round that another daemon opened: it reads the open
-    rounds every ``open_poll`` s, contributes at its next step boundary (≤ one step, and one more for the snapshot),
-    registers (a DHT store), and the coordinator sees it on its next read, every ``group_poll`` s; ``read_time`` is
-    one DHT read or store. Capped at H/4 steps: waiting costs every member the steps it trains on the fragment
-    before the merge lands (α = 0 overwrites them), a quarter of what a peer left out of the round loses (its H
-    steps on the fragment since its last round)."""
-    return min(open_poll + group_poll + 2 * step_time + 3 * read_time, sync_every * step_time / 4)
-
-
-class EMA:
-    """Exponential moving average of a duration; 0 until the first sample."""
-
-    def __init__(self, beta: float = 0.7) -> None:
-        self.beta, self.value, self._seen = beta, 0.0, False
-
-    def update(self, x: float) -> None:
-        self.value = x if not self._seen else self.beta * self.value + (1 - self.beta) * x
-        self._seen = True
-
-
-class FragmentPeers(PeerView):
-    """The peer table as a round of fragment ``p`` against the replica ``base`` = (version, digest) sees it: the
-    live training peers at their version of p; a peer at our version with another replica is not waited for (it
-    meets in another round)."""
-
-    def __init__(self, table: PeerTable, p: int, base: tuple[int, str], revoked: Callable[[str], bool]) -> None:
-        self.table, self.p, self.base, self.revoked = table, p, base, revoked
-        self.forked: set[str] = set()
-
-    async def live(self) -> dict[str, int]:
-        peers, p, (version, digest) = await self.table.refresh(max_age=PEERS_MAX_AGE), self.p, self.base
-        self.forked = {peer.peer_id for peer in peers.values()
-                       if peer.fragment_versions[p] == version and peer.fragment_hashes[p] != digest}
-        return {peer.peer_id: peer.fragment_versions[p] for peer in peers.values() if peer.status == Status.TRAINING}
-
-    async def look_up(self, peer_ids: set[str]) -> bool:
-        await self.table.look_up(peer_ids)
-        return True
-
-    def expects(self, peer_id: str) -> bool:
-        return peer_id not in self.forked
-
-    def shunned(self, peer_id: str) -> bool:
-        return self.revoked(peer_id)
 
 
 class RoundProtocol:

@@ -5,7 +5,7 @@ What is real: each island's ``PeerTable`` (``node/rounds/peers.py``: its progres
 and its reads of the run's peer table, parsed by ``records.parse_progress``), ``matchmaking.form_group`` (the
 registrations, the coordinator, the group decision and its checks, the split into groups capped at
 ``max_group``), the open-round announcements read and parsed as ``RoundProtocol.watch_open_rounds`` does, the
-grace window (``round_protocol.grace_window``/``join_window``), and the order of replicas (``records.heavier``)
+grace window (``waits.grace_window``/``join_window``), and the order of replicas (``records.heavier``)
 that decides catch-up and fork healing.
 
 What stands in:
@@ -44,7 +44,8 @@ import msgpack
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from atoll.node.rounds import peers as peers_module
-from atoll.node.rounds.round_protocol import OPEN_ROUND_POLL, FragmentPeers, grace_window, join_window
+from atoll.node.rounds.round_protocol import OPEN_ROUND_POLL
+from atoll.node.rounds.waits import FragmentPeers, grace_window, join_window
 from atoll.protocols import coordination, dht_io, matchmaking, records
 from atoll.protocols.cooldown import Cooldown
 from atoll.protocols.dht_io import key_kind

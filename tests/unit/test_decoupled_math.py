@@ -8,7 +8,7 @@ import torch
 from atoll.models.fragments import make_fragments, partition
 from atoll.models.outer import NesterovOuter, radial_directional_average, token_weight, weighted_mean
 from atoll.node.rounds.local_state import LocalFragmentState
-from atoll.node.rounds.round_protocol import grace_window, join_window
+from atoll.node.rounds.waits import grace_window, join_window
 
 
 def test_partition_is_deterministic_balanced_and_complete():

@@ -7,7 +7,7 @@ import asyncio
 import time
 from types import SimpleNamespace
 
-from atoll.node.rounds import round_protocol
+from atoll.node.rounds import waits
 from atoll.node.rounds.catchup import MAX_LONELY_LEAD
 from atoll.node.rounds.round_protocol import MAX_DEFERRALS, Outcome, RoundProtocol
 from atoll.protocols.records import Status
@@ -49,7 +49,7 @@ def refuse_alone(records, version, fragment=0, **kw):
 
 
 def test_alone_in_the_swarm_or_ahead_of_it_merges():
-    assert refuse_alone([], 7) == (None, [round_protocol.PEERS_MAX_AGE])
+    assert refuse_alone([], 7) == (None, [waits.PEERS_MAX_AGE])
     assert refuse_alone([peer("b", [6, 3])], 7)[0] is None  # behind: not a fork
     assert refuse_alone([peer("a", [7, 9], hashes=("other", OURS))], 7)[0] is None  # at our version on a fork
 

@@ -8,7 +8,8 @@ import pytest
 
 from atoll.node.config import NodeConfig, RunConfig
 from atoll.node.metrics import Counters
-from atoll.node.rounds.round_protocol import OPEN_ROUND_POLL, POLL_INTERVAL, RoundProtocol, grace_window, join_window
+from atoll.node.rounds.round_protocol import OPEN_ROUND_POLL, POLL_INTERVAL, RoundProtocol
+from atoll.node.rounds.waits import grace_window, join_window
 
 
 def bare_protocol(step_time: float, read_time: float, **run: object) -> RoundProtocol:
