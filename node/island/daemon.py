@@ -43,7 +43,8 @@ from .control import ControlServer
 from .island import Island
 from .learner import Learner, ShardedLearner
 from .pause import PauseState, policies_of
-from .ranks import IslandSync, Ranks, ShardedSync, init_island, leave_island, step_boundary
+from .ranks import IslandSync, Ranks, init_island, leave_island, step_boundary
+from .sharded import ShardedSync
 
 logger = logging.getLogger("atoll")
 RETRY_RESUME = 30.0  # seconds between attempts to take the device back when its memory is taken
@@ -54,7 +55,7 @@ class Daemon:
         self.cfg, self.explicit = cfg, explicit_run_fields
         self.stop = threading.Event()
         self.sync: IslandSync | None = None
-        self.sharded = None  # ranks.ShardedSync of an --fsdp island
+        self.sharded = None  # sharded.ShardedSync of an --fsdp island
         self.control: ControlServer | None = None
 
     def run(self) -> int:

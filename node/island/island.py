@@ -59,7 +59,8 @@ from ..rounds.syncer import Syncer
 from ..trainee import LoopTrainee, Trainee, device_of, optimizer_params
 from . import arrival, pausing
 from .ddp import DDP
-from .ranks import IslandSync, OneRank, Ranks, ShardedSync, init_island, step_boundary
+from .ranks import IslandSync, OneRank, Ranks, init_island, step_boundary
+from .sharded import ShardedSync
 
 logger = logging.getLogger("atoll")
 RATE_WINDOW = 5.0  # seconds over which tokens/s is measured

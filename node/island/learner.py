@@ -42,7 +42,8 @@ from atoll.models.fragments import copy_into, flatten
 from ..config import RunConfig
 from ..device import PRECISIONS, Device
 from ..trainee import Trainee
-from .ranks import Ranks, ShardedSync
+from .ranks import Ranks
+from .sharded import ShardedSync
 
 
 class Learner(Trainee):
