@@ -95,7 +95,7 @@ def main() -> int:
             r["ratio_reference"] = ref_r.get("label", ref_r["algorithm"])
             r["loss_ratio_to_ddp"] = r["held_out_loss_mean"] / ref_r["held_out_loss_mean"]
             r["ddp_bytes_per_token_over_this"] = ref_r["bytes_per_token"] / r["bytes_per_token"]
-    doc = {"command": command, "model": args.model,
+    doc = {"model": args.model,
            "daemons": DAEMONS, "steps_per_daemon": args.steps, "batch_size": BATCH, "sync_every": args.sync_every,
            "fragments": RunConfig().fragments, "overlap": RunConfig().overlap, "runs": results}
     out.mkdir(parents=True, exist_ok=True)

@@ -160,8 +160,7 @@ def main() -> int:
     ratios = [r["ratio"] for r in results]
     summary = {"model": args.model, "batch": args.batch, "steps": args.steps, "block": args.block,
                "device": args.device, "precision": args.precision, "threads": 1, "ratio": interval(ratios), "ratio_median": statistics.median(ratios),
-               "goal": 0.97, "repeats_meeting_goal": sum(r >= 0.97 for r in ratios),
-               "command": "python -m scripts.bench_api " + " ".join(sys.argv[1:])}
+               "goal": 0.97, "repeats_meeting_goal": sum(r >= 0.97 for r in ratios)}
     print(f"island/bare tokens/s: {fmt(summary['ratio'])}, median {summary['ratio_median']:.3f}; "
           f"goal 0.97 met in {summary['repeats_meeting_goal']} of {len(ratios)}")
     out = Path(args.out)

@@ -387,8 +387,7 @@ def run(args: argparse.Namespace) -> dict:
         return a / b if a is not None and b else None
 
     result = {
-        "command": "python -m scripts.bench_codec_device " + " ".join(sys.argv[1:]),
-        "device": kind, "gpu": torch.cuda.get_device_name() if cuda else None,
+                "device": kind, "gpu": torch.cuda.get_device_name() if cuda else None,
         "torch": torch.__version__, "cuda": torch.version.cuda if cuda else None,
         "host": {"cpus": os.cpu_count(), "machine": platform.machine()},
         "codec": args.codec, "block_size": args.block_size, "codec_threads": threads, "torch_threads": args.threads,

@@ -164,9 +164,6 @@ def main() -> None:
             rr["atoll:bf16 / hivemind:Float16Compression"] = results["atoll:bf16"][key] / h16
 
     report = {
-        "command": "python -m scripts.bench_codecs " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in (("mib", args.mib), ("reps", args.reps), ("block", args.block))
-        ),
         "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "tensor": {"numel": numel, "bytes": nbytes, "dtype": "float32", "distribution": "N(0,1), seed 0"},
         "threads": torch.get_num_threads(),

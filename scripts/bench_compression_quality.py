@@ -88,8 +88,7 @@ def main() -> int:
             "replayed_adoptions": sum(r.get("replayed_adoptions", 0) for r in mine),
             "full_adoptions": sum(r.get("full_adoptions", 0) for r in mine),
         })
-    doc = {"command": "python -m scripts.bench_compression_quality " + " ".join(sys.argv[1:]),
-           "algorithm": args.algorithm, "model": args.model,
+    doc = {           "algorithm": args.algorithm, "model": args.model,
            "params": n, "daemons": DAEMONS, "daemon_args": args.daemon_args, "steps_per_daemon": args.steps,
            "sync_every": args.sync_every,
            "seeds": args.seeds, "fragments": run.num_fragments, "ddp_bytes_per_token": ddp_bytes_per_token,

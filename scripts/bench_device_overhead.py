@@ -528,8 +528,7 @@ def run(args: argparse.Namespace) -> dict:
     load_before = os.getloadavg()
     started = time.time()
     result = {
-        "command": "python -m scripts.bench_device_overhead " + " ".join(sys.argv[1:]),
-        "model": args.model, "data": args.data, "batch_size": args.batch_size, "seq_len": args.seq_len,
+                "model": args.model, "data": args.data, "batch_size": args.batch_size, "seq_len": args.seq_len,
         "daemon_args": args.daemon_args, "threads": 1, "xla_flags": child_env()["XLA_FLAGS"], "devices": {},
     }
     for i, device in enumerate(each(devices, "devices")):

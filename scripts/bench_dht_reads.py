@@ -155,8 +155,7 @@ def main() -> int:
                       f"cpu {figures['read_cpu_s'] * 1e3:7.1f} ms, status {figures['status_collect_s']:.2f} s "
                       f"({figures['status_peers']} peers)", flush=True)
     validated.REMEMBER_S = VARIANTS["remembered"]
-    command = "python -m scripts.bench_dht_reads " + " ".join(sys.argv[1:])
-    doc = {"command": command.strip(), "nodes": args.nodes, "reads": args.reads, "repeats": args.repeats,
+    doc = {"nodes": args.nodes, "reads": args.reads, "repeats": args.repeats,
            "rows": summarize(runs), "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_result(args.out.with_suffix(".json"), doc)

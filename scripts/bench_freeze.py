@@ -90,7 +90,7 @@ def main() -> int:
         print(f"run {i + 1}/{args.repeats}: {json.dumps(runs[-1])}", flush=True)
     numeric = [k for k, v in runs[0].items() if isinstance(v, (int, float))]
     result = {
-        "command": "python -m scripts.bench_freeze " + " ".join(sys.argv[1:]), "freeze_s": args.freeze,
+        "freeze_s": args.freeze,
         "after_s": args.after, "model": args.model, "runs": runs,
         "summary": {k: interval([r[k] for r in runs if r[k] is not None]) for k in numeric
                     if any(r[k] is not None for r in runs)},

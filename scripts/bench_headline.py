@@ -74,7 +74,7 @@ def main() -> int:
             "goodput": interval([r["goodput_mean"] for r in mine]),
             "seeds_within_1pct_of_ddp": sum(r["loss_ratio_to_ddp"] <= 1.01 for r in mine),
         }
-    doc = {"command": "python -m scripts.bench_headline " + " ".join(sys.argv[1:]), "model": args.model,
+    doc = {"model": args.model,
            "daemons": DAEMONS, "steps_per_daemon": args.steps, "batch_size": BATCH, "sync_every": args.sync_every,
            "seeds": args.seeds, "minutes": (time.time() - started) / 60, "summary": summary, "runs": runs}
     out = Path(args.out)

@@ -62,7 +62,7 @@ def main() -> int:
         for kind, c in x["dht_calls"].items():
             calls.setdefault(kind, []).append(c["calls"] / x["wall_seconds"])
     result = {
-        "command": "python -m scripts.bench_idle_wire " + " ".join(sys.argv[1:]), "rate_mbit": args.rate,
+        "rate_mbit": args.rate,
         "span_s": t1 - t0, "tx_bytes_per_s": rates,
         "share_of_link": statistics.mean(rates.values()) * 8 / (args.rate * 1e6),
         "dht_calls_per_s": {k: statistics.mean(v) for k, v in sorted(calls.items(), key=lambda kv: -sum(kv[1]))},

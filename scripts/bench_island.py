@@ -87,7 +87,7 @@ def main() -> int:
             print(f"repeat {repeat} {name}: {row[name]['tokens_per_s']:.0f} tok/s, island sync "
                   f"{row[name]['sync_s_per_round'] * 1e3:.1f} ms/round over {row[name]['rounds']} rounds", flush=True)
         runs.append(row)
-    result = {"command": "python -m scripts.bench_island " + " ".join(sys.argv[1:]), "model": args.model,
+    result = {"model": args.model,
               "steps": args.steps, "warmup": args.warmup, "sync_every": args.sync_every,
               "island_batch": args.island_batch, "algorithm": "diloco", "runs": runs, "configs": {}}
     for name in names:

@@ -116,7 +116,7 @@ def main() -> int:
         measured["outer_1t"] += outer_gbps(x, 1, 1)
         measured["outer_2t"] += outer_gbps(x, 2, 1)
     measured["gloo_broadcast"] = broadcast_gbps(numel, args.repeats)
-    result = {"command": "python -m scripts.bench_island_io " + " ".join(sys.argv[1:]), "mib": args.mib,
+    result = {"mib": args.mib,
               "cores": os.cpu_count(), "gb_per_s": {k: interval(v) for k, v in measured.items()},
               "median_gb_per_s": {k: statistics.median(v) for k, v in measured.items()}}
     result["codec_2t_over_1t"] = interval([b / a for a, b in zip(measured["codec_1t"], measured["codec_2t"])])

@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import re
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -97,7 +96,7 @@ def main() -> int:
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     os.environ.update(BENCH_WIDTH=env["BENCH_WIDTH"], BENCH_LAYERS=env["BENCH_LAYERS"])
     params = sum(p.numel() for p in wide().parameters())
-    result = {"command": shlex.join(["python", "-m", "scripts.bench_island_memory", *sys.argv[1:]]), "label": args.label, "parameters": params,
+    result = {"label": args.label, "parameters": params,
               "model_state_mib_unsharded": params * 16 / 2**20, "peak_rss_mib": {}}
     for name, extra in each(CONFIGS.items(), "configurations"):
         result["peak_rss_mib"][name] = peaks = run(extra, args.steps, env)

@@ -83,9 +83,7 @@ def main() -> int:
               f"{p['dht']['rss']:.0f} USS {p['dht']['uss']:.0f}, p2pd RSS {p['p2pd']['rss']:.0f} USS "
               f"{p['p2pd']['uss']:.0f}; tree {r['tree_mib']:.0f} MiB (RSS summed {r['rss_sum_mib']:.0f}), model "
               f"state {r['model_state_mib']:.0f}, beyond it {r['beyond_model_mib']:.0f} MiB", flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    command = " ".join(["python", "-m", "scripts.bench_memory", *sys.argv[1:]])
-    write_result(args.out, {"command": command, "results": results})
+    write_result(args.out, {"results": results})
     return 0
 
 

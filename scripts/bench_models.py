@@ -271,8 +271,7 @@ def main() -> int:
                          "tokens": manifest.tokens, "documents": manifest.documents,
                          "tokenizer_sha256": manifest.tokenizer_sha256}}
     result = {"settings": settings, "models": models, "param_ratio": 1 + gap, "per_seed": per_seed,
-              "summary": summary, "seconds": round(time.monotonic() - t_start, 1),
-              "command": "python -m scripts.bench_models " + " ".join(sys.argv[1:])}
+              "summary": summary, "seconds": round(time.monotonic() - t_start, 1)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_result(out / "bench_models.json", result)

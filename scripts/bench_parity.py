@@ -98,8 +98,7 @@ def main() -> int:
     alone = solo(run, 3 * args.steps)
     print(f"    held-out loss {alone['held_out_loss']:.4f} in {alone['seconds']:.0f} s", flush=True)
     result = {
-        "command": "python -m scripts.bench_parity " + " ".join(sys.argv[1:]),
-        "model": args.model, "params": get_model_config(args.model).num_params, "sync_every": args.sync_every,
+                "model": args.model, "params": get_model_config(args.model).num_params, "sync_every": args.sync_every,
         "steps_per_daemon": args.steps, "batch_size": BATCH, "eval_batches": EVAL_BATCHES,
         "solo": alone, "diloco_3_daemons": diloco,
         "loss_ratio_diloco_over_solo": diloco["held_out_loss"] / alone["held_out_loss"],

@@ -183,7 +183,7 @@ def main() -> int:
     p.add_argument("--name", default="bench_partition", help="the output files' stem")
     args = p.parse_args()
     doc = {"model": args.model, "sync_every": args.sync_every, "rtt_ms": args.rtt, "rate_mbit": args.rate,
-           "cut_s": args.cut_s, "command": "python -m scripts.bench_partition " + " ".join(sys.argv[1:]), "runs": []}
+           "cut_s": args.cut_s, "runs": []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for seed in each(args.seeds, "seeds"):

@@ -123,7 +123,7 @@ def main() -> int:
     ap.add_argument("--away", type=float, default=20.0, help="seconds paused, or stopped, each time")
     ap.add_argument("--workdir", default="/tmp/atoll-bench-pause")
     args = ap.parse_args()
-    doc = {"command": "python -m scripts.bench_pause " + " ".join(sys.argv[1:]), "away": args.away,
+    doc = {"away": args.away,
            "repeats": args.repeats, "models": []}
     for model in args.models:
         result = run_model(model, args.repeats, args.away, Path(args.workdir) / model)

@@ -162,7 +162,7 @@ def report(runs: list[dict], meta: dict, out: Path, name: str) -> None:
         if "none" in attacks:
             s["ratio_to_honest_clip"] = interval([r["ratio_to_honest_clip"] for r in mine])
         summary[f"{rule}/{attack}"] = s
-    doc = {"command": "python -m scripts.bench_robust_merge " + " ".join(sys.argv[1:]), "model": "nano",
+    doc = {"model": "nano",
            "daemons": 4, "algorithm": "diloco", "batch_size": 4, **meta, "summary": summary, "runs": runs}
     write_result(out / f"{name}.json", doc)
     plot(doc, out / f"{name}.png")

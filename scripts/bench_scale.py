@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -267,7 +266,7 @@ def main() -> int:
         results.append(measure(n, args.seconds, work, args.model))
         print(json.dumps(per_size(results[-1])), flush=True)
         rows = [per_size(r) for r in results]
-        doc = {"command": shlex.join(["python", "-m", "scripts.bench_scale", *sys.argv[1:]]), "model": args.model,
+        doc = {"model": args.model,
                "seconds": args.seconds, "step_delay_s": STEP_DELAY, "cpus": os.cpu_count(), "sizes": rows,
                "growth": growth(rows, os.cpu_count() or 1), "runs": results}
         write_result(args.out.with_suffix(".json"), doc)  # after each size: a later one may fail

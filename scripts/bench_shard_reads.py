@@ -161,8 +161,7 @@ def main() -> int:
                 print(f"repeat {repeat} records {n:4d} {variant:>28}: read {figures['read_s'] * 1e3:6.1f} ms, "
                       f"reader cpu {figures['reader_cpu_s'] * 1e3:6.1f} ms, serving cpu "
                       f"{figures['serving_cpu_s'] * 1e3:6.1f} ms, {figures['records_seen']} seen", flush=True)
-    doc = {"command": ("python -m scripts.bench_shard_reads " + " ".join(sys.argv[1:])).strip(),
-           "nodes": args.nodes, "reads": args.reads, "repeats": args.repeats, "rows": summarize(runs), "runs": runs}
+    doc = {           "nodes": args.nodes, "reads": args.reads, "repeats": args.repeats, "rows": summarize(runs), "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_result(args.out.with_suffix(".json"), doc)
     for row in doc["rows"]:

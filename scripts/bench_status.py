@@ -200,8 +200,7 @@ def main() -> int:
                 print(f"repeat {repeat} records {n:5d} {variant:>12}: collect {figures['collect_s']:.2f} s, "
                       f"command {figures['command_s']:.2f} s, {figures['peers_counted']} peers counted, "
                       f"{figures['peers_listed']} listed", flush=True)
-    command_line = "python -m scripts.bench_status " + " ".join(sys.argv[1:])
-    doc = {"command": command_line.strip(), "nodes": args.nodes, "repeats": args.repeats, "rows": summarize(runs),
+    doc = {"nodes": args.nodes, "repeats": args.repeats, "rows": summarize(runs),
            "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_result(args.out.with_suffix(".json"), doc)

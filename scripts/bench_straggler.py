@@ -126,7 +126,7 @@ def main() -> int:
         print(f"{label:24s} blocked (fast daemons, s): straggler {fmt(row['fast_blocked_s_straggler'], 1)}, "
               f"control {fmt(row['fast_blocked_s_control'], 1)}; tokens/s straggler/control "
               f"{fmt(row['ratio_to_control'])}, /fast {fmt(row['ratio_to_fast'])}")
-    doc = {"command": "python -m scripts.bench_straggler " + " ".join(sys.argv[1:]), "model": args.model,
+    doc = {"model": args.model,
            "daemons": DAEMONS, "seconds": args.seconds, "repeats": args.repeats, "sync_every": args.sync_every,
            "overlap": args.overlap, "fast_step_delay": FAST_DELAY, "minutes": (time.time() - started) / 60,
            "results": results}

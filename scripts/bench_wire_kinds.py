@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import sys
 import tempfile
 from collections import defaultdict
@@ -73,8 +72,7 @@ def main() -> int:
         "by_kind": dict(sorted(kinds.items(), key=lambda kv: -(kv[1]["sent"] + kv[1]["received"]))),
         "rounds_per_daemon": r["rounds_per_daemon"], "held_out_loss_mean": r["held_out_loss_mean"],
         "utilization": r["utilization"], "tokens_lost": r["tokens_lost"], "tokens_total": r["tokens_total"],
-        "command": "python -m scripts.bench_wire_kinds " + shlex.join(sys.argv[1:]),
-    }
+            }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "bench_wire_kinds.json"

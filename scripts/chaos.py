@@ -539,7 +539,7 @@ def run_seed(args: argparse.Namespace, name: str, out: Path) -> dict:
         "start_to_first_step_s": chaos["start_to_first_step_s"],
     }
     doc = {"algorithm": args.algorithm, "name": name, "seed": args.seed,
-           "command": "python -m scripts.chaos " + " ".join(sys.argv[1:]), "args": vars(args), "metrics": metrics,
+           "args": vars(args), "metrics": metrics,
            "reference": reference, "chaos": chaos}
     out.mkdir(parents=True, exist_ok=True)
     write_result(out / f"{name}.json", doc)
@@ -616,7 +616,7 @@ def main() -> int:
     for seed in each(args.seeds, "seeds"):
         args.seed = seed
         docs.append(run_seed(args, f"{name}_s{seed}", out))
-    summary = {"command": "python -m scripts.chaos " + " ".join(sys.argv[1:]), **summarize(docs)}
+    summary = {**summarize(docs)}
     write_result(out / f"{name}_summary.json", summary)
     plot(out)
     print(json.dumps(summary, indent=1))

@@ -27,7 +27,6 @@ This file is only the command line: the models live in ``scripts/sim`` (see its
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -39,6 +38,7 @@ from typing import Any, Sequence
 import numpy as np
 
 
+from scripts.results import write_result
 from scripts.sim.bandwidth import bandwidth_study
 from scripts.sim.goodput import (
     ABLATION_GRIDS, CALIBRATION_DP_PREFILTER, CALIBRATION_HORIZON_S, CALIBRATION_SEEDS, DAY_S, DEFAULT_CALIBRATION_GRID,
@@ -57,12 +57,6 @@ OUT_HELP = ("output folder for JSON and PNG, created if missing; "
 def _env() -> dict[str, Any]:
     return {"python": platform.python_version(), "numpy": np.__version__,
             "machine": platform.machine(), "cpus": os.cpu_count()}
-
-
-def _write_json(path: str, data: dict[str, Any]) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=1, sort_keys=False)
-        fh.write("\n")
 
 
 def _fmt_summary(s: dict[str, Any]) -> str:
@@ -142,7 +136,7 @@ def cmd_goodput(args: argparse.Namespace) -> int:
     horizon = (1.0 if args.quick else args.horizon_days) * DAY_S
     seeds = list(range(1 if args.quick else args.seeds))
     os.makedirs(args.out, exist_ok=True)
-    result: dict[str, Any] = {"command": "python -m scripts.simulate " + " ".join(sys.argv[1:]), "env": _env()}
+    result: dict[str, Any] = {"env": _env()}
     # Which Table 1 cells the parameters in use were fitted on, when that is known.
     split: list[int] | None = list(DEFAULT_HOLDOUT_CHIPS) if fm == FailureModel() else None
     source = ("FailureModel defaults (fitted with " + _holdout_text(DEFAULT_HOLDOUT_CHIPS) + ")"
@@ -241,7 +235,7 @@ def cmd_goodput(args: argparse.Namespace) -> int:
 
     jpath = os.path.join(args.out, "simulate_goodput.json")
     ppath = os.path.join(args.out, "simulate_goodput.png")
-    _write_json(jpath, result)
+    write_result(jpath, result, seeds=seeds)
     plot_goodput(result, ppath)
     print(f"wrote {jpath} and {ppath}")
     return 0
@@ -254,7 +248,7 @@ def cmd_bandwidth(args: argparse.Namespace) -> int:
         return 2
     os.makedirs(args.out, exist_ok=True)
     res = bandwidth_study(args.quick, args.latency_ms, args.scenario_gbps, args.scenario_step_s)
-    res = {"command": "python -m scripts.simulate " + " ".join(sys.argv[1:]), "env": _env(), **res}
+    res = {"env": _env(), **res}
     print("Streaming DiLoCo headline: Gbps needed for 95% compute utilization (2 islands)")
     print(f"{'model':>6} {'step s':>8} " + "".join(f"{k:>24}" for k in res["headline"][0]["gbps_for_95pct"]))
     for row in res["headline"]:
@@ -277,7 +271,7 @@ def cmd_bandwidth(args: argparse.Namespace) -> int:
                       for r in sc["rows"]))
     jpath = os.path.join(args.out, "simulate_bandwidth.json")
     ppath = os.path.join(args.out, "simulate_bandwidth.png")
-    _write_json(jpath, res)
+    write_result(jpath, res)
     plot_bandwidth(res, ppath)
     print(f"wrote {jpath} and {ppath}")
     return 0

@@ -84,8 +84,7 @@ def main() -> int:
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                                 text=True).stdout.strip())
     result = {
-        "name": name, "command": "python -m scripts.swarm_cpu " + " ".join(sys.argv[1:]),
-        "commit": commit + ("+dirty" if dirty else ""), "args": vars(args),
+        "name": name,         "commit": commit + ("+dirty" if dirty else ""), "args": vars(args),
         "machine_cpu_busy": busy, "cores_per_daemon": cores,
         "steps_per_s_per_daemon": sum(rates) / len(rates), "steps_per_s_without_cpu_limit": 1 / args.step_delay,
         "restart_s": {"dht_up": printed - started, "checkpoint_loaded": resumed - started,

@@ -11,17 +11,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from scripts.results import pyplot, save_figure
+
 from .bandwidth import Method, Network, step_schedule
 from .goodput import fmt_chips
 from .paper import PAPER_CHIPS, PAPER_TABLE1
-
-
-def _pyplot() -> Any:
-    """pyplot on the Agg backend, which needs no display (servers, CI)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
 
 
 def _chip_ticks(ax: Any, chips: Sequence[int]) -> None:
@@ -34,7 +28,7 @@ def _chip_ticks(ax: Any, chips: Sequence[int]) -> None:
 
 def plot_goodput(result: dict[str, Any], path: str) -> None:
     """Three panels: Table 1 vs paper, the extension to 10M chips, uptime atoll vs syncer."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(18, 5.2))
     t1 = result["table1"]["simulated"]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -110,13 +104,12 @@ def plot_goodput(result: dict[str, Any], path: str) -> None:
     ax.legend(fontsize=6, ncol=2)
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_bandwidth(result: dict[str, Any], path: str) -> None:
     """Two panels: utilization vs bandwidth (Streaming DiLoCo Fig. 4 style), 12B speedups."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(14, 5.2))
     ax = axes[0]
     curves = result["utilization_curves"]
@@ -171,5 +164,4 @@ def plot_bandwidth(result: dict[str, Any], path: str) -> None:
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
