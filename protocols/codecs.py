@@ -1,8 +1,8 @@
 """Lossy and lossless codecs for the outer deltas that atoll daemons exchange: ``encode`` a flat tensor into a
 self-describing payload, ``decode`` it back; everything needed to decode is inside the payload.
 
-Pure tensor code (torch and the standard library): no wire, no networking, no other atoll imports. The network
-layer names the codec in every message.
+Pure tensor code (torch and the standard library): no wire, no networking; ``codec_threads.py`` says how many
+threads a large payload's blocks may use. The network layer names the codec in every message.
 
 The codecs (``CODECS``): ``none`` is fp32, bit-exact; ``bf16`` is bfloat16, round-to-nearest-even
 (``Tensor.to(torch.bfloat16)``); the block codecs quantize each block of ``block`` values with its own scale:
@@ -22,9 +22,6 @@ invalid and decodes to NaN, which ``decode`` rejects. ``block`` must be a multip
 starts on a byte boundary for every codec. Bits of the last byte beyond ``numel`` (and the padded positions of a
 partial last block) are written as the code of 0 and ignored by the decoder.
 
-Scales are stored as fp32, not fp16: fp16 would overflow above 65504 and lose blocks whose absmax is below ~6e-8
-to underflow; at block 256 an fp32 scale costs 1.6 % of an int8 payload.
-
 Error bounds, for ``s`` the block's stored scale and ``x`` an input element: ``none`` is exact; ``bf16`` keeps
 ``|x - x̂| <= 2**-8 * |x|`` (or ``2**-134`` for bf16-subnormal magnitudes); ``int8``, ``int4`` and ``int2`` keep
 ``|x - x̂| <= s/2``, i.e. absmax/254, absmax/14 and absmax/2; ``fp4`` keeps half the local grid step: ``s/4`` for
@@ -38,18 +35,19 @@ exact integer arithmetic), and no sums or other order-dependent reductions, so t
 on every machine and thread count (assuming the default: denormals not flushed, see ``torch.set_flush_denormal``).
 ``-0.0`` scales are canonicalised to ``+0.0``.
 
-``ErrorFeedback`` keeps, per key (fragment), what quantization dropped, to be added to the next delta.
+``ErrorFeedback`` (``error_feedback.py``) keeps, per key (fragment), what quantization dropped, to be added to the
+next delta. docs/codecs.md has the same contract, why scales are fp32, and the measured costs.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import struct
 import sys
-import threading
 import warnings
 
 import torch
+
+from .codec_threads import in_runs, set_threads, threads
 
 __all__ = [
     "CODECS",
@@ -59,10 +57,12 @@ __all__ = [
     "CodecError",
     "NonFiniteError",
     "ShapeError",
-    "ErrorFeedback",
     "decode",
     "encode",
     "encoded_size",
+    "norm_floor",
+    "set_threads",
+    "threads",
 ]
 
 if sys.byteorder != "little":  # the payload is raw little-endian tensor memory
@@ -80,44 +80,6 @@ MAX_BLOCK_SIZE = 1 << 30
 # Elements per step of the block codecs: the temporaries (256 KiB each) stay in L2 and are reused, instead of a
 # fresh 4·numel-byte allocation per op (page faults dominated the unchunked version).
 _CHUNK = 1 << 16
-# Blocks of one payload are independent: above this many values, encode and decode split them into contiguous runs
-# done by ``threads()`` worker threads at once (torch's kernels release the GIL), byte for byte the same output.
-# One run is one core's work: a single call's torch ops did not get faster with more intra-op threads here
-# (docs/results.md, "Islands of several ranks"), so the parallelism is ours.
-_PARALLEL_MIN = 1 << 22
-_threads = 1
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
-
-
-def set_threads(n: int) -> None:
-    """How many threads one ``encode`` or ``decode`` of a large payload may use (the process's setting; 1: the
-    caller's thread alone)."""
-    global _threads, _pool
-    if not (isinstance(n, int) and n >= 1):
-        raise ValueError(f"codec threads must be a positive int, got {n!r}")
-    if n != _threads and _pool is not None:
-        _pool.shutdown(wait=False)
-        _pool = None
-    _threads = n
-
-
-def threads() -> int:
-    return _threads
-
-
-def _in_runs(rows: int, fn) -> None:
-    """``fn(r0, r1)`` over contiguous runs of ``rows`` rows covering them all, on up to ``threads()`` threads."""
-    global _pool
-    runs = min(_threads, max(1, rows * 256 // _PARALLEL_MIN))
-    if runs == 1:
-        fn(0, rows)
-        return
-    if _pool is None:
-        _pool = concurrent.futures.ThreadPoolExecutor(_threads, thread_name_prefix="codec")
-    edges = [rows * i // runs for i in range(runs + 1)]
-    for future in [_pool.submit(fn, lo, hi) for lo, hi in zip(edges, edges[1:])]:
-        future.result()
-
 _FLT_MIN = 2.0**-126  # smallest normal fp32: 1/scale is finite for scales >= this
 # Smallest fp32 that rounds to +inf in bf16 (bit pattern 0x7F7F8000, ties-to-even).
 _BF16_OVERFLOW = struct.unpack("<f", struct.pack("<I", 0x7F7F8000))[0]
@@ -208,7 +170,8 @@ def encoded_size(numel: int, codec: str, block_size: int = 256) -> int:
 # ----------------------------------------------------------------------------- encode
 
 
-def _flat_fp32(tensor: torch.Tensor) -> torch.Tensor:
+def flat_fp32(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a flat, contiguous fp32 tensor in host memory (a copy unless it already is one)."""
     if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
         raise ValueError(f"expected a floating-point tensor, got {getattr(tensor, 'dtype', type(tensor))}")
     return tensor.detach().to(device="cpu", dtype=torch.float32).reshape(-1).contiguous()
@@ -310,7 +273,7 @@ def encode(tensor: torch.Tensor, codec: str, block_size: int = 256) -> bytes:
     a bad block size, a non-float tensor, NaN/Inf elements, or (bf16) finite values that would round to Inf.
     """
     _check_codec(codec)
-    x = _flat_fp32(tensor)
+    x = flat_fp32(tensor)
     n = x.numel()
     cid = _CODEC_IDS[codec]
     if codec in ("none", "bf16"):
@@ -336,7 +299,7 @@ def encode(tensor: torch.Tensor, codec: str, block_size: int = 256) -> bytes:
     row_bytes = B * spec.bits // 8
     if nfull:
         rows = x[: nfull * B].view(nfull, B)
-        _in_runs(nfull, lambda r0, r1: _encode_rows(rows[r0:r1], spec, codec, scales[r0:r1],
+        in_runs(nfull, lambda r0, r1: _encode_rows(rows[r0:r1], spec, codec, scales[r0:r1],
                                                     codes[r0 * row_bytes : r1 * row_bytes]))
     if tail:
         # The partial last block is zero-padded to a full block (zeros do not change its absmax); only the bytes
@@ -439,7 +402,7 @@ def decode(payload: bytes, *, expected_numel: int | None = None, max_numel: int 
         row_bytes = B * spec.bits // 8
         if nfull:
             rows = out[: nfull * B].view(nfull, B)
-            _in_runs(nfull, lambda r0, r1: _decode_rows(codes[r0 * row_bytes : r1 * row_bytes], scales[r0:r1],
+            in_runs(nfull, lambda r0, r1: _decode_rows(codes[r0 * row_bytes : r1 * row_bytes], scales[r0:r1],
                                                         spec, B, rows[r0:r1]))
         if tail:
             tail_codes = torch.zeros(row_bytes, dtype=torch.uint8)
@@ -483,65 +446,3 @@ def norm_floor(payload: bytes, values: torch.Tensor | None = None, *, expected_n
                           dtype=torch.float32)
     low = torch.where(ratio > 0, floors[torch.bucketize(ratio, between)], 0.0) * per_value
     return float(torch.linalg.vector_norm(low, dtype=torch.float64))
-
-
-# ----------------------------------------------------------------------------- error feedback
-
-
-class ErrorFeedback:
-    """Per-key residual memory (keys like fragment ids) for error-feedback compression.
-
-    ``target(key, delta)`` is what to encode: ``delta`` plus the residual of ``key``; ``commit(key, target,
-    decoded)`` keeps what quantization dropped of it as the new residual. What one round drops is thus sent in
-    later ones: the running sum of decoded deltas differs from the running sum of true deltas by exactly the
-    current residual, which stays within one round's quantization error instead of growing with the number of
-    rounds. A target that was not used (its round failed, or encoding raised) is simply not committed, and the
-    residual stays as it was. Residuals are fp32 CPU tensors; ``state_dict`` and ``load_state_dict`` are for
-    checkpoints. One thread targets and commits (the rounds'); ``residuals`` and ``state_dict`` may be called from
-    any other (a checkpoint's).
-    """
-
-    def __init__(self) -> None:
-        self._residuals: dict[str, torch.Tensor] = {}
-        self._lock = threading.Lock()  # around changes to the dict and copies of it
-
-    def target(self, key: str, delta: torch.Tensor) -> torch.Tensor:
-        """``delta`` plus the stored residual of ``key``, as a new flat fp32 tensor (``delta`` is untouched).
-
-        Raises ``ValueError`` when ``delta`` and the stored residual differ in size.
-        """
-        d = _flat_fp32(delta)
-        res = self._residuals.get(key)
-        if res is not None and res.numel() != d.numel():
-            raise ValueError(f"error feedback {key!r}: delta has {d.numel()} elements, residual {res.numel()}")
-        return d + res if res is not None else d.clone()
-
-    def commit(self, key: str, target: torch.Tensor, decoded: torch.Tensor) -> None:
-        """Store ``target − decoded`` (what quantization dropped) as the residual of ``key``; none when lossless."""
-        residual = _flat_fp32(target) - _flat_fp32(decoded)
-        with self._lock:
-            if bool(torch.count_nonzero(residual)):
-                self._residuals[key] = residual
-            else:
-                self._residuals.pop(key, None)
-
-    def residuals(self) -> dict[str, torch.Tensor]:
-        """The residuals as they are now, without copying them: ``commit`` replaces a key's tensor and never
-        writes one in place, so the tensors returned keep this moment's values."""
-        with self._lock:
-            return dict(self._residuals)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Copies of all residuals, ``{key: flat fp32 tensor}``."""
-        return {k: v.clone() for k, v in self.residuals().items()}
-
-    def load_state_dict(self, d: dict[str, torch.Tensor]) -> None:
-        """Replace all residuals with (copies of) ``d``; ValueError on non-float or non-finite tensors."""
-        new = {}
-        for k, v in d.items():
-            t = _flat_fp32(v).clone()
-            if t.numel() and not bool(torch.isfinite(t).all()):
-                raise ValueError(f"error feedback state {k!r} contains NaN/Inf")
-            new[str(k)] = t
-        with self._lock:
-            self._residuals = new

@@ -6,7 +6,7 @@ encode a delta of ``--numel`` parameters (1B by default on cuda) and to decode t
     python -m scripts.bench_codec_device --device cpu --numel 1e6 --out /tmp/codec.json   # the CPU dry run
 
 ``protocols/codecs.py`` works on host memory: ``encode`` first copies its input to the host as fp32
-(``_flat_fp32``), then quantizes there on ``--codec-threads`` threads (0: the daemon's rule, 1 on a cpu device,
+(``flat_fp32``), then quantizes there on ``--codec-threads`` threads (0: the daemon's rule, 1 on a cpu device,
 else up to 8); ``decode`` returns a host tensor. Measured, each ``--repeats`` times, the order reversed every other
 repetition, the clock read after ``torch.cuda.synchronize()``:
 

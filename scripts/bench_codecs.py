@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import importlib.util
 import json
 import os
 import pathlib
@@ -35,16 +34,11 @@ import warnings
 
 import torch
 
+from atoll.protocols import codecs
 from scripts.results import pyplot, save_figure, write_result
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-try:
-    from atoll.protocols import codecs
-except ImportError:  # not installed: load the module from the source tree
-    _spec = importlib.util.spec_from_file_location("atoll_codecs", ROOT / "protocols" / "codecs.py")
-    codecs = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(codecs)
 
 
 def _cpu_model() -> str:

@@ -123,7 +123,7 @@ class Swarm:
         from atoll.models.fragments import make_fragments
         from atoll.models.registry import embedding_of
         from atoll.node.island.learner import Learner
-        from atoll.protocols.codecs import ErrorFeedback
+        from atoll.protocols.error_feedback import ErrorFeedback
 
         if cfg.kind not in KINDS or cfg.merge not in MERGES:
             raise ValueError(f"unknown configuration {cfg}")

@@ -93,7 +93,29 @@ def pytest_runtest_makereport(item, call):
 
 # ---- what each test costs --------------------------------------------------------------------------------------
 _DURATIONS: dict[str, float] = {}
+_BUSY: dict[str, float] = {}
 DURATIONS_FILE = ROOT / "build" / "test-durations.json"
+
+
+def _cpu_ticks() -> tuple[int, int]:
+    """The machine's (busy, total) CPU ticks so far, all cores (``/proc/stat``; zeros where there is none)."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle and iowait
+    return sum(fields) - idle, sum(fields)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """How busy the machine's cores were while a test ran (set-up to tear-down): a test that leaves them idle
+    waits rather than computes, and could share the machine with another (``build/test-durations.json``)."""
+    busy0, total0 = _cpu_ticks()
+    yield
+    busy1, total1 = _cpu_ticks()
+    if total1 > total0:
+        _BUSY[item.nodeid] = (busy1 - busy0) / (total1 - total0)
 
 
 def pytest_runtest_logreport(report):
@@ -108,13 +130,18 @@ def pytest_sessionfinish(session, exitstatus):
 
     if not _DURATIONS or hasattr(session.config, "workerinput"):  # an xdist worker: its controller writes it
         return
-    kept = {}
+    kept, busy = {}, {}
     try:
-        kept = json.loads(DURATIONS_FILE.read_text())["seconds"]
-    except (OSError, ValueError, KeyError, TypeError):
+        record = json.loads(DURATIONS_FILE.read_text())
+        kept, busy = record["seconds"], record.get("cpu_busy", {})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
     kept.update({k: round(v, 2) for k, v in _DURATIONS.items()})
+    busy.update({k: round(v, 2) for k, v in _BUSY.items()})
     DURATIONS_FILE.parent.mkdir(parents=True, exist_ok=True)
     ordered = dict(sorted(kept.items(), key=lambda kv: -kv[1]))
-    DURATIONS_FILE.write_text(json.dumps({"total_seconds": round(sum(ordered.values()), 1), "seconds": ordered},
-                                         indent=1) + "\n")
+    DURATIONS_FILE.write_text(json.dumps({
+        "total_seconds": round(sum(ordered.values()), 1), "seconds": ordered,
+        # The fraction of all cores busy while each test ran (this machine's load, not the test's alone).
+        "cpu_busy": {k: busy[k] for k in ordered if k in busy},
+    }, indent=1) + "\n")

@@ -2,7 +2,7 @@
 model cut into fragments (Θ₀: the model as built, the same seed on every member), then its own newest good
 checkpoint or, failing that, the swarm's state (downloaded from live peers, or waited for while none holds a run
 that already got somewhere), then the fragments the swarm moved past while it was away, and the peers a run
-waits for before its first step (``Island._start`` calls these in that order; ``pausing.resume`` catches up too)."""
+waits for before its first step (``Member._start`` calls these in that order; ``pausing.resume`` catches up too)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The daemon, ``atoll start``: one per island, the first user of ``Island`` (``island.py``).
+"""The daemon, ``atoll start``: one per island, the first user of ``Member`` (``member.py``).
 
 It builds its ``Learner`` (the run's model on its data shard, AdamW at the run's learning rates) once the island has
 agreed on the run's configuration, then trains in a plain synchronous loop until stopped or ``--max-steps``, and
@@ -10,7 +10,7 @@ landed ones); ddp all-reduces gradients in its step instead (``ddp.py``).
 
 Between two steps the loop may also pause (``pause.py``): the operator (``atoll pause``, through the control socket,
 ``control.py``) or a ``--pause-when``/``--schedule`` policy asks, and the island lends the device back without
-leaving the run (``Island.pause``/``resume``); ``--max-hours``/``--until`` end the loop as a signal does.
+leaving the run (``Member.pause``/``resume``); ``--max-hours``/``--until`` end the loop as a signal does.
 
 Under torch's launcher (``torchrun``, or ``atoll start --nproc-per-node N``: ``launch.py``) every rank of the island
 runs this daemon: rank 0 is the island's member of the swarm, as above; the others build the same learner from the
@@ -40,7 +40,7 @@ from ..faults import Faults
 from ..metrics import peak_rss_mib
 from ..pause_specs import Mode, PolicyError, deadline_of
 from .control import ControlServer
-from .island import Island
+from .member import Member
 from .learner import Learner, ShardedLearner
 from .pause import PauseState, policies_of
 from .ranks import IslandSync, Ranks, init_island, leave_island, step_boundary
@@ -70,8 +70,8 @@ class Daemon:
             if not ranks.leader:
                 return self._follow(control)
             self._control = control
-            self.island = island = Island.for_loop(self.cfg, self.explicit, self._build_learner, derived_fields,
-                                                   self.device, self.stop)
+            self.island = island = Member(self.cfg, self.explicit, self._build_learner, derived_fields, self.device,
+                                           self.stop)
             island.counters.ranks = ranks.world * self.device.devices  # an SPMD island's devices count as ranks
             self._install_signal_handlers()  # before start: a SIGTERM during start-up still means a clean exit 0
             self.lending = self._lending()
@@ -293,7 +293,7 @@ class Daemon:
     # ---- the training loop ----------------------------------------------------------------------------------
     def _train(self) -> None:
         """The learner's loop: never awaits the network. Rounds run in the syncer; results merge at step
-        boundaries (``Island.boundary``, which also keeps an island's other ranks in step). Only the synchronous
+        boundaries (``Member.boundary``, which also keeps an island's other ranks in step). Only the synchronous
         algorithms (diloco, streaming) block when a merge is due."""
         island, lending = self.island, self.lending
         learner = island.trainee

@@ -1,84 +1,36 @@
-"""An island: one member of a run, around a model whose training loop is someone else's.
+"""``atoll.Island``: a member of a run around a model whose training loop is someone else's.
 
-Its lifetime:
-
-- ``start()`` (entering the ``with`` block): start the DHT (retrying bootstrap) → agree on the run's
-  configuration → build the trainee → check its model against the run's digest → restore a checkpoint, or download
-  the swarm's state → wait for the peers the run waits for (those steps are ``arrival.py``'s). Every step of the
-  loop comes after this, so state from peers (or from the checkpoint) is in the model before the first step.
-- Each inner step ends at a *step boundary*: ``after_step()`` counts the step, starts the rounds due (or opened by
-  peers), merges the landed ones and checkpoints once the last fragment merged; ``before_step()`` loads the
-  replicas the syncer adopted. Neither awaits the network (the synchronous algorithms block when a merge is due).
-- ``close()`` (leaving the block, normally or by an exception): announce leaving, write a last checkpoint, stop the
-  DHT.
-
-Two loops use it. A user's: ``Island(model, optimizer, **options)`` hooks ``optimizer.step``, so each call of it is
-a step counted with the tokens of ``island.tokens(n)`` (or ``tokens_per_step``) and followed by a boundary.
-``atoll start``'s (``daemon.py``): ``Island.for_loop`` builds the daemon's ``Learner`` once the run config is known,
-and the daemon calls the boundaries itself, after its step's device sync.
+``Island(model, optimizer, **options)`` is a ``Member`` (``member.py``: joining, rounds, checkpoints, leaving) that
+hooks ``optimizer.step``, so each call of it is a step counted with the tokens of ``island.tokens(n)`` (or
+``tokens_per_step``) and followed by a step boundary.
 
 A user's loop under ``torchrun`` (``WORLD_SIZE`` > 1) is an island of several ranks (``ranks.py``): rank 0 is the
-member described above; on every other rank ``Island`` only follows it — it takes rank 0's state at start and, at
-each boundary, the parameters rank 0's boundary wrote, and ``stopping`` turns true on every rank after the same step.
+member; on every other rank ``Island`` only follows it — it takes rank 0's state at start and, at each boundary,
+the parameters rank 0's boundary wrote, and ``stopping`` turns true on every rank after the same step.
 """
 
 from __future__ import annotations
 
-import contextlib
-import enum
-import logging
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from atoll.models.data import shard_for_peer
 from atoll.models.registry import model_digest
-from atoll.protocols import codecs
-from atoll.protocols.records import Status
 
 from ..algorithm import algorithm
 from ..config import NodeConfig, load_config
-from ..run_config import OWN_MODEL, ConfigError, RunConfig
-from ..device import Device, codec_threads
-from ..faults import Faults
-from ..home import persist
-from ..home.checkpoint import CheckpointWriter
-from ..log import context as log_context
 from ..log import setup_logging
-from ..metrics import Counters, HeldOut, MetricsLog, peak_rss_mib
-from ..ops.exporter import MetricsEndpoint
-from ..ops.trackers import Tracking, open_trackers
-from ..pause_specs import Mode
-from ..rounds.join import agree_on_run_config, start_member_dht
-from ..rounds.rounds import Rounds
-from ..rounds.syncer import Syncer
-from ..trainee import LoopTrainee, Trainee, device_of, optimizer_params
-from . import arrival, pausing
-from .ddp import DDP
-from .ranks import IslandSync, OneRank, Ranks, init_island, step_boundary
-from .sharded import ShardedSync
-
-logger = logging.getLogger("atoll")
-RATE_WINDOW = 5.0  # seconds over which tokens/s is measured
-METRICS_EVERY = 10  # steps between progress events in metrics.jsonl
-
-BuildTrainee = Callable[[NodeConfig, str], Trainee]  # (the agreed config, our peer id) -> the trainee
-Derive = Callable[[RunConfig], dict[str, str]]  # the run config fields a starter derives and publishes
+from ..run_config import OWN_MODEL, ConfigError
+from ..trainee import LoopTrainee, device_of, optimizer_params
+from .member import Member, logger
+from .ranks import IslandSync, Ranks, init_island
 
 
-class Stage(enum.Enum):
-    """Where an island is in its lifetime: built, started (its loop's steps are the run's), or left."""
-
-    NEW = "new"
-    TRAINING = "training"
-    CLOSED = "closed"
-
-
-class Island:
+class Island(Member):
     """A member of the run ``options`` name, around your own ``model`` and inner ``optimizer``::
 
         with atoll.Island(model, optimizer, run_id="myrun", initial_peers=[...], checkpoint_dir="ckpt") as island:
@@ -137,9 +89,18 @@ class Island:
                               f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})")
         digest = model_digest(model)
         trainee = LoopTrainee(model, optimizer, device, evaluate)
-        self._setup(cfg, explicit, lambda _cfg, _peer: trainee, lambda _run: {"model_digest": digest}, device,
-                    threading.Event(), print_addresses=False)
+
+        def build(agreed: NodeConfig, _peer_id: str) -> LoopTrainee:
+            if algorithm(agreed.run.algorithm).gradient_allreduce:  # the run's algorithm, as agreed with the peers
+                raise ConfigError("algorithm: ddp (a gradient all-reduce every step) runs in `atoll start` only")
+            return trainee
+
+        super().__init__(cfg, explicit, build, lambda _run: {"model_digest": digest}, device, threading.Event(),
+                         print_addresses=False)
         self._ranks = Ranks.from_env()
+        self._sync: IslandSync | None = None  # the collectives with this island's other ranks, if it has any
+        self._stop_requested = threading.Event()
+        self._agreed_stop = False
         if self._ranks.world > 1:
             if any(hasattr(p, "full_tensor") for p in trainee.params):
                 raise ConfigError("model: its parameters are sharded (FSDP); an island of sharded ranks runs in "
@@ -151,60 +112,17 @@ class Island:
             self.rank_sync = self._sync
             self._own_trainee = trainee
         self._tokens_per_step, self._next_tokens, self._next_loss = tokens_per_step, None, None
-        self._optimizer, self._hook = optimizer, None
+        self._optimizer = optimizer
+        self._hook: torch.utils.hooks.RemovableHandle | None = None
+        self._step_end = 0.0
         if not logger.handlers:  # a script that set up no logging of its own still sees the island's progress
             setup_logging(cfg.log_level, cfg.log_format)
 
-    @classmethod
-    def for_loop(cls, cfg: NodeConfig, explicit: set[str], build: BuildTrainee, derive: Derive, device: Device,
-                 stop: threading.Event) -> Island:
-        """An island whose loop calls ``before_step``/``after_step`` itself (``atoll start``'s): ``build`` makes the
-        trainee once the run config is agreed, ``derive`` the fields this island publishes if it starts the run
-        (``join.agree_on_run_config``), and ``stop`` is the event the loop and the synchronous merges watch."""
-        island = cls.__new__(cls)
-        island._setup(cfg, explicit, build, derive, device, stop, print_addresses=True)
-        island._ranks = Ranks()  # the daemon keeps its own ranks in step (daemon.py)
-        island._optimizer, island._hook = None, None
-        return island
-
-    def _setup(self, cfg: NodeConfig, explicit: set[str], build: BuildTrainee, derive: Derive, device: Device,
-               stop: threading.Event, print_addresses: bool) -> None:
-        self.cfg, self.explicit, self._build, self._derive = cfg, explicit, build, derive
-        self.device, self.stop_event, self._print_addresses = device, stop, print_addresses
-        codecs.set_threads(codec_threads(cfg.codec_threads, device.kind))
-        self.faults = Faults(cfg.faults)
-        self.harness = cfg.parsed_harness()
-        self.counters = Counters()
-        self.counters.device = device.describe()
-        self.metrics = MetricsLog(None)
-        self.checkpointer: CheckpointWriter | None = None
-        self.checkpoints_written = 0
-        self._checkpoint_due = False  # a checkpoint came due while the previous write was still going
-        self.trainee: Trainee | None = None
-        self._exit = contextlib.ExitStack()
-        self.stage = Stage.NEW
-        self._sync: IslandSync | None = None
-        # The collectives of each step boundary with the island's other ranks (the daemon sets its own).
-        self.rank_sync: IslandSync | ShardedSync | OneRank = OneRank()
-        self._stop_requested = threading.Event()
-        self._agreed_stop = False
-        self._paused: pausing.Paused | None = None
-
     # ---- what a loop reads ----------------------------------------------------------------------------------
     @property
-    def step(self) -> int:
-        """Inner steps this member trained (after ``start``: a restored checkpoint's)."""
-        return self.trainee.step if self.trainee is not None else 0
-
-    @property
-    def version(self) -> int:
-        """The replica's version: outer rounds merged into it, summed over fragments."""
-        return self.replica.total_version if self.trainee is not None else 0
-
-    @property
     def stopping(self) -> bool:
-        """True once something asked this island to stop (a signal to the daemon, ``request_stop``, or ``close``);
-        on an island of several ranks, from the boundary at which every rank learns it."""
+        """True once something asked this island to stop (``request_stop``, or ``close``); on an island of several
+        ranks, from the boundary at which every rank learns it."""
         if self._sync is not None:
             return self._agreed_stop
         return self.stop_event.is_set()
@@ -233,16 +151,14 @@ class Island:
         self.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
     def start(self) -> None:
-        """Join the run (see the module's docstring); ``ConfigError`` (one line) for what the user must fix."""
+        """Join the run (``Member.start``) and hook the optimizer's step; on a rank other than 0, follow rank 0.
+        ``ConfigError`` (one line) for what the user must fix."""
         try:
             if self.following:
                 self._follow()
                 return
-            self._start()
+            super().start()
             if self._sync is not None:  # the other ranks take the agreed config and the state joining gave us
                 self.counters.ranks = self._ranks.world
                 self._sync.share_config(self.cfg, self.peer_id)
@@ -250,6 +166,11 @@ class Island:
         except BaseException:
             self._exit.close()
             raise
+        if self._tokens_per_step is None:
+            logger.info("the tokens a step trains are not given (tokens_per_step=, or island.tokens(n)): rounds "
+                        "weigh a member's steps")
+        self._step_end = time.monotonic()
+        self._hook = self._optimizer.register_step_post_hook(self._on_optimizer_step)
 
     def _follow(self) -> None:
         """A rank other than 0: rank 0's config and state, then the hook that keeps this rank in step with it."""
@@ -264,166 +185,12 @@ class Island:
         logger.info("rank %d of %d: following rank 0 from step %d", self._ranks.rank, self._ranks.world, trainee.step)
         self._hook = self._optimizer.register_step_post_hook(self._on_optimizer_step)
 
-    def _start(self) -> None:
-        cfg = self.cfg
-        endpoint = None
-        if cfg.metrics_port >= 0:  # bound first: a port that is taken fails before the DHT is joined
-            endpoint = MetricsEndpoint(cfg)
-            self._exit.callback(endpoint.stop)
-        dht, token, self.revocation, validators = start_member_dht(cfg, self.faults.namespaces(cfg.run_id))
-        self._exit.callback(dht.shutdown)
-        subkey = validators[0].local_public_key
-        self.dht = dht
-        self.peer_id = peer_id = str(dht.peer_id)
-        log_context.peer_id = peer_id
-        self.maddrs = [str(m) for m in dht.get_visible_maddrs()]
-        if self._print_addresses:
-            for maddr in self.maddrs:
-                print(maddr, flush=True)
-        logger.info("peer id %s; to join this run, pass one of %s as an initial peer", peer_id,
-                    ", ".join(self.maddrs))
-        self.cfg, config_record = agree_on_run_config(dht, cfg, self.explicit, token, subkey, derive=self._derive)
-        cfg, run = self.cfg, self.cfg.run
-        self.algorithm = algo = algorithm(run.algorithm)
-        self.counters.algorithm = run.algorithm
-        tracking = Tracking(open_trackers(cfg, peer_id), self._figures)
-        self._exit.callback(tracking.close)
-        self.metrics = MetricsLog(Path(cfg.checkpoint_dir) / "metrics.jsonl" if cfg.checkpoint_dir else None,
-                                  (tracking.event,) if tracking.trackers else ())
-        self._exit.callback(self.metrics.close)
-        self.num_shards = run.num_shards
-        self.shard = shard_for_peer(peer_id, run.num_shards)
-
-        self.trainee = trainee = self._build(cfg, peer_id)
-        if algo.gradient_allreduce and self._optimizer is not None:
-            raise ConfigError("algorithm: ddp (a gradient all-reduce every step) runs in `atoll start` only")
-        digest = model_digest(trainee.model)
-        if run.model_digest and digest != run.model_digest:
-            raise ConfigError(f"model: this island's model has parameters (names, shapes, dtypes: digest {digest}) "
-                              f"other than the run's (digest {run.model_digest}); build the run's model")
-        self.held_out = HeldOut(cfg.eval_budget, self.counters)
-        self.fragments, self.replica, self.local = arrival.build(trainee, cfg)
-        resumed, error_feedback = False, {}
-        if cfg.checkpoint_dir:
-            self.checkpointer = CheckpointWriter(cfg.checkpoint_dir, self._checkpoint_written)
-            restored = arrival.restore(cfg, trainee, self.fragments, self.local, self.counters, self.metrics)
-            if restored is not None:
-                (self.replica, error_feedback), resumed = restored, True
-        self.counters.step, self.counters.tokens = trainee.step, trainee.tokens  # a restored one's, from the start
-        self.syncer = syncer = Syncer(cfg, dht, subkey, self.replica, self.fragments, self.counters, self.faults,
-                                      private=token is not None, config_record=config_record,
-                                      run_public_key=token.run_public_key if token is not None else None,
-                                      revocation=self.revocation, error_feedback=error_feedback)
-        syncer.start()
-        self._exit.callback(syncer.shutdown)
-        if endpoint is not None:
-            endpoint.serve(cfg, peer_id, self.counters, syncer, self.replica)
-        if resumed:
-            arrival.catch_up(cfg, syncer, self.replica, self.metrics)
-        else:
-            arrival.join(cfg, syncer, trainee, self.fragments, self.replica, self.local, self.metrics, self.shard,
-                         self.stop_event)
-        if algo.gradient_allreduce and self.replica.total_version > 0 and not resumed:
-            raise ConfigError(f"algorithm: ddp runs have a fixed membership and this one is at step "
-                              f"{self.replica.total_version}; start every ddp daemon together (see --quorum)")
-        self.rounds = Rounds(cfg, algo, trainee, self.fragments, self.replica, self.local, syncer, self.counters,
-                             self.metrics, self.held_out, self.stop_event)
-        self.ddp = DDP(trainee, self.replica, self.local[0], syncer, self.counters, self.metrics, self.held_out,
-                       self.stop_event) if algo.gradient_allreduce else None
-        self.counters.status = Status.TRAINING
-        arrival.wait_for_peers(syncer, run.quorum if algo.gradient_allreduce else self.harness.start_together,
-                               self.stop_event)
-        self.stage = Stage.TRAINING
-        self.counters.started = self._window_start = self._step_end = time.monotonic()
-        self._window_tokens = 0
-        if self._optimizer is not None:
-            self._hook = self._optimizer.register_step_post_hook(self._on_optimizer_step)
-            if self._tokens_per_step is None:
-                logger.info("the tokens a step trains are not given (tokens_per_step=, or island.tokens(n)): "
-                            "rounds weigh a member's steps")
-
     def close(self) -> None:
-        """Leave the run: announce it, write a last checkpoint, stop the DHT. Safe to call more than once."""
-        if self.stage is Stage.CLOSED:
-            return
-        trained, self.stage = self.stage is Stage.TRAINING, Stage.CLOSED
-        self.stop_event.set()
+        """Unhook the optimizer and leave the run (``Member.close``). Safe to call more than once."""
         if self._hook is not None:
             self._hook.remove()
-        try:
-            if trained:
-                trainee, replica = self.trainee, self.replica
-                self.counters.status = Status.LEAVING
-                self.syncer.shutdown()
-                self.checkpoint(wait=True)
-                if self.checkpointer is not None:
-                    self.checkpointer.wait()
-                logger.info("stopped at step %d, version %d, peak resident memory %d MiB", trainee.step,
-                            replica.total_version, peak_rss_mib())
-                self.metrics.write(event="summary", **self.counters.summary(
-                    self.syncer.stats, [v for v, _, _ in replica.identities()]))
-        finally:
-            self._exit.close()
-
-    def _figures(self) -> dict[str, Any]:
-        """The progress record's own fields and the bytes sent and received so far (the experiment trackers')."""
-        stats = self.syncer.stats
-        return {**self.counters.progress(), "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received}
-
-    # ---- step boundaries --------------------------------------------------------------------------------------
-    def boundary(self, loss: float | None = None, seconds: float | None = None,
-                 stop: Callable[[], bool] = lambda: False) -> bool:
-        """A step boundary, on every rank of the island at the same point (``ranks.step_boundary``): after a step
-        of ``seconds`` (None before the first step, or after one that did not count) with its ``loss``, the
-        island's ranks average the loss and mark θ; rank 0 counts the step, starts and merges rounds, checkpoints
-        (``after_step``) and loads the replicas the syncer adopted (``before_step``), and what it wrote goes to the
-        other ranks. Returns whether the island stops: ``stop()`` as every rank learns it."""
-        trainee = self.trainee
-        assert trainee is not None
-
-        def lead(mean_loss: float | None) -> None:
-            if seconds is not None:
-                self.after_step(mean_loss, seconds)
-            self.before_step()
-
-        step = trainee.step if seconds is not None else None
-        with torch.no_grad():  # merged values go into the leaf parameters in place
-            stopping = step_boundary(self.rank_sync, step, self.cfg.run.sync_every, loss, stop,
-                                     lead if self._ranks.leader else None)
-        self.counters.rank_drift, self.counters.island_sync_seconds = self.rank_sync.drifted, self.rank_sync.seconds
-        return bool(stopping)
-
-    def before_step(self) -> None:
-        """Load the replicas the syncer adopted into θ (a step boundary, before the loop's next step)."""
-        self.rounds.before_step()
-
-    def after_step(self, loss: float | None, seconds: float) -> None:
-        """The trainee just finished a step of ``seconds`` (its counters advanced): count it, start and merge rounds,
-        checkpoint at a consistent point. ddp's daemons report and checkpoint every H steps instead."""
-        trainee, counters, run = self.trainee, self.counters, self.cfg.run
-        counters.loss = loss
-        counters.train_seconds += seconds
-        counters.stepped(seconds)
-        counters.step, counters.tokens = trainee.step, trainee.tokens
-        log_context.step = trainee.step
-        self.replica.schedule_step += 1
-        for local in self.local:
-            local.add_step(trainee.tokens_per_step)
-        self._window_tokens += trainee.tokens_per_step
-        elapsed = time.monotonic() - self._window_start
-        if elapsed >= RATE_WINDOW:
-            counters.tokens_per_s, self._window_start, self._window_tokens = self._window_tokens / elapsed, \
-                time.monotonic(), 0
-        if trainee.step % METRICS_EVERY == 0:
-            self.metrics.write(step=trainee.step, tokens=trainee.tokens, loss=loss)
-        if self.ddp is not None:
-            if trainee.step % run.sync_every == 0:
-                self.ddp.report()
-                self.checkpoint()
-        elif self.rounds.after_step():
-            self.checkpoint()
-        if self._checkpoint_due:
-            self.checkpoint()
+            self._hook = None
+        super().close()
 
     def _on_optimizer_step(self, _optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         """The user's ``optimizer.step()`` returned: a step boundary."""
@@ -439,45 +206,4 @@ class Island:
             self._agreed_stop = True
             self.stop_event.set()
         self._step_end = time.monotonic()
-
-    # ---- pausing (pausing.py; atoll start's loop only) ----------------------------------------------------------
-    def pause(self, reasons: list[str], mode: Mode) -> None:
-        """Lend the machine back without leaving the run, between two steps (``pausing.pause``); ``resume`` undoes
-        it."""
-        self._paused = pausing.pause(self, reasons, mode)
-
-    @property
-    def paused(self) -> pausing.Paused | None:
-        return self._paused
-
-    def resume(self, leaving: bool = False) -> None:
-        """Back from ``pause`` (``pausing.resume``); ``leaving``: θ back only, for the last checkpoint. If the device
-        cannot take θ back, the error is raised and the island stays paused."""
-        assert self._paused is not None
-        pausing.resume(self, self._paused, leaving)
-        self._paused = None
-        if not leaving:
-            self._window_start, self._window_tokens = time.monotonic(), 0
-
-    def _checkpoint_written(self, meta: dict[str, Any]) -> None:
-        self.counters.checkpoint_at = time.time()
-        self.metrics.write(event="checkpoint", version=meta["version"], step=meta["step"], tokens=meta["tokens"])
-
-    # ---- checkpoints --------------------------------------------------------------------------------------------
-    def checkpoint(self, wait: bool = False) -> None:
-        """Copy the state to host memory (consistent at this step) and hand it to the background writer. While the
-        previous write is still going (a slow disk), the checkpoint is taken at the first step boundary after it
-        ends: the loop does not wait for a disk (``wait``: it does, when leaving)."""
-        if self.checkpointer is None or self._paused is not None:  # paused: θ is not on the device, nothing to save
-            return
-        # One checkpoint's copy in host memory at a time: two coexisting copies were rank 0's peak.
-        self._checkpoint_due = self.checkpointer.busy() and not wait
-        if self._checkpoint_due:
-            return
-        self.checkpointer.wait()
-        tensors, meta = persist.capture(self.cfg, self.peer_id, self.trainee, self.replica, self.local,
-                                        self.syncer.error_feedback_state(), self.counters.tokens_lost,
-                                        self.counters.tokens_carried)
-        self.checkpoints_written += 1
-        self.checkpointer.submit(tensors, meta, interrupt=self.faults.checkpoint_interrupt(self.checkpoints_written))
 

@@ -18,7 +18,7 @@ job that idles for a moment does not hand the machine back and forth. Policies a
 ``SAMPLE_EVERY`` seconds from the training loop (at a step boundary, or in the paused daemon's wait); the clock and
 every reading are injectable so tests drive them deterministically.
 
-This module decides; the island carries a pause out (``Island.pause``/``resume``) and the daemon's loop asks
+This module decides; the island carries a pause out (``Member.pause``/``resume``) and the daemon's loop asks
 (``daemon.py``). Nothing here touches the network.
 """
 

@@ -19,7 +19,7 @@ from ..pause_specs import Mode
 from . import arrival
 
 if TYPE_CHECKING:
-    from .island import Island
+    from .member import Member
 
 logger = logging.getLogger("atoll")
 
@@ -33,7 +33,7 @@ class Paused:
     step: int
 
 
-def pause(island: Island, reasons: list[str], mode: Mode) -> Paused:
+def pause(island: Member, reasons: list[str], mode: Mode) -> Paused:
     """Finish the rounds in flight, tell the others we are ``paused`` (from then on no round expects us; we still
     serve our replica to whoever asks), and free θ, its gradients and the optimizer's state from the device, kept
     in host memory or in a checkpoint (``mode``; host memory where the checkpoint cannot be written)."""
@@ -69,7 +69,7 @@ def pause(island: Island, reasons: list[str], mode: Mode) -> Paused:
     return state
 
 
-def resume(island: Island, paused: Paused, leaving: bool) -> None:
+def resume(island: Member, paused: Paused, leaving: bool) -> None:
     """θ and the optimizer's state back onto the device, ``training`` again, then the replicas the swarm merged
     meanwhile, by replaying its rounds where the donors still hold them; the next ``before_step`` loads them into
     θ, and the work we had not merged is kept or counted lost as at any adoption (``Rounds``). ``leaving``: θ back

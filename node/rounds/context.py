@@ -10,7 +10,7 @@ from typing import Any
 from hivemind import DHT
 
 from atoll.models.outer import NesterovOuter
-from atoll.protocols.codecs import ErrorFeedback
+from atoll.protocols.error_feedback import ErrorFeedback
 from atoll.protocols.cooldown import Cooldown
 from atoll.protocols.stats import TrafficStats
 

@@ -8,22 +8,16 @@ even code), element by element in float64, independently of the torch code.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import io
-import pathlib
 import struct
 
 import numpy as np
 import pytest
 import torch
 
-try:
-    from atoll.protocols import codecs as C
-except ImportError:  # package not installed yet: load the module from its file
-    _path = pathlib.Path(__file__).resolve().parents[2] / "protocols" / "codecs.py"
-    _spec = importlib.util.spec_from_file_location("atoll_codecs_under_test", _path)
-    C = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(C)
+from atoll.protocols import codec_threads
+from atoll.protocols import codecs as C
+from atoll.protocols.error_feedback import ErrorFeedback
 
 BLOCK_CODECS = ("int8", "int4", "fp4", "int2")
 LOSSY = ("bf16",) + BLOCK_CODECS
@@ -369,18 +363,18 @@ def test_deterministic_across_calls_threads_and_layouts(codec):
 def test_codec_threads_split_large_payloads_byte_for_byte(codec):
     """Above the parallel threshold a payload's blocks are encoded and decoded in runs on several threads: the
     same bytes and values as on one, including the tail block; NaN is still refused."""
-    x = torch.randn(C._PARALLEL_MIN * 3 + 1234, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(codec_threads.PARALLEL_MIN * 3 + 1234, generator=torch.Generator().manual_seed(6))
     try:
         C.set_threads(1)
         one = C.encode(x, codec)
         values_one = C.decode(one)
         C.set_threads(4)
         four = C.encode(x, codec)
-        assert C._pool is not None  # the payload was large enough to be split
+        assert codec_threads.pooled()  # the payload was large enough to be split
         assert four == one
         assert torch.equal(C.decode(four), values_one)
         bad = x.clone()
-        bad[C._PARALLEL_MIN * 2 + 7] = float("nan")  # in the third run
+        bad[codec_threads.PARALLEL_MIN * 2 + 7] = float("nan")  # in the third run
         with pytest.raises(ValueError, match="NaN"):
             C.encode(bad, codec)
     finally:
@@ -596,7 +590,7 @@ def _deltas(rounds, n, seed):
 @pytest.mark.parametrize("codec", LOSSY)
 def test_error_feedback_running_sum_stays_bounded(codec):
     rounds, n, B = 300, 2000, 64
-    ef = C.ErrorFeedback()
+    ef = ErrorFeedback()
     s_true = np.zeros(n)
     s_dec = np.zeros(n)
     dmax = 0.0
@@ -632,14 +626,14 @@ def test_without_error_feedback_the_gap_grows(codec):
 
 def test_error_feedback_checkpoint_resume_is_identical():
     deltas = [torch.from_numpy(d) for d in _deltas(12, 3000, 9)]
-    ef = C.ErrorFeedback()
+    ef = ErrorFeedback()
     for d in deltas[:6]:
         compress(ef, "a", d, "int4", 128)
         compress(ef, "b", d[:1000] * 2, "int8", 256)
     buf = io.BytesIO()
     torch.save(ef.state_dict(), buf)
     buf.seek(0)
-    resumed = C.ErrorFeedback()
+    resumed = ErrorFeedback()
     resumed.load_state_dict(torch.load(buf))
     assert set(resumed.state_dict()) == {"a", "b"}
     for d in deltas[6:]:
@@ -652,7 +646,7 @@ def test_error_feedback_checkpoint_resume_is_identical():
 
 
 def test_error_feedback_edge_cases():
-    ef = C.ErrorFeedback()
+    ef = ErrorFeedback()
     d = torch.randn(500)
     d_copy = d.clone()
     compress(ef, "k", d, "int2")
@@ -678,7 +672,7 @@ def test_error_feedback_edge_cases():
 
 def test_error_feedback_residuals_are_this_moments_values_without_a_copy():
     """A checkpoint holds ``residuals()`` while rounds go on: a later commit must replace, not overwrite, them."""
-    ef = C.ErrorFeedback()
+    ef = ErrorFeedback()
     g = torch.Generator().manual_seed(3)
     target = ef.target("0", torch.randn(1000, generator=g))
     ef.commit("0", target, C.decode(C.encode(target, "int4")))
