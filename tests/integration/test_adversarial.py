@@ -1,6 +1,6 @@
 """A hostile member and an outsider attack a live private swarm; the honest daemons train as if they were absent.
 
-Two swarms of three honest daemons, one after the other, the same in every respect but the attacks (synchronous
+Two swarms of three honest daemons, side by side, the same in every respect but the attacks (synchronous
 DiLoCo, nano, H=10, a fixed number of steps, started together: the run is deterministic, so the comparison is
 exact rather than statistical). In the attacked one, an outsider without a token (``scripts/hostile/outsider.py``)
 first sends a frame declaring 1 GiB, opens 1,400 idle streams and sends throwaway identities to wait for groups;
@@ -13,6 +13,7 @@ the offences by kind, and stay under a memory and fd bound.
 """
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import signal
@@ -23,13 +24,14 @@ from pathlib import Path
 
 import pytest
 from hivemind import DHT
+from hivemind.utils.crypto import RSAPrivateKey
 from scripts.hostile import outsider
 from scripts.swarm import LocalSwarm
 from support.swarms import peer_id, wait_for
 
 from atoll.node.rounds.join import choose_config
 from atoll.protocols import dht_io
-from atoll.protocols.auth import JoinToken, RunKey
+from atoll.protocols.auth import JoinToken, RunKey, identity_bytes
 from atoll.protocols.p2p_guard import MAX_STRANGER_STREAMS, MAX_STREAMS_PER_PEER
 from atoll.protocols.record_validator import make_validators
 from atoll.protocols.records import config_key, unwrap_subkeys
@@ -159,19 +161,32 @@ def merges(observed: dict) -> int:
 def credentials(tmp_path_factory):
     folder = tmp_path_factory.mktemp("credentials")
     key, _ = RunKey.load_or_create(folder / "run.key")
+    # a's identity, made before the two swarms start at once (each would create it at its start otherwise).
+    (folder / "a.key").write_bytes(identity_bytes(RSAPrivateKey()))
     for name in HONEST[1:]:
         key.issue_token("atoll").save(folder / f"{name}.token")
     return folder
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory, credentials):
-    return run(tmp_path_factory.mktemp("baseline"), credentials, attack=False)
+def swarms(tmp_path_factory, credentials):
+    """Both swarms at once: they share no DHT, and each spends most of its time waiting (its steps are slowed, the
+    member's phases and the outsider's attacks are timed), so together they take about as long as the attacked one
+    alone. The comparison stays exact: each run's rounds wait for all three of its daemons."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        runs = {attack: pool.submit(run, tmp_path_factory.mktemp("attacked" if attack else "baseline"), credentials,
+                                    attack) for attack in (False, True)}
+        return {attack: future.result() for attack, future in runs.items()}
 
 
 @pytest.fixture(scope="module")
-def attacked(tmp_path_factory, credentials):
-    return run(tmp_path_factory.mktemp("attacked"), credentials, attack=True)
+def baseline(swarms):
+    return swarms[False]
+
+
+@pytest.fixture(scope="module")
+def attacked(swarms):
+    return swarms[True]
 
 
 @pytest.mark.timeout(1500)  # both swarms run here (the fixtures)

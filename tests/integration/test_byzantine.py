@@ -18,8 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from hivemind import DHT
+from hivemind.utils.crypto import RSAPrivateKey
 from scripts.swarm import LocalSwarm
 
+from atoll.protocols.auth import identity_bytes
 from atoll.protocols.record_validator import make_validators
 from support.swarms import assert_replicas_agree
 
@@ -71,30 +73,49 @@ def summary(swarm, name):
     return next(m for m in swarm.daemons[name].metrics() if m.get("event") == "summary")
 
 
+KINDS = ("scale", "nan", "shape")
+
+
 @pytest.fixture(scope="module")
 def identities(tmp_path_factory):
-    return tmp_path_factory.mktemp("identities")
+    """The daemons' identity files, made before any swarm starts: the swarms run at once, and every one of them
+    must give each honest daemon the same peer id (the same data shard)."""
+    folder = tmp_path_factory.mktemp("identities")
+    for name in (*HONEST, "x"):
+        (folder / f"{name}.key").write_bytes(identity_bytes(RSAPrivateKey()))
+    return folder
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, identities):
-    swarm = run_swarm(tmp_path_factory.mktemp("reference"), identities)
-    losses = {n: final_loss(swarm, n) for n in HONEST}
+def swarms(tmp_path_factory, identities):
+    """The two runs without an attack and one run per attack, three at a time: each swarm waits more than it
+    computes (its steps are slowed), and each run's rounds wait for every one of its daemons (synchronous DiLoCo,
+    started together), so sharing the machine changes when a step happens, not what it computes."""
+    runs = {"reference": {}, "honest_fourth": {"fourth": True}, **{kind: {"byzantine": kind} for kind in KINDS}}
+    with ThreadPoolExecutor(3) as pool:
+        futures = {name: pool.submit(run_swarm, tmp_path_factory.mktemp(name), identities, **kwargs)
+                   for name, kwargs in runs.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+@pytest.fixture(scope="module")
+def reference(swarms):
+    losses = {n: final_loss(swarms["reference"], n) for n in HONEST}
     print("reference (three honest daemons):", losses)
     return losses
 
 
 @pytest.fixture(scope="module")
-def honest_fourth(tmp_path_factory, identities):
-    swarm = run_swarm(tmp_path_factory.mktemp("honest_fourth"), identities, fourth=True)
-    losses = {n: final_loss(swarm, n) for n in HONEST}
+def honest_fourth(swarms):
+    losses = {n: final_loss(swarms["honest_fourth"], n) for n in HONEST}
     print("reference (three honest daemons and the fourth, honest):", losses)
     return losses
 
 
-@pytest.mark.parametrize("kind", ["scale", "nan", "shape"])
-def test_honest_daemons_train_as_if_the_byzantine_one_were_absent(kind, reference, identities, tmp_path, request):
-    swarm = run_swarm(tmp_path, identities, byzantine=kind)
+@pytest.mark.timeout(900)  # the first one runs every swarm (the fixture)
+@pytest.mark.parametrize("kind", KINDS)
+def test_honest_daemons_train_as_if_the_byzantine_one_were_absent(kind, reference, swarms, request):
+    swarm = swarms[kind]
     losses = {n: final_loss(swarm, n) for n in HONEST}
     print(f"with a byzantine={kind} daemon:", losses)
     without_attack = request.getfixturevalue("honest_fourth") if kind == "scale" else reference
