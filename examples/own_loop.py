@@ -109,6 +109,11 @@ def main() -> int:
     except atoll.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if world > 1:
+            # The process group is this script's (it made it): left alive at exit, gloo's threads outlived the
+            # interpreter and one rank aborted ("terminate called without an active exception") now and then.
+            dist.destroy_process_group()
     return 0
 
 
