@@ -45,8 +45,13 @@ system-packages:
 	$(if $(strip $(SYSTEM_PACKAGES)),apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 		$(strip $(SYSTEM_PACKAGES)),@true)
 
+# The unit tests compute and never wait: on as many workers as the machine has cores. The integration tests whose
+# daemons mostly wait (marked `waits`: half the cores busy or less while they ran, build/test-durations.json) two at a
+# time, a module to a worker; the others one at a time. The xla tests run in their own environment (test-xla).
 test: $(STAMP) system-packages
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n auto tests/unit
+	$(PY) -m pytest -q -n 2 --dist loadfile -m waits tests/integration
+	$(PY) -m pytest -q -m "not waits" tests/integration tests/xla
 	$(MAKE) test-xla
 
 # The xla tests run on torch_xla's real compiler and runtime on the CPU (PJRT_DEVICE=CPU). ATOLL_REQUIRE_XLA turns

@@ -32,7 +32,7 @@ from scripts.swarm import LocalSwarm
 from support.swarms import (assert_held_out_falls, assert_replicas_agree, resumes_and_merges_again,
                         stop_after_a_checkpoint, wait_for, wait_for_shared_rounds)
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.waits]
 OWN_LOOP = str(Path(__file__).resolve().parents[2] / "examples" / "own_loop.py")
 # The same run on both sides: one fragment (diloco), plain averaging, no compression, one shard (the peer ids
 # differ, so with more shards the two would read different data).

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.waits]
 
 
 def test_unreachable_bootstrap_peer_exits_2(tmp_path):

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from scripts.swarm import LocalSwarm, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.waits]
 
 ARGS = ["--model", "nano", "--batch-size", "2", "--open", "--algorithm", "diloco", "--sync-every", "5",
         "--harness", "step_delay=0.02"]

@@ -7,7 +7,7 @@ import pytest
 from scripts.swarm import LocalSwarm
 from support.swarms import assert_replicas_agree, peer_id, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.waits]
 
 
 def test_malformed_parts_are_rejected_and_replicas_still_agree(tmp_path):

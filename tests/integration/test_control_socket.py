@@ -13,7 +13,7 @@ from atoll.node.config import ConfigError
 from atoll.node.island.control import ControlServer, ask, run_control
 from atoll.node.island.pause import OPERATOR, PauseState
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.waits]
 
 
 class Loop:

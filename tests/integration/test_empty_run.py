@@ -10,7 +10,7 @@ from scripts.swarm import LocalSwarm, wait_for
 
 from atoll.protocols.record_validator import make_validators
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.waits]
 
 COMMON = ["--model", "nano", "--batch-size", "2", "--open", "--sync-every", "10", "--heartbeat", "1",
           "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]

@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 from atoll.models.registry import build_model
 from atoll.node.home.checkpoint import load_checkpoint
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.waits]
 TINY = dict(model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
 

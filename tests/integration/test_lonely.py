@@ -27,7 +27,7 @@ from support.swarms import assert_replicas_agree, peer_id, wait_for
 from atoll.protocols.auth import RunKey
 from atoll.protocols.state_sync import MAX_ANCESTORS
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.waits]
 ROOT = Path(__file__).resolve().parents[2]
 SPLIT = 300
 COMMON = ["--model", "nano", "--batch-size", "4", "--algorithm", "diloco", "--sync-every", "10",

@@ -13,7 +13,7 @@ from scripts.swarm import LocalSwarm
 from support.swarms import (MODELS_COMMON, assert_held_out_falls, assert_refused_in_one_line, assert_replicas_agree,
                         resumes_and_merges_again, stop_after_a_checkpoint, wait_for, wait_for_shared_rounds)
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.waits]
 COMMON = MODELS_COMMON
 
 

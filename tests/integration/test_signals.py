@@ -10,7 +10,7 @@ from scripts.swarm import LocalSwarm, group_alive, wait_for
 
 from atoll.node.home.checkpoint import load_checkpoint
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.waits]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

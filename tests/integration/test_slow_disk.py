@@ -6,7 +6,7 @@ from scripts.swarm import LocalSwarm, wait_for
 
 from atoll.node.home.checkpoint import load_checkpoint
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.waits]
 
 SLOW = 4.0  # seconds each checkpoint write is held (``slow_checkpoint``)
 SYNC_EVERY = 5
