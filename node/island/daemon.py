@@ -40,8 +40,8 @@ from ..faults import Faults
 from ..metrics import peak_rss_mib
 from ..pause_specs import Mode, PolicyError, deadline_of
 from .control import ControlServer
-from .member import Member
 from .learner import Learner, ShardedLearner
+from .member import Member
 from .pause import PauseState, policies_of
 from .ranks import IslandSync, Ranks, init_island, leave_island, step_boundary
 from .sharded import ShardedSync

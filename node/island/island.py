@@ -30,6 +30,9 @@ from .member import Member, logger
 from .ranks import IslandSync, Ranks, init_island
 
 
+NO_DDP = "algorithm: ddp (a gradient all-reduce every step) runs in `atoll start` only"
+
+
 class Island(Member):
     """A member of the run ``options`` name, around your own ``model`` and inner ``optimizer``::
 
@@ -92,7 +95,7 @@ class Island(Member):
 
         def build(agreed: NodeConfig, _peer_id: str) -> LoopTrainee:
             if algorithm(agreed.run.algorithm).gradient_allreduce:  # the run's algorithm, as agreed with the peers
-                raise ConfigError("algorithm: ddp (a gradient all-reduce every step) runs in `atoll start` only")
+                raise ConfigError(NO_DDP)
             return trainee
 
         super().__init__(cfg, explicit, build, lambda _run: {"model_digest": digest}, device, threading.Event(),
@@ -106,7 +109,7 @@ class Island(Member):
                 raise ConfigError("model: its parameters are sharded (FSDP); an island of sharded ranks runs in "
                                   "`atoll start --fsdp` only, a Python island under torchrun is data parallel")
             if cfg.run.algorithm == "ddp":
-                raise ConfigError("algorithm: ddp (a gradient all-reduce every step) runs in `atoll start` only")
+                raise ConfigError(NO_DDP)
             _, control = init_island(self._ranks, device.kind)
             self._sync = IslandSync(self._ranks, trainee.params, control)
             self.rank_sync = self._sync
