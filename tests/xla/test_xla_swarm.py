@@ -98,7 +98,12 @@ def test_xla_daemon_restarts_from_checkpoint(swarm):
     wait_for(lambda: any(r["version"] > meta["version"] + 1 and me in r["contributors"] for r in full_rounds(x2)),
              240, "x to contribute to 3-member rounds again")
     assert_identical_replicas(swarm, NAMES, 5)
-    later = [m["step"] for m in x2.metrics() if "loss" in m and "event" not in m and m["step"] > meta["step"]]
-    assert later  # it went on from the saved step, not from 0
     codes = swarm.stop_all(timeout=60)
     assert all(codes[n] == 0 for n in NAMES), codes
+    # It went on from the saved step, not from 0: everything the restarted daemon recorded is past that step.
+    events = x2.metrics()  # the file is appended to: the restarted daemon's events follow its "resumed" event
+    start = max(i for i, m in enumerate(events) if m.get("event") == "resumed" and "position" in m)
+    after = events[start + 1:]
+    summary = [m for m in after if m.get("event") == "summary"]
+    assert len(summary) == 1 and summary[0]["step"] > meta["step"], summary
+    assert all(m["step"] > meta["step"] for m in after if "loss" in m and "event" not in m)
