@@ -46,8 +46,10 @@ system-packages:
 		$(strip $(SYSTEM_PACKAGES)),@true)
 
 # The unit tests compute and never wait: on as many workers as the machine has cores. The integration tests whose
-# daemons mostly wait (marked `waits`: half the cores busy or less while they ran, build/test-durations.json) two at a
-# time, a module to a worker; the others one at a time. The xla tests run in their own environment (test-xla).
+# daemons leave a quarter of the cores idle or more (marked `waits`: cpu_busy 0.75 or less alone, in
+# build/test-durations.json) two at a time, a module to a worker; the others, which keep the cores busy, one at a
+# time (two of those at once ran no faster, and slowed twelve daemons' start past its bound). The xla tests run in
+# their own environment (test-xla).
 test: $(STAMP) system-packages
 	$(PY) -m pytest -q -n auto tests/unit
 	$(PY) -m pytest -q -n 2 --dist loadfile -m waits tests/integration

@@ -36,7 +36,7 @@ from atoll.protocols.p2p_guard import MAX_STRANGER_STREAMS, MAX_STREAMS_PER_PEER
 from atoll.protocols.record_validator import make_validators
 from atoll.protocols.records import config_key, unwrap_subkeys
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.waits]
 ROOT = Path(__file__).resolve().parents[2]
 
 STEPS = 800  # long enough for the member's phases and the outsider's attacks to meet a training swarm

@@ -5,7 +5,7 @@ import pytest
 from scripts.swarm import LocalSwarm
 from support.swarms import assert_replicas_agree, peer_id, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.waits]
 
 
 @pytest.mark.parametrize("algorithm", ["streaming", "decoupled"])

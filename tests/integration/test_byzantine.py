@@ -25,7 +25,7 @@ from atoll.protocols.auth import identity_bytes
 from atoll.protocols.record_validator import make_validators
 from support.swarms import assert_replicas_agree
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.waits]
 
 STEPS, SYNC = 120, 30
 COMMON = ["--model", "nano", "--batch-size", "4", "--algorithm", "diloco", "--sync-every", str(SYNC),

@@ -9,7 +9,7 @@ import pytest
 from scripts.swarm import LocalSwarm
 from support.swarms import assert_replicas_agree, last_step, peer_id, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.waits]
 
 FAST_DELAY, SLOW_DELAY = 0.03, 0.12  # seconds slept per step on top of ~10-20 ms of compute: ≥ 3× slower
 COMMON = ["--model", "nano", "--batch-size", "4", "--algorithm", "decoupled", "--sync-every", "40",

@@ -21,7 +21,7 @@ from atoll.protocols.records import open_rounds_key, progress_keys, round_key
 from atoll.protocols.state_serve import StateServicer
 from atoll.protocols.wire import pack_request
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.waits]
 
 RUN = "atoll"
 COMMON = ["--model", "nano", "--batch-size", "4", "--algorithm", "diloco", "--sync-every", "20", "--gather-timeout", "8",

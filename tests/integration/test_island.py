@@ -19,7 +19,7 @@ import torch
 from scripts.swarm import LocalSwarm
 from support.swarms import wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.waits]
 
 COMMON = ["--model", "nano", "--batch-size", "4", "--nproc-per-node", "2", "--heartbeat", "1", "--eval-budget", "1",
           "--gather-timeout", "10", "--round-timeout", "10"]

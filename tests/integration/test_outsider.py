@@ -14,7 +14,7 @@ from hivemind.utils import get_dht_time
 from scripts.swarm import LocalSwarm, StatusReader
 from support.swarms import peer_id, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.waits]
 
 COMMON = ["--model", "nano", "--batch-size", "4", "--algorithm", "diloco", "--sync-every", "20",
           "--gather-timeout", "8", "--round-timeout", "8", "--heartbeat", "1"]

@@ -17,7 +17,7 @@ from support.trackers import wandb_history
 from atoll.node.home import export
 from atoll.protocols.auth import RunKey
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.waits]
 
 # A fragment's round every ~60 fast steps (about a second here) and records at most 0.3 s old: an export takes a
 # fragment only while both daemons' records agree on it (two vouchers), which rounds every 20 steps against a 1 s

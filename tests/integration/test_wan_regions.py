@@ -22,7 +22,7 @@ from scripts.swarm import LocalSwarm, peer_id, wait_for
 from support.swarms import assert_replicas_agree
 from scripts import wan
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.waits]
 
 COMMON = ["--model", "nano", "--batch-size", "4", "--algorithm", "diloco", "--sync-every", "20", "--gather-timeout",
           "10", "--round-timeout", "10", "--heartbeat", "1", "--threads", "1"]
