@@ -11,32 +11,36 @@ holding a join token (``scripts/hostile/member.py``, a process of its own) runs 
 round until the honest daemons stop; or, for ``--attack byzantine=K`` or ``reducer=K``, a fourth daemon with a
 join token that trains and merges with that ``--fault`` (``node/faults.py``) from that round on; with ``--control
 honest`` the clean run has the same fourth daemon without the fault (a like-for-like count of processes on a
-machine whose cores the daemons share, and of members per round). ``--attackers 2``:
-two of either, each with a token of its own (colluders). The order of the two alternates from seed to seed. Measured from the honest
-daemons' own metrics: the held-out loss of their final replicas (mean over a, b, c), multi-member merges a minute
-per daemon, adoptions (and any whose donors include the member, or whose replica is one the member served), and
-their refusals by kind. Goals (the hostile-internet issue): held-out within 5% of the clean run, merges a minute at
-least 80% of it. ``--label`` names the code under test (run from another checkout for a before/after); results
-accumulate in ``<out>/bench_hostile.json``.
+machine whose cores the daemons share, and of members per round). ``--attackers 2``: two of either, each with a
+token of its own (colluders). The order of the two alternates from seed to seed. Measured from the honest daemons'
+own metrics: the held-out loss of their final replicas (mean over a, b, c), multi-member merges a minute per daemon,
+adoptions (and any whose donors include the member, or whose replica is one the member served), and their refusals
+by kind (with their DHT nodes' refusals, from their logs); and each honest daemon's peak resident memory and open
+file descriptors (its process tree: the daemon, its DHT process, p2pd; sampled every 2 s). Goals (the hostile-
+internet issue): held-out within 5% of the clean run, merges a minute at least 80% of it. ``--label`` names the code
+under test (run from another checkout for a before/after); results accumulate in ``<out>/bench_hostile.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
+import re
 import signal
 import statistics
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 from scripts.results import write_result
 from scripts.stats import interval
-from scripts.swarm import LocalSwarm, peer_id, wait_for
+from scripts.swarm import LocalSwarm, descendants, peer_id, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,6 +53,48 @@ def common(args: argparse.Namespace, seed: int) -> list[str]:
             "--max-steps", str(args.steps), "--harness", f"step_delay={args.step_delay}",
             "--harness", f"start_together={len(HONEST)}", "--seed", str(seed), "--eval-budget", "1",
             *(["--robust-merge", args.robust_merge] if args.robust_merge else [])]
+
+
+SAMPLE_EVERY = 2.0  # seconds between samples of the honest daemons' resident memory and file descriptors
+
+
+def tree_resources(pid: int) -> tuple[float, int]:
+    """Resident MiB and open file descriptors of ``pid`` and its descendants (its DHT process, p2pd)."""
+    rss, fds = 0.0, 0
+    for p in [pid, *descendants(pid)]:
+        try:
+            rss += next(int(line.split()[1]) for line in Path(f"/proc/{p}/status").read_text().splitlines()
+                        if line.startswith("VmRSS:")) / 1024
+            fds += len(os.listdir(f"/proc/{p}/fd"))
+        except (FileNotFoundError, ProcessLookupError, StopIteration):
+            continue
+    return rss, fds
+
+
+class Peaks:
+    """Samples the honest daemons' process trees every ``SAMPLE_EVERY`` s while it runs (a context manager):
+    ``rss_mib`` and ``fds`` are each daemon's peaks."""
+
+    def __init__(self, swarm: LocalSwarm) -> None:
+        self.swarm, self.rss_mib, self.fds = swarm, {n: 0.0 for n in HONEST}, {n: 0 for n in HONEST}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(SAMPLE_EVERY):
+            for name in HONEST:
+                d = self.swarm.daemons.get(name)
+                if d is not None and d.alive():
+                    rss, fds = tree_resources(d.proc.pid)
+                    self.rss_mib[name], self.fds[name] = max(self.rss_mib[name], rss), max(self.fds[name], fds)
+
+    def __enter__(self) -> Peaks:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def daemon_attack(args: argparse.Namespace) -> bool:
@@ -79,7 +125,8 @@ def run(root: Path, args: argparse.Namespace, seed: int, attack: bool) -> dict:
                     members.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                                     cwd=ROOT, preexec_fn=lambda: os.nice(args.attacker_nice)))
         try:
-            codes = {n: d.proc.wait(args.run_timeout) for n, d in swarm.daemons.items()}
+            with Peaks(swarm) as peaks:
+                codes = {n: d.proc.wait(args.run_timeout) for n, d in swarm.daemons.items()}
         finally:
             for member in members:
                 if member.poll() is None:
@@ -89,7 +136,7 @@ def run(root: Path, args: argparse.Namespace, seed: int, attack: bool) -> dict:
                     except subprocess.TimeoutExpired:
                         os.killpg(member.pid, signal.SIGKILL)
         got = [json.loads(r.read_text()) for r in results if r.exists()]
-        return measure(swarm, codes, got, attack)
+        return {**measure(swarm, codes, got, attack), "peak_rss_mib": peaks.rss_mib, "peak_fds": peaks.fds}
 
 
 def measure(swarm: LocalSwarm, codes: dict, members: list[dict], attack: bool) -> dict:
@@ -121,6 +168,10 @@ def measure(swarm: LocalSwarm, codes: dict, members: list[dict], attack: bool) -
         summary = next((m for m in metrics if m.get("event") == "summary"), {})
         for kind, count in summary.get("rejected_by_kind", {}).items():
             kinds[kind] = kinds.get(kind, 0) + count
+        # Its DHT process's refusals (protocols/dht_guard.py) are in its log only: the last count it logged.
+        logged = re.findall(r"DHT node refused a call of \S+ \(\S+\); refused so far: (\{[^}]*\})", d.log())
+        for kind, count in (ast.literal_eval(logged[-1]).items() if logged else ()):
+            kinds["dht:" + kind] = kinds.get("dht:" + kind, 0) + count
     out.update(held_out=statistics.mean(losses), held_out_per_daemon=losses, merges_per_min=statistics.mean(rates),
                adoptions=adoptions, adoptions_from_member=from_member, member_replicas_held=poisoned,
                rejected_by_kind=kinds, peer_ids={n: peer_id(swarm.daemons[n]) for n in HONEST})
@@ -186,7 +237,8 @@ def main() -> int:
             doc["runs"].append(r)
             print(f"{args.label} seed {seed} {'attacked' if attack else 'clean   '}: held-out {r['held_out']:.3f}, "
                   f"merges/min {r['merges_per_min']:.1f}, adoptions {r['adoptions']} (from the member "
-                  f"{r['adoptions_from_member']}), member's replicas held {r['member_replicas_held']}, refused "
+                  f"{r['adoptions_from_member']}), member's replicas held {r['member_replicas_held']}, peak RSS "
+                  f"{max(r['peak_rss_mib'].values()):.0f} MiB, peak fds {max(r['peak_fds'].values())}, refused "
                   f"{ {k: v for k, v in r['rejected_by_kind'].items() if v} }", flush=True)
         if len(pair) == 2:
             print(f"  held-out ratio {pair[True]['held_out'] / pair[False]['held_out']:.3f}, merges ratio "
@@ -210,6 +262,10 @@ def summarize(doc: dict) -> dict:
         doc["summary"].append({"label": label, "attack": attack, "seeds": len(pairs),
                                "control": pairs[0][False].get("control", "alone"),
                                "held_out_ratio": interval(held), "merges_ratio": interval(merges),
+                               **({"peak_rss_ratio": interval([max(s[True]["peak_rss_mib"].values())
+                                                                / max(s[False]["peak_rss_mib"].values())
+                                                                for s in pairs])}
+                                  if all("peak_rss_mib" in s[a] for s in pairs for a in s) else {}),
                                "held_out_within_5pct": sum(x <= 1.05 for x in held),
                                "merges_at_least_80pct": sum(x >= 0.8 for x in merges)})
     return doc

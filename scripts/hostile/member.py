@@ -24,6 +24,8 @@ its own, and serves the run's two RPCs with answers of its choosing. Each attack
 - ``open_rounds``: it announces an open round of every fragment at the swarm's version twice a second.
 - ``junk_records``: fifty progress records under fake peer ids (each under a subkey of its own), malformed round,
   group and open-round values, and a run config that claims the run is open and trains another model.
+- ``dht_flood``, ``held_downloads``, ``dynamic_keys``: attacks on the honest daemons' memory and work
+  (``scripts/hostile/exhaustion.py``).
 
 Every attack returns what it did (counts); what the honest daemons made of it is read from their own records.
 """
@@ -33,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import signal
 import tempfile
 import threading
 import time
@@ -60,6 +63,8 @@ from atoll.protocols.records import (ALL_SHARDS, ProgressRecord, config_key, ope
                                      unwrap_subkeys)
 from atoll.protocols.stats import TrafficStats
 from atoll.protocols.wire import WireError, pack_request, pack_response, unpack
+
+from . import exhaustion
 
 
 class HostileMember:
@@ -89,6 +94,7 @@ class HostileMember:
         self.reducer_hostile = False
         self.min_peers = 1  # fake_heavier and scrambled_heavier claim only once this many other live records are seen
         self.answers = 0
+        self.partial: dict[str, int] | None = None  # the running attack's counts so far, where it keeps them
         self._ahead = [(0, 0.0)] * len(self.numels)  # the versions and weights it claims (fake_heavier)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -448,9 +454,9 @@ class AveragingServicer(reducer.AveragingServicer):
 def main(argv: list[str] | None = None) -> int:
     """Run attacks in order, as a process of its own (so that its DHT shares nothing with the caller's):
     ``python -m scripts.hostile.member --initial-peers M --token T --out result.json junk_records fake_heavier=12 ...``.
-    After each attack the results so far are written to ``--out``, with ``done`` naming the attacks finished."""
+    After each attack the results so far are written to ``--out``, with ``done`` naming the attacks finished (and on
+    SIGTERM, what the running attack did so far, where it keeps count: ``partial``)."""
     import argparse
-    import json
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run-id", default="atoll")
@@ -467,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                  "other live progress records are seen")
     parser.add_argument("attacks", nargs="+", help="junk_records, or NAME=SECONDS (fake_heavier, refuse, "
                                                    "forged_rounds, hostile_reducer, open_rounds, scrambled_heavier, decoy, "
-                                                   "copied_claim, squat)")
+                                                   "copied_claim, squat, dht_flood, held_downloads, dynamic_keys)")
     args = parser.parse_args(argv)
     with HostileMember(args.run_id, args.initial_peers, args.token, args.model, args.algorithm, args.fragments,
                        args.sync_every, args.gather_timeout, args.namespace) as member:
@@ -475,12 +481,23 @@ def main(argv: list[str] | None = None) -> int:
         out: dict[str, Any] = {"member": member.peer_id, "zero_digests": member.zero_digests,
                                "scrambled_digests": member.scrambled_digests, "done": []}
         _write(args.out, out)  # who it is and what it may serve, before any attack (a run may stop it midway)
+
+        def stopped(*_: Any) -> None:  # SIGTERM (the bench stops it with the swarm): what the attack did so far
+            if member.partial is not None and out["done"] != [a.partition("=")[0] for a in args.attacks]:
+                out[name] = {**member.partial, "stopped": True}
+                _write(args.out, out)
+            raise SystemExit(0)
+
+        signal.signal(signal.SIGTERM, stopped)
         for attack in args.attacks:
             name, _, seconds = attack.partition("=")
+            member.partial = None
             if name == "junk_records":
                 out[name] = member.junk_records()
             elif name == "refuse":
                 out[name] = member.fake_heavier(float(seconds), refuse=True)
+            elif name in exhaustion.ATTACKS:
+                out[name] = member._run(exhaustion.ATTACKS[name](member, float(seconds)), timeout=float(seconds) + 120)
             else:
                 out[name] = getattr(member, name)(float(seconds))
             out["done"].append(name)
