@@ -14,7 +14,8 @@ of 3,000 junk-signed records, a few at a time, at one node, and the whole swarm'
   ``KEYS_BURST`` (a token bucket per peer); a call past it is answered with nothing. Within the bounds above, a
   member that kept 16 finds of 256 keys and stores of 256 junk records in flight at every node cut the swarm's
   merges to 0.36-0.48 of a clean run's (``scripts/hostile/exhaustion.py``): each key found costs the node a
-  look-up and its nearest peers, each record a validation. An honest daemon asks a node for tens of keys a second;
+  look-up and its nearest peers, each record a validation (with this budget: 0.38-0.53, docs/security.md; what
+  is left is most likely the refused calls' own size). An honest daemon asks a node for tens of keys a second;
 - a peer writes at most ``STORE_BYTES_PER_S`` bytes of values a second into this node, sustained, in bursts of up
   to ``STORE_BURST_BYTES`` (a token bucket per peer); a store past it is answered with nothing. The review's
   member wrote 64 KB values under new keys until a node's storage grew from 695 to 2,004 MiB in 100 s (13 MB/s);

@@ -1,6 +1,7 @@
 """One side of a simultaneous dial: a libp2p daemon (hivemind's p2pd, started as a daemon starts it) that writes its
-address to MINE, reads the other side's from THEIRS, dials it at the wall-clock time AT (both sides use one clock:
-the dials cross on the link) and prints ``connected`` or ``failed: ...`` (``late``: it was ready after AT).
+address to MINE, reads the other side's from THEIRS, then the wall-clock time in the file AT (which the test
+writes once both sides wrote their addresses), dials at that time (both sides use one clock: the dials cross on the
+link) and prints ``connected`` or ``failed: ...`` (``late``: it read AT after that time).
 
     python p2p_dial_probe.py HOST MINE THEIRS AT
 """
@@ -16,7 +17,7 @@ from multiaddr import Multiaddr
 from atoll.node.rounds.join import apply_p2pd_environment
 
 
-async def main(host: str, mine: Path, theirs: Path, at: float) -> None:
+async def main(host: str, mine: Path, theirs: Path, at_file: Path) -> None:
     apply_p2pd_environment()
     p2p = await P2P.create(host_maddrs=[f"/ip4/{host}/tcp/0"])
     try:
@@ -25,6 +26,9 @@ async def main(host: str, mine: Path, theirs: Path, at: float) -> None:
         while not theirs.exists() or not theirs.read_text():
             await asyncio.sleep(0.02)
         addr, _, peer = theirs.read_text().partition("/p2p/")
+        while not at_file.exists():
+            await asyncio.sleep(0.02)
+        at = float(at_file.read_text())
         if time.time() > at:  # both sides were not ready in time: the dials would not cross
             print("late", flush=True)
             return
@@ -40,4 +44,4 @@ async def main(host: str, mine: Path, theirs: Path, at: float) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), float(sys.argv[4])))
+    asyncio.run(main(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4])))

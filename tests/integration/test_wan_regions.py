@@ -107,10 +107,16 @@ def test_two_daemons_dialing_each_other_at_once_across_regions_connect(regions, 
     env.pop("LIBP2P_TCP_REUSEPORT", None)
     if reuseport is not None:
         env["LIBP2P_TCP_REUSEPORT"] = reuseport
-    at = time.time() + 20  # both p2pd started and each side's address read by then, on a loaded machine too
     sides = [("eu", "us"), ("us", "eu")]
-    procs = [w.popen(r, [sys.executable, PROBE, w.addr(r), str(tmp_path / r), str(tmp_path / o), str(at)],
+    at_file = tmp_path / "at"
+    procs = [w.popen(r, [sys.executable, PROBE, w.addr(r), str(tmp_path / r), str(tmp_path / o), str(at_file)],
                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for r, o in sides]
+    # The instant both dial: set once both p2pd started and wrote their addresses (a fixed 20 s from the start was
+    # too little once, beside another module's daemons), a few seconds ahead for both to read it.
+    wait_for(lambda: all((tmp_path / r).exists() and (tmp_path / r).read_text() for r, _ in sides)
+             or any(p.poll() is not None for p in procs), 120, "both sides' addresses")
+    (tmp_path / "at.tmp").write_text(str(time.time() + 5))
+    (tmp_path / "at.tmp").rename(at_file)
     outs = [p.communicate(timeout=60) for p in procs]
     results = [out.strip().splitlines()[-1] if out.strip() else err[-1000:] for out, err in outs]
     assert "late" not in results, results  # a side not ready at the agreed instant: nothing was tested
