@@ -483,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         _write(args.out, out)  # who it is and what it may serve, before any attack (a run may stop it midway)
 
         def stopped(*_: Any) -> None:  # SIGTERM (the bench stops it with the swarm): what the attack did so far
-            if member.partial is not None and out["done"] != [a.partition("=")[0] for a in args.attacks]:
+            if member.partial is not None:  # an attack is running (each ends with it None again)
                 out[name] = {**member.partial, "stopped": True}
                 _write(args.out, out)
             raise SystemExit(0)
@@ -501,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 out[name] = getattr(member, name)(float(seconds))
             out["done"].append(name)
+            member.partial = None
             _write(args.out, out)
     return 0
 
