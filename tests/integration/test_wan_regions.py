@@ -96,17 +96,12 @@ def test_rounds_across_regions_with_a_daemon_behind_nat(regions):
 PROBE = str(Path(__file__).resolve().parent / "p2p_dial_probe.py")
 
 
-@pytest.mark.parametrize("reuseport", [None, "true"], ids=["atoll's p2pd environment", "libp2p's default"])
-def test_two_daemons_dialing_each_other_at_once_across_regions_connect(regions, tmp_path, reuseport):
-    """Every member of a round opens streams to every reducer at once, so two daemons that never met dial each other
-    at the same moment. Across regions (50 ms RTT here) the two dials cross on the link; from libp2p's default
-    listening-port source (``LIBP2P_TCP_REUSEPORT``) both then fail, and a round over 100 ms RTT never completed
-    (docs/wan.md). From ephemeral ports, as ``atoll.node.rounds.join`` starts p2pd, both connect."""
-    w, _ = regions
-    env = dict(os.environ)
-    env.pop("LIBP2P_TCP_REUSEPORT", None)
-    if reuseport is not None:
-        env["LIBP2P_TCP_REUSEPORT"] = reuseport
+CROSS_S = 0.010  # dials asked for this close together cross on the link: the one-way delay eu-us is 25 ms
+TRIES = 3
+
+
+def dial_at_once(w, env, tmp_path):
+    """One pair of probes, eu and us, dialing each other at one instant: (results, seconds between their dials)."""
     sides = [("eu", "us"), ("us", "eu")]
     at_file = tmp_path / "at"
     procs = [w.popen(r, [sys.executable, PROBE, w.addr(r), str(tmp_path / r), str(tmp_path / o), str(at_file)],
@@ -120,7 +115,34 @@ def test_two_daemons_dialing_each_other_at_once_across_regions_connect(regions, 
     outs = [p.communicate(timeout=60) for p in procs]
     results = [out.strip().splitlines()[-1] if out.strip() else err[-1000:] for out, err in outs]
     assert "late" not in results, results  # a side not ready at the agreed instant: nothing was tested
+    dialed = [float(line.split()[1]) for out, _ in outs for line in out.splitlines() if line.startswith("dialed ")]
+    assert len(dialed) == 2, outs
+    return results, abs(dialed[0] - dialed[1])
+
+
+@pytest.mark.parametrize("reuseport", [None, "true"], ids=["atoll's p2pd environment", "libp2p's default"])
+def test_two_daemons_dialing_each_other_at_once_across_regions_connect(regions, tmp_path, reuseport):
+    """Every member of a round opens streams to every reducer at once, so two daemons that never met dial each other
+    at the same moment. Across regions (50 ms RTT here) the two dials cross on the link; from libp2p's default
+    listening-port source (``LIBP2P_TCP_REUSEPORT``) both then fail, and a round over 100 ms RTT never completed
+    (docs/wan.md). From ephemeral ports, as ``atoll.node.rounds.join`` starts p2pd, both connect. A pair whose
+    dials were asked for more than ``CROSS_S`` apart (a loaded machine) tested nothing: it is tried again, up to
+    ``TRIES`` pairs."""
+    w, _ = regions
+    env = dict(os.environ)
+    env.pop("LIBP2P_TCP_REUSEPORT", None)
+    if reuseport is not None:
+        env["LIBP2P_TCP_REUSEPORT"] = reuseport
+    gaps = []
+    for attempt in range(TRIES):
+        (tmp_path / str(attempt)).mkdir()
+        results, gap = dial_at_once(w, env, tmp_path / str(attempt))
+        gaps.append(round(gap, 4))
+        if gap < CROSS_S:
+            break
+    else:
+        pytest.fail(f"the dials never crossed: {TRIES} pairs dialed {gaps} s apart (more than {CROSS_S} s)")
     if reuseport is None:
-        assert results == ["connected", "connected"], results
+        assert results == ["connected", "connected"], (results, gaps)
     else:  # the cause, shown: what the test above guards against
-        assert any(r.startswith("failed:") and "all dials failed" in r for r in results), results
+        assert any(r.startswith("failed:") and "all dials failed" in r for r in results), (results, gaps)
