@@ -3,6 +3,10 @@
 ``atoll eval`` (``node/home/model_commands.py``).
 
 Bad configuration: one line on stderr, exit code 2, no traceback.
+
+The commands that only read or write a few DHT records (``LIGHT_COMMANDS``: status, dashboard, token, revoke)
+import no torch and no model code: their parser is built alone, without ``atoll start``'s config fields, and
+hivemind's packages are made lazy first (``protocols/light_import.py``).
 """
 
 from __future__ import annotations
@@ -14,10 +18,10 @@ import sys
 import time
 from typing import Any
 
-from .config import ConfigError, NodeConfig, RunConfig, load_config
-from .home import model_commands
+from .checks import DEFAULT_RUN_ID, ConfigError
 
-_RUN_ID = NodeConfig().run_id  # default of ``atoll status`` and ``atoll token`` too
+_RUN_ID = DEFAULT_RUN_ID  # default of ``atoll status`` and ``atoll token`` too
+LIGHT_COMMANDS = ("status", "dashboard", "token", "revoke")
 
 
 class _BoolFlag(argparse.Action):
@@ -30,6 +34,8 @@ class _BoolFlag(argparse.Action):
 def config_fields() -> list[dataclasses.Field]:
     """The fields behind ``atoll start``'s flags and the TOML keys: every ``RunConfig`` and ``NodeConfig`` field
     but ``NodeConfig.run``."""
+    from .config import NodeConfig, RunConfig
+
     return [*dataclasses.fields(RunConfig), *(f for f in dataclasses.fields(NodeConfig) if f.name != "run")]
 
 
@@ -76,6 +82,8 @@ def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
 
 
 def _start_parser(sub: argparse._SubParsersAction) -> None:
+    from .config import NodeConfig, RunConfig
+
     p = sub.add_parser("start", help="start a daemon: join a run, or start a new one when no peers are given")
     p.add_argument("--config", metavar="TOML", help="config file (keys: the long flag names with underscores; run "
                                                      "fields flat or under [run]); flags override it")
@@ -188,7 +196,7 @@ def revoke(run_key: str, run_id: str, initial_peers: list[str], tokens: list[str
     from atoll.protocols.record_validator import make_validators
     from atoll.protocols.records import revoked_key, unwrap_subkeys
 
-    from .rounds.join import start_dht
+    from .ops.reader import check_target, open_reader
     from .rounds.peers import REVOCATION_TTL
 
     try:
@@ -227,10 +235,9 @@ def revoke(run_key: str, run_id: str, initial_peers: list[str], tokens: list[str
     import logging
 
     logging.getLogger("hivemind").setLevel(logging.ERROR)
-    cfg = NodeConfig(run_id=run_id, initial_peers=tuple(initial_peers), host_maddrs=("/ip4/127.0.0.1/tcp/0",))
-    cfg.validate()
+    check_target(run_id, initial_peers)
     validators = make_validators(run_id, key.issue_token(run_id, expires_at=time.time() + 3600))
-    dht = start_dht(cfg, validators, client_mode=True)
+    dht = open_reader(run_id, initial_peers, validators)
     try:
         found = list(unwrap_subkeys(dht_io.get_blocking(dht, revoked_key(run_id))).values())
         current, _ = newest_revocation(run_id, key.public_bytes, found, kept)
@@ -304,17 +311,22 @@ def _control_parser(sub: argparse._SubParsersAction) -> None:
                        help=f"seconds to wait until the daemon did {op} (default 600; 0: only ask)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(light: bool = False) -> argparse.ArgumentParser:
+    """Every command's parser; with ``light``, only ``LIGHT_COMMANDS``' (no config or model imports)."""
     parser = argparse.ArgumentParser(prog="atoll", description="Decentralized pre-training with DiLoCo over a DHT.")
     sub = parser.add_subparsers(dest="command", required=True)
-    _start_parser(sub)
+    if not light:
+        _start_parser(sub)
     _status_parser(sub)
     _dashboard_parser(sub)
     _token_parser(sub)
     _revoke_parser(sub)
-    _data_parser(sub)
-    _control_parser(sub)
-    model_commands.add_parsers(sub, _RUN_ID)
+    if not light:
+        from .home import model_commands
+
+        _data_parser(sub)
+        _control_parser(sub)
+        model_commands.add_parsers(sub, _RUN_ID)
     return parser
 
 
@@ -322,9 +334,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:2] == ["token", "revoke"]:
         argv = argv[1:]  # ``atoll token revoke ...`` is ``atoll revoke ...``
-    args = build_parser().parse_args(argv)
+    light = bool(argv) and argv[0] in LIGHT_COMMANDS
+    if light:
+        from atoll.protocols import light_import
+
+        light_import.install()
+    args = build_parser(light).parse_args(argv)
     try:
         if args.command == "start":
+            from .config import load_config
             from .island.daemon import run_daemon
             from .log import setup_logging
 
@@ -341,7 +359,9 @@ def main(argv: list[str] | None = None) -> int:
             return revoke(args.run_key, args.run_id, list(args.initial_peers), args.token, args.peer_id)
         if args.command == "data":
             return prepare_data(args)
-        if args.command in model_commands.COMMANDS:
+        if args.command in ("export", "sample", "eval"):
+            from .home import model_commands
+
             return model_commands.run(args)
         if args.command in ("pause", "resume"):
             from .island.control import run_control, socket_path

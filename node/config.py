@@ -15,9 +15,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from multiaddr import Multiaddr
 
 from .algorithm import SnapshotAt
+from .checks import DEFAULT_RUN_ID, check_maddr, check_run_id
 from .faults import parse_faults
 from .harness import Harness
 from .pause_specs import Mode, PolicyError, check_spec, deadline_of, parse_window
@@ -38,7 +38,7 @@ class NodeConfig:
     """Local to one daemon."""
 
     run: RunConfig = field(default_factory=RunConfig)
-    run_id: str = opt("atoll", help="name of the run: 1-64 letters, digits, '-' or '_'")
+    run_id: str = opt(DEFAULT_RUN_ID, help="name of the run: 1-64 letters, digits, '-' or '_'")
     initial_peers: tuple[str, ...] = opt((), help="multiaddrs of daemons already in the run; none starts a new run",
                                          metavar="MADDR")
     host_maddrs: tuple[str, ...] = opt(("/ip4/0.0.0.0/tcp/0",), help="multiaddrs to listen on", metavar="MADDR")
@@ -159,8 +159,7 @@ class NodeConfig:
 
     def validate(self) -> None:
         self.run.validate()
-        if not self.run_id.replace("-", "").replace("_", "").isalnum() or len(self.run_id) > 64:
-            raise ConfigError(f"run_id: {self.run_id!r} must be 1-64 letters, digits, '-' or '_'")
+        check_run_id(self.run_id)
         if self.snapshot_at not in tuple(SnapshotAt):
             raise ConfigError(f"snapshot_at: unknown {self.snapshot_at!r}; known: {', '.join(SnapshotAt)}")
         if self.device not in DEVICES:
@@ -169,7 +168,7 @@ class NodeConfig:
             raise ConfigError(f"precision: unknown {self.precision!r}; use auto, fp32 or bf16")
         for name in ("initial_peers", "host_maddrs", "announce_maddrs"):
             for addr in getattr(self, name):
-                _check_maddr(name, addr, need_peer_id=name == "initial_peers")
+                check_maddr(name, addr, need_peer_id=name == "initial_peers")
         if self.client_mode and not self.initial_peers:
             raise ConfigError("client_mode: a daemon nobody can dial cannot start a run; pass --initial-peers of a "
                               "reachable daemon of the run")
@@ -284,15 +283,6 @@ class NodeConfig:
         if self.checkpoint_dir is not None:  # a restarted daemon keeps its peer id and therefore its data shard
             return os.path.join(self.checkpoint_dir, "identity.key")
         return None
-
-
-def _check_maddr(name: str, addr: str, need_peer_id: bool) -> None:
-    try:
-        maddr = Multiaddr(addr)
-    except Exception as e:  # the multiaddr package raises several exception types
-        raise ConfigError(f"{name}: malformed multiaddr {addr!r} ({e})") from None
-    if need_peer_id and "/p2p/" not in str(maddr):
-        raise ConfigError(f"{name}: {addr!r} lacks the /p2p/<peer id> part (copy a line that `atoll start` printed)")
 
 
 RUN_FIELDS = {f.name: f.type for f in fields(RunConfig)}

@@ -19,6 +19,7 @@ from atoll.models.robust import MERGE_RULES
 from atoll.protocols.codecs import CODECS
 
 from .algorithm import AlgorithmName, LocalMerge, algorithm
+from .checks import ConfigError
 
 ALGORITHMS = tuple(name.value for name in AlgorithmName)
 DEVICES = ("auto", "cpu", "cuda", "xla")
@@ -53,10 +54,6 @@ LOCAL_DATA = "<local>"  # the run config's ``data`` when the run trains on files
 # The run config's ``model`` when its members build the model in their own Python code (``atoll.Island``): only its
 # digest is published, and a daemon joining with ``--model`` names a preset or factory that builds the same one.
 OWN_MODEL = "<own>"
-
-
-class ConfigError(ValueError):
-    """Bad configuration; the CLI prints it as one line and exits with code 2."""
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,14 @@ import functools
 import logging
 import re
 import threading
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hivemind import DHT
+if TYPE_CHECKING:
+    from hivemind import DHT
 
 from .near import get_near, store_near
 
@@ -124,7 +126,7 @@ async def store(dht: DHT, key: str, value: Any, expiration_time: float, subkey: 
 def _store(dht: Any, key: str, value: Any, expiration_time: float, subkey: Any) -> Any:
     """The write's future. hivemind's DHT runs ``near``'s in its process; another handle (the simulator's, a
     test's) is asked for its own ``store``."""
-    if isinstance(dht, DHT):
+    if runs_near(dht):
         return dht.run_coroutine(functools.partial(store_near, key, subkey, value, expiration_time),
                                  return_future=True)
     return dht.store(key, value, expiration_time=expiration_time, subkey=subkey, return_future=True)
@@ -160,16 +162,24 @@ def get_many_blocking(dht: DHT, keys: list[str], timeout: float | None = None,
     return found
 
 
+def runs_near(dht: Any) -> bool:
+    """Whether ``dht`` runs a hivemind ``DHTNode`` that ``near``'s coroutines may be given (``run_coroutine``):
+    hivemind's DHT, or a handle that says it does (``node/ops/reader.py``'s). hivemind's DHT is not imported here:
+    a process that never imported it holds none (``light_import``'s readers)."""
+    hivemind_dht = sys.modules.get("hivemind.dht.dht")
+    return getattr(dht, "runs_near", False) is True or (hivemind_dht is not None and isinstance(dht, hivemind_dht.DHT))
+
+
 def _get(dht: Any, key: str) -> Any:
     """The latest value's future (see ``_store``)."""
-    if isinstance(dht, DHT):
+    if runs_near(dht):
         return dht.run_coroutine(functools.partial(_get_one, key), return_future=True)
     return dht.get(key, latest=True, return_future=True)
 
 
 def _get_many(dht: Any, keys: tuple[str, ...]) -> Any:
     """The future of the latest value of each of ``keys`` (see ``_store``)."""
-    if isinstance(dht, DHT):
+    if runs_near(dht):
         return dht.run_coroutine(functools.partial(get_near, keys), return_future=True)
     return dht.run_coroutine(functools.partial(_latest, keys), return_future=True)
 

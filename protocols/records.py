@@ -50,6 +50,7 @@ PROGRESS_SHARDS = 16
 # The key under which the daemons of a small swarm also write their record, so that one key holds the whole table:
 # a read of 16 keys costs a small swarm several times a read of one (``node/rounds/peers.py``, docs/results.md).
 ALL_SHARDS = -1
+READ_BUDGET = 64  # progress records one read of the table aims at; up to it, the ALL_SHARDS key is read
 
 # How far in the future a record's expiration may lie, per kind of key (seconds; a clock skew is added). Each is
 # above what honest daemons use: progress 3 heartbeats (heartbeat <= 200 s), round registrations and group

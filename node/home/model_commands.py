@@ -9,7 +9,7 @@ import logging
 import sys
 import time
 
-from ..config import ConfigError
+from ..checks import ConfigError
 
 COMMANDS = ("export", "sample", "eval")
 

@@ -20,7 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
-from ..config import ConfigError
+from ..checks import ConfigError
 from .history import HISTORY_POINTS, History
 
 logger = logging.getLogger(__name__)
@@ -128,8 +128,7 @@ def run_dashboard(initial_peers: list[str], run_id: str, host: str, port: int, i
                   points: int = HISTORY_POINTS, join_token: str | None = None, run_key: str | None = None) -> int:
     """``atoll dashboard``: serve the page on ``host:port`` and read the run every ``interval`` seconds through one
     DHT client, until Ctrl-C (exit 0)."""
-    from ..config import NodeConfig
-    from ..rounds.join import start_dht
+    from .reader import check_target, open_reader
     from .status import collect_status, reader_validators
 
     if not interval > 0:
@@ -139,15 +138,14 @@ def run_dashboard(initial_peers: list[str], run_id: str, host: str, port: int, i
     if points < 4:
         raise ConfigError(f"history: must be at least 4 points, got {points}")
     logging.getLogger("hivemind").setLevel(logging.ERROR)
-    cfg = NodeConfig(run_id=run_id, initial_peers=tuple(initial_peers), host_maddrs=("/ip4/127.0.0.1/tcp/0",))
-    cfg.validate()
+    check_target(run_id, initial_peers)
     validators, verified = reader_validators(run_id, join_token, run_key)  # a bad token: exit 2 before serving
     history = History(points)
     server = serve(host, port, history, interval)  # before the DHT: a taken port fails at once
     signal.signal(signal.SIGTERM, _interrupt)  # a service manager's stop ends it as Ctrl-C does: DHT children too
     dht = None
     try:
-        dht = start_dht(cfg, validators, client_mode=True)
+        dht = open_reader(run_id, initial_peers, validators)
         print(f"dashboard of run {run_id!r} at http://{host}:{server.server_port}/ (Ctrl-C ends it)", flush=True)
         poll(lambda: collect_status(dht, run_id, verified=verified), history, interval, threading.Event())
     except KeyboardInterrupt:  # while joining, too: a dead bootstrap peer must not make Ctrl-C a traceback

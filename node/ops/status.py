@@ -14,12 +14,12 @@ from hivemind.utils import get_dht_time
 from atoll.protocols import dht_io
 from atoll.protocols.auth import AuthError, JoinToken, RunKey
 from atoll.protocols.record_validator import make_validators
-from atoll.protocols.records import (ALL_SHARDS, MAX_CLOCK_SKEW, ProgressRecord, config_key, parse_progress,
+from atoll.protocols.records import (ALL_SHARDS, MAX_CLOCK_SKEW, READ_BUDGET, ProgressRecord, config_key, parse_progress,
                                      parse_run_config, progress_key, progress_keys, unwrap_subkeys)
 from atoll.protocols.summary import merge, parse_summary, summary_key, totals
 
-from ..config import ConfigError, NodeConfig
-from ..rounds.peers import READ_BUDGET
+from ..checks import ConfigError
+from .reader import check_target, open_reader
 
 
 # A run of at most this many peers (by its summaries) is listed whole unless told otherwise; its daemons read, and
@@ -229,15 +229,12 @@ def run_status(initial_peers: list[str], run_id: str, as_json: bool, list_peers:
     """``atoll status``: one read of the run, printed; with ``watch_every`` (``--watch``), read again every so many
     seconds until Ctrl-C, which ends it cleanly (exit 0). With ``join_token`` or ``run_key``, only records whose
     certificates check are read (``reader_validators``)."""
-    from ..rounds.join import start_dht
-
     if watch_every is not None and not watch_every > 0:
         raise ConfigError(f"watch: the interval must be positive, got {watch_every}")
     logging.getLogger("hivemind").setLevel(logging.ERROR)
-    cfg = NodeConfig(run_id=run_id, initial_peers=tuple(initial_peers), host_maddrs=("/ip4/127.0.0.1/tcp/0",))
-    cfg.validate()
+    check_target(run_id, initial_peers)
     validators, verified = reader_validators(run_id, join_token, run_key)
-    dht = start_dht(cfg, validators, client_mode=True)
+    dht = open_reader(run_id, initial_peers, validators)
     try:
         doc = collect_status(dht, run_id, list_peers, verified)
         if doc["config"] is None and not doc["peers"] and not doc["summary"]["summarizers"]:

@@ -21,6 +21,7 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time
 
 from atoll.protocols import dht_guard, dht_io
+from atoll.protocols.dht_setup import DHT_NODE_OPTIONS, apply_p2pd_environment
 from atoll.protocols.auth import (AuthError, JoinToken, RunKey, fingerprint, identity_bytes, key_of_identity,
                                   peer_id_of, signed_by)
 from atoll.protocols.revocation import RevocationList
@@ -34,30 +35,6 @@ from ..config import ConfigError, NodeConfig, RunConfig, reconcile_run_config
 logger = logging.getLogger("atoll")
 CONFIG_TTL = 24 * 3600.0
 NEW_RUN_LOOK = 5.0  # seconds a --new-run daemon looks for the run at its peers before it starts the run
-# hivemind's DHTNode keeps values it read fresh in the background (a read ``cache_refresh_before_expiry`` s before
-# they expire) and stores what it found on the nearest node that lacked it (``cache_nearest``). Every read atoll
-# makes asks for the latest value, which no cache answers: both are traffic atoll never uses, and on a thin link
-# the DHT's traffic is what delays rounds (docs/results.md, "The thinnest link").
-DHT_NODE_OPTIONS = {"cache_refresh_before_expiry": 0, "cache_nearest": 0}
-
-
-# go-libp2p dials TCP from its own listening port (SO_REUSEPORT) unless this says otherwise. Two daemons that dial
-# each other at the same moment (every member of a round opens streams to every reducer at once) then meet in one
-# TCP connection by simultaneous open, where both sides run the security handshake as its initiator: both dials
-# fail, and libp2p backs off from that peer for seconds, long enough to fail the round. On loopback the two SYNs
-# almost never cross; over a WAN's round trip they do in most rounds (docs/wan.md). From ephemeral source ports
-# the two dials are two plain connections. Hole punching, which needs the listening port, does not work here
-# anyway (docs/wan.md, Behind NAT). p2pd, a child of hivemind's DHT process, reads it from the environment; an
-# operator's own setting wins.
-P2PD_ENVIRONMENT = {"LIBP2P_TCP_REUSEPORT": "false"}
-
-
-def apply_p2pd_environment() -> None:
-    """Set ``P2PD_ENVIRONMENT`` for the p2pd started after this, where the environment does not set it already."""
-    for name, value in P2PD_ENVIRONMENT.items():
-        os.environ.setdefault(name, value)
-
-
 def start_dht(cfg: NodeConfig, validators: list, client_mode: bool = False, identity_path: str | None = None,
               ) -> DHT:
     """Start hivemind's DHT, retrying bootstrap; ``ConfigError`` if no initial peer answers. ``identity_path``: the

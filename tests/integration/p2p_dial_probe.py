@@ -17,7 +17,7 @@ from pathlib import Path
 from hivemind.p2p import P2P, PeerID
 from multiaddr import Multiaddr
 
-from atoll.node.rounds.join import apply_p2pd_environment
+from atoll.protocols.dht_setup import apply_p2pd_environment
 
 
 async def main(host: str, mine: Path, theirs: Path, at_file: Path) -> None:

@@ -51,6 +51,12 @@ def test_three_daemons_complete_rounds_with_identical_replicas(swarm):
     assert rounds[-1]["held_out_loss"] < rounds[0]["held_out_loss"]
 
 
+LISTS_HEAVY_IMPORTS = (
+    "import sys\nfrom atoll.node.cli import main\nrc = main(sys.argv[1:])\n"
+    "print('heavy imports:', sorted(m for m in sys.modules if m.startswith(('torch', 'atoll.models'))), file=sys.stderr)\n"
+    "sys.exit(rc)")
+
+
 def test_status_json_lists_all_daemons(swarm):
     out = subprocess.run(
         [sys.executable, "-m", "atoll.node.cli", "status", "--initial-peers", *swarm.bootstrap, "--json"],
@@ -69,11 +75,14 @@ def test_status_json_lists_all_daemons(swarm):
     # Three daemons: each is a summarizer, and the summaries' totals are what ``--no-peers`` shows.
     assert doc["summary"]["source"] == "records" and set(doc["summary"]["summarizers"]) <= set(listed)
     assert doc["summary"]["summarizers"], doc["summary"]
+    # This one as a script that, once the command is done, lists on stderr what it imported of torch and the models:
+    # nothing (a light command: protocols/light_import.py).
     out = subprocess.run(
-        [sys.executable, "-m", "atoll.node.cli", "status", "--initial-peers", *swarm.bootstrap, "--json", "--no-peers"],
-        capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", LISTS_HEAVY_IMPORTS, "status", "--initial-peers", *swarm.bootstrap, "--json",
+         "--no-peers"], capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 0, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == "heavy imports: []", out.stderr[-2000:]
     summarized = json.loads(out.stdout)
     assert summarized["peers"] is None and summarized["summary"]["source"] == "summaries"
     assert summarized["totals"]["peers"] >= 2 and summarized["totals"]["tokens"] > 0
