@@ -25,22 +25,30 @@ of 3,000 junk-signed records, a few at a time, at one node, and the whole swarm'
   bounds how fast one identity fills a node, this how much it can hold: an honest daemon keeps hundreds of
   small records alive in a node (a registration per round lives 4 gather timeouts + 60 s). A node sees keys
   only as hashes, so it cannot check their shapes: it bounds what each writer holds instead.
+- a peer that broke a bound no honest daemon comes near (more keys or records in one call than above, or a request
+  larger than ``MAX_REQUEST_BYTES``) is refused every call for ``OFFENCE_COOLDOWN`` seconds, before its request
+  is parsed (``dht_cooling``): hivemind parses a unary request whole before any handler sees it (a find of 30,000
+  keys is 600 KB), so the bounds above, checked on the parsed request, cost the node a parse for every refused
+  call; a cooling peer's calls cost it a dictionary look-up. Requests are checked for size before the parse too.
 - every refusal is counted in ``REFUSED`` (by kind), which the DHT's process logs at most once per ``LOG_EVERY``.
 
 hivemind collects a servicer's handlers from its class when the handlers are added, so the wrappers are put on
 ``DHTProtocol`` itself, in the daemon's process before its DHT starts: the DHT's child process is forked from it
-and inherits them (as ``scripts/wire_probe`` does for its counters). ``install`` fails loudly if hivemind's shape
-changed.
+and inherits them (as ``scripts/wire_probe`` does for its counters). The check before the parse replaces
+``P2P._add_protobuf_unary_handler`` (hivemind's registration of a unary handler, which parses the request): the
+same code with the check first, for the DHT's handlers only. ``install`` fails loudly if hivemind's shape changed.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import time
 from collections import Counter
 
 from hivemind.dht.protocol import DHTProtocol
+from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import dht_pb2
 from hivemind.utils import get_dht_time
 
@@ -58,6 +66,12 @@ MAX_BUCKETS = 4096  # peers whose budgets are remembered; full (idle) ones are f
 MAX_KEYS_PER_PEER = 16384  # an honest daemon: a registration a round (each lives 4 gathers + 60 s) and a few more
 MAX_BYTES_PER_PEER = 16 * 1024 * 1024
 MAX_HELD = 1 << 18  # live records tracked over all peers; past it (after dropping expired ones) stores are refused
+OFFENCE_COOLDOWN = 30.0  # seconds a peer that broke a count or size bound is refused everything
+OFFENCES = ("dht_find_keys", "dht_store_records", "dht_request_bytes")
+# Bytes of one request, before it is parsed: a find of MAX_FIND_KEYS keys is about 6 KB; a store cannot write more
+# than a burst of the write budget anyway.
+MAX_REQUEST_BYTES = {"rpc_find": 64 * 1024, "rpc_store": STORE_BURST_BYTES + 64 * 1024, "rpc_ping": 64 * 1024}
+MAX_COOLING = 4096  # peers remembered as cooling; past it the ones whose cool-down ended first are forgotten
 
 REFUSED: Counter = Counter()
 _in_flight: Counter = Counter()
@@ -140,7 +154,36 @@ def _held(request: dht_pb2.StoreRequest) -> list[tuple[bytes, bytes, float, int]
             for k, s, t, v in zip(request.keys, request.subkeys, request.expiration_time, request.values)]
 
 
+class _Cooling:
+    """Peers refused everything until a time (``OFFENCE_COOLDOWN`` after their last offence)."""
+
+    def __init__(self, clock=time.monotonic) -> None:
+        self.clock = clock
+        self.until: dict[str, float] = {}
+
+    def offend(self, peer: str) -> None:
+        now = self.clock()
+        if len(self.until) >= MAX_COOLING and peer not in self.until:
+            for p in sorted(self.until, key=self.until.__getitem__)[: len(self.until) // 2]:
+                del self.until[p]
+        self.until[peer] = now + OFFENCE_COOLDOWN
+
+    def cooling(self, peer: str) -> bool:
+        until = self.until.get(peer)
+        if until is None:
+            return False
+        if until <= self.clock():
+            del self.until[peer]
+            return False
+        return True
+
+
+COOLING = _Cooling()
+
+
 def _refuse(kind: str, peer: str) -> None:
+    if kind in OFFENCES:
+        COOLING.offend(peer)
     REFUSED[kind] += 1
     now = time.monotonic()
     if now - _logged_at[0] >= LOG_EVERY:
@@ -180,13 +223,56 @@ def _guard(handler, size, limit: int, kind: str, empty, cost=None, held=None):
     return guarded
 
 
+def admit_request(handle_name: str, request: bytes, peer: str) -> bool:
+    """Whether a unary request to a DHT handler (``handle_name`` ends with ``DHTProtocol.<rpc>``) is parsed at all:
+    not from a cooling peer, not larger than ``MAX_REQUEST_BYTES``. A refusal is counted (and an oversized request
+    is an offence). Other handlers' requests are admitted."""
+    servicer, _, rpc = handle_name.rpartition(".")
+    if not servicer.endswith("DHTProtocol") or rpc not in MAX_REQUEST_BYTES:
+        return True
+    if COOLING.cooling(peer):
+        REFUSED["dht_cooling"] += 1
+        return False
+    if len(request) > MAX_REQUEST_BYTES[rpc]:
+        _refuse("dht_request_bytes", peer)
+        return False
+    return True
+
+
+class Refused(Exception):
+    """A DHT request refused before it was parsed; the caller sees its call fail."""
+
+
+async def _add_protobuf_unary_handler(self, handle_name, handler, input_protobuf_type, balanced=False) -> None:
+    """hivemind's ``P2P._add_protobuf_unary_handler`` (1.1.12) with ``admit_request`` before the parse."""
+
+    async def _unary_handler(request: bytes, remote_id) -> bytes:
+        if not admit_request(handle_name, request, str(remote_id)):
+            raise Refused("refused")
+        input_serialized = input_protobuf_type.FromString(request)
+        context = P2PContext(handle_name=handle_name, local_id=self.peer_id, remote_id=remote_id)
+        response = await handler(input_serialized, context)
+        return response.SerializeToString()
+
+    await self._client.add_unary_handler(handle_name, _unary_handler, balanced=balanced)
+
+
+_add_protobuf_unary_handler.atoll_guarded = True  # type: ignore[attr-defined]
+
+
 def install() -> None:
-    """Wrap ``DHTProtocol.rpc_find`` and ``rpc_store`` (once; idempotent)."""
+    """Wrap ``DHTProtocol.rpc_find`` and ``rpc_store``, and check DHT requests before hivemind parses them (once;
+    idempotent)."""
     for name in ("rpc_find", "rpc_store"):
         if not callable(getattr(DHTProtocol, name, None)):
             raise RuntimeError(f"hivemind's DHTProtocol has no {name}: dht_guard no longer fits it")
+    original = getattr(P2P, "_add_protobuf_unary_handler", None)
+    if original is None or list(inspect.signature(original).parameters) != [
+            "self", "handle_name", "handler", "input_protobuf_type", "balanced"]:
+        raise RuntimeError("hivemind's P2P._add_protobuf_unary_handler changed: dht_guard no longer fits it")
     if getattr(DHTProtocol.rpc_find, "atoll_guarded", False):
         return
+    P2P._add_protobuf_unary_handler = _add_protobuf_unary_handler
     DHTProtocol.rpc_find = _guard(DHTProtocol.rpc_find, lambda r: len(r.keys), MAX_FIND_KEYS, "dht_find_keys",
                                   lambda self: dht_pb2.FindResponse(results=[], peer=self.node_info))
     DHTProtocol.rpc_store = _guard(DHTProtocol.rpc_store, lambda r: len(r.keys), MAX_STORE_RECORDS,

@@ -9,6 +9,10 @@ second review's DHT floods, held-open state downloads and dynamic DHT keys, live
 - ``dynamic_keys``: group decisions of about 50 KB (1,000 made-up members) under new round keys (versions past the
   swarm's, bases of its own), each living an hour, as fast as its own DHT node stores them at the nearest nodes.
 
+- ``cpu_burn``: a control, no message at all: the member's DHT process spins for the attack's length, taking
+  whatever CPU its nice level gets it, as the flood's processes do. On a machine the honest daemons share, what
+  it costs them is what the flood costs through the CPU alone, not through the network.
+
 Each returns what it did (counts; ``member.partial`` holds them while it runs, but for the flood's and the keys',
 counted in the DHT process until they end); what it cost the honest daemons is measured by ``bench_hostile`` (their
 merges, held-out loss, resident memory and file descriptors).
@@ -148,4 +152,20 @@ async def dynamic_keys(member: HostileMember, seconds: float) -> dict[str, int]:
         seconds=end - time.monotonic()), return_future=True)
 
 
-ATTACKS = {"dht_flood": dht_flood, "held_downloads": held_downloads, "dynamic_keys": dynamic_keys}
+async def _spin(_dht: Any, _node: Any, seconds: float) -> dict[str, int]:
+    """Runs in the member's DHT process: busy for ``seconds``, yielding to its loop every 10 ms."""
+    end, slices = time.monotonic() + seconds, 0
+    while time.monotonic() < end:
+        until = time.monotonic() + 0.01
+        while time.monotonic() < until:
+            pass
+        slices += 1
+        await asyncio.sleep(0)
+    return {"busy_slices": slices}
+
+
+async def cpu_burn(member: HostileMember, seconds: float) -> dict[str, int]:
+    return await member.dht.run_coroutine(functools.partial(_spin, seconds=seconds), return_future=True)
+
+
+ATTACKS = {"cpu_burn": cpu_burn, "dht_flood": dht_flood, "held_downloads": held_downloads, "dynamic_keys": dynamic_keys}

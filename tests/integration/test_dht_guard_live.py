@@ -1,5 +1,7 @@
 """``dht_guard`` over real hivemind DHTs on 127.0.0.1: a node started after ``install`` answers a find of more keys
-than ``MAX_FIND_KEYS`` with nothing (its caller sees a failed call), and a find of a few keys as before."""
+than ``MAX_FIND_KEYS`` with nothing (its caller sees a failed call), and a find of a few keys as before; the peer
+that asked too much is then refused every call for ``OFFENCE_COOLDOWN``, before its request is parsed, while other
+peers are served."""
 
 import functools
 
@@ -22,14 +24,18 @@ async def _find(_dht, node, peer, count: int):
 def test_a_dht_node_answers_a_find_of_too_many_keys_with_nothing():
     dht_guard.install()  # before the DHTs' processes fork from this one: they inherit the guarded handlers
     target = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    asker = None
+    asker = other = None
     try:
         asker = DHT(start=True, initial_peers=target.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        other = DHT(start=True, initial_peers=target.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         ask = functools.partial(_find, peer=target.peer_id)
         assert asker.run_coroutine(functools.partial(ask, count=10)) == 10
-        assert asker.run_coroutine(functools.partial(ask, count=dht_guard.MAX_FIND_KEYS + 1)) is None
         assert asker.run_coroutine(functools.partial(ask, count=dht_guard.MAX_FIND_KEYS)) == dht_guard.MAX_FIND_KEYS
+        assert asker.run_coroutine(functools.partial(ask, count=dht_guard.MAX_FIND_KEYS + 1)) is None
+        assert asker.run_coroutine(functools.partial(ask, count=10)) is None  # cooling down: refused unparsed
+        assert other.run_coroutine(functools.partial(ask, count=10)) == 10
     finally:
-        if asker is not None:
-            asker.shutdown()
+        for dht in (asker, other):
+            if dht is not None:
+                dht.shutdown()
         target.shutdown()

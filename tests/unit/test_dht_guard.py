@@ -166,3 +166,66 @@ def test_the_store_handler_refuses_a_store_past_a_peers_holdings(monkeypatch):
     assert call([b"a", b"b"]) == [True, True]
     assert call([b"c"]) == []  # a third live key
     assert stored == [b"a", b"b"]
+
+
+def test_a_peer_that_broke_a_bound_is_refused_before_its_requests_are_parsed(monkeypatch):
+    """The live flood kept sending finds of 30,000 keys (600 KB) that hivemind parsed whole before the bounds above
+    refused them: an offence now cools the peer down, and its requests are refused before the parse."""
+    dht_guard.install()
+    now = [100.0]
+    monkeypatch.setattr(dht_guard, "COOLING", dht_guard._Cooling(clock=lambda: now[0]))
+    me = SimpleNamespace(node_info=dht_pb2.NodeInfo())
+    small = dht_pb2.FindRequest(keys=[b"a", b"b"]).SerializeToString()
+    name = "DHTProtocol.rpc_find"
+    assert dht_guard.admit_request(name, small, "QmBig") and dht_guard.admit_request(name, small, "QmOther")
+    big = dht_pb2.FindRequest(keys=[b"k%d" % i for i in range(dht_guard.MAX_FIND_KEYS + 1)])
+    assert list(asyncio.run(DHTProtocol.rpc_find(me, big, SimpleNamespace(remote_id="QmBig"))).results) == []
+    before = dht_guard.REFUSED["dht_cooling"]
+    assert not dht_guard.admit_request(name, small, "QmBig")
+    assert not dht_guard.admit_request("ns::DHTProtocol.rpc_store", small, "QmBig")  # every DHT call, any namespace
+    assert dht_guard.REFUSED["dht_cooling"] == before + 2
+    assert dht_guard.admit_request(name, small, "QmOther")  # others unaffected
+    assert dht_guard.admit_request("StateServicer.rpc_download_state", small, "QmBig")  # not the DHT's: not here
+    now[0] += dht_guard.OFFENCE_COOLDOWN - 0.1
+    assert not dht_guard.admit_request(name, small, "QmBig")
+    now[0] += 0.2
+    assert dht_guard.admit_request(name, small, "QmBig")  # the cool-down ended
+    # A request larger than a DHT call needs is refused unparsed, and is an offence itself.
+    assert not dht_guard.admit_request(name, b"x" * (dht_guard.MAX_REQUEST_BYTES["rpc_find"] + 1), "QmHuge")
+    assert not dht_guard.admit_request(name, small, "QmHuge")
+    # A rate refusal is no offence: an honest daemon's burst does not cool it down.
+    assert "dht_keys_rate" not in dht_guard.OFFENCES and "dht_calls_in_flight" not in dht_guard.OFFENCES
+
+
+def test_the_unary_handler_parses_and_serves_only_admitted_requests(monkeypatch):
+    """``install`` replaces hivemind's registration of a unary handler with the same code plus the check: an admitted
+    request is parsed and answered as before; a refused one fails before the parse and the handler never runs."""
+    from hivemind.p2p import P2P
+
+    dht_guard.install()
+    assert P2P._add_protobuf_unary_handler is dht_guard._add_protobuf_unary_handler
+    now = [0.0]
+    monkeypatch.setattr(dht_guard, "COOLING", dht_guard._Cooling(clock=lambda: now[0]))
+    registered, seen = {}, []
+
+    async def add_unary_handler(name, fn, balanced=False):
+        registered[name] = fn
+
+    async def handler(request, context):
+        seen.append((list(request.keys), str(context.remote_id), context.handle_name))
+        return dht_pb2.FindResponse(results=[dht_pb2.FindResult()] * len(request.keys))
+
+    p2p = SimpleNamespace(peer_id="QmMe", _client=SimpleNamespace(add_unary_handler=add_unary_handler))
+    asyncio.run(P2P._add_protobuf_unary_handler(p2p, "DHTProtocol.rpc_find", handler, dht_pb2.FindRequest))
+    serve = registered["DHTProtocol.rpc_find"]
+    answer = asyncio.run(serve(dht_pb2.FindRequest(keys=[b"a"]).SerializeToString(), "QmPeer"))
+    assert len(dht_pb2.FindResponse.FromString(answer).results) == 1
+    assert seen == [([b"a"], "QmPeer", "DHTProtocol.rpc_find")]
+    dht_guard.COOLING.offend("QmPeer")
+    try:
+        asyncio.run(serve(dht_pb2.FindRequest(keys=[b"a"]).SerializeToString(), "QmPeer"))
+    except dht_guard.Refused:
+        pass
+    else:
+        raise AssertionError("a cooling peer's request was served")
+    assert len(seen) == 1
