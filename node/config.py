@@ -44,6 +44,9 @@ class NodeConfig:
     host_maddrs: tuple[str, ...] = opt(("/ip4/0.0.0.0/tcp/0",), help="multiaddrs to listen on", metavar="MADDR")
     announce_maddrs: tuple[str, ...] = opt((), help="addresses to tell other peers", metavar="MADDR")
     # Behind NAT nothing can dial us: streams reach us only over connections we opened (docs/wan.md, Behind NAT).
+    dht_in_process: bool = opt(False, help="run this daemon's DHT node on a thread of its own process instead of "
+                                           "hivemind's forked DHT process: one process and its pages fewer; the "
+                                           "node's work shares the daemon's interpreter (docs/results.md)")
     client_mode: bool = opt(False, help="this daemon accepts no inbound connections (behind NAT): it joins through "
                                         "--initial-peers, keeps its DHT node out of others' routing tables, and "
                                         "contributes to rounds without reducing a shard or serving state",

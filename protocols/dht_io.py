@@ -164,7 +164,7 @@ def get_many_blocking(dht: DHT, keys: list[str], timeout: float | None = None,
 
 def runs_near(dht: Any) -> bool:
     """Whether ``dht`` runs a hivemind ``DHTNode`` that ``near``'s coroutines may be given (``run_coroutine``):
-    hivemind's DHT, or a handle that says it does (``node/ops/reader.py``'s). hivemind's DHT is not imported here:
+    hivemind's DHT, or a handle that says it does (``local_dht.LocalDHT``). hivemind's DHT is not imported here:
     a process that never imported it holds none (``light_import``'s readers)."""
     hivemind_dht = sys.modules.get("hivemind.dht.dht")
     return getattr(dht, "runs_near", False) is True or (hivemind_dht is not None and isinstance(dht, hivemind_dht.DHT))
@@ -231,7 +231,10 @@ async def run_in_dht(dht: DHT, fn: Callable, timeout: float | None = None, on_ti
 
 
 async def _awaitable(future: Any) -> Any:
-    # hivemind's MPFuture is awaitable but not a coroutine; wait_for needs something it can wrap in a task.
+    # hivemind's MPFuture is awaitable but not a coroutine; wait_for needs something it can wrap in a task. A
+    # LocalDHT's is a concurrent future of another thread's loop.
+    if not hasattr(future, "__await__"):
+        return await asyncio.wrap_future(future)
     return await future
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What one daemon holds in memory beyond its model state: its process, hivemind's DHT process and p2pd.
 
-    python -m scripts.bench_memory [--models nano tiny] [--rounds 3]
+    python -m scripts.bench_memory [--models nano tiny] [--rounds 3] [--variants forked in-process] [--repeats 1]
 
 For each model, a private swarm of two daemons trains (decoupled, the defaults) until the first has merged
 ``--rounds`` rounds with the other; then the first daemon's processes are measured from /proc:
@@ -14,6 +14,11 @@ For each model, a private swarm of two daemons trains (decoupled, the defaults) 
 - the model state: θ, its gradients, AdamW's two moments, the replica Θ and the outer momentum, six fp32
   copies of the parameters (the codec's buffers and the error-feedback residuals come on top, and count as
   beyond it here).
+
+``--variants``: ``forked`` runs the daemons with hivemind's DHT process (the default), ``in-process`` with
+``--dht-in-process true`` (its DHT node on a thread of the daemon, ``protocols/local_dht.py``): per repeat both, in an
+order that alternates. Beside the memory, what the variant costs the daemon measured: its merges a minute and
+steps a second between its first and last two-member round of the window.
 
 Writes docs/results/memory/bench_memory.json (``--out`` to change).
 """
@@ -49,8 +54,9 @@ def model_mib(name: str) -> float:
     return MODEL_COPIES * 4 * sum(p.numel() for p in model.parameters()) / 2**20
 
 
-def measure(model: str, rounds: int, root: Path) -> dict[str, Any]:
-    args = ["--model", model, "--batch-size", "4", "--algorithm", "decoupled", "--sync-every", "20"]
+def measure(model: str, rounds: int, root: Path, in_process: bool = False) -> dict[str, Any]:
+    args = ["--model", model, "--batch-size", "4", "--algorithm", "decoupled", "--sync-every", "20",
+            "--dht-in-process", "true" if in_process else "false"]
     with LocalSwarm(root / model, args) as swarm:
         a = swarm.start("a", join=False, wait=300)
         swarm.start("b", wait=300)
@@ -59,12 +65,16 @@ def measure(model: str, rounds: int, root: Path) -> dict[str, Any]:
         time.sleep(5)
         procs = daemon_processes(a.proc.pid)
         figures = {role: memory(pid) for role, pid in procs.items()}
+        shared = [r for r in a.rounds() if len(r["contributors"]) == 2]
         codes = swarm.stop_all(timeout=60)
     tree = figures["daemon"]["rss"] + sum(f["uss"] for role, f in figures.items() if role != "daemon")
     state = model_mib(model)
-    return {"model": model, "processes": figures, "tree_mib": tree, "rss_sum_mib": sum(f["rss"] for f in
-                                                                                        figures.values()),
-            "model_state_mib": state, "beyond_model_mib": tree - state, "exit": codes}
+    window = shared[-1]["time"] - shared[0]["time"]
+    return {"model": model, "variant": "in-process" if in_process else "forked", "processes": figures,
+            "tree_mib": tree, "rss_sum_mib": sum(f["rss"] for f in figures.values()),
+            "model_state_mib": state, "beyond_model_mib": tree - state, "exit": codes,
+            "merges_per_min": 60 * (len(shared) - 1) / window if window > 0 else None,
+            "steps_per_s": (shared[-1]["step"] - shared[0]["step"]) / window if window > 0 else None}
 
 
 def main() -> int:
@@ -73,16 +83,24 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "bench_memory")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "memory" / "bench_memory.json")
+    ap.add_argument("--variants", nargs="+", choices=("forked", "in-process"), default=["forked"])
+    ap.add_argument("--repeats", type=int, default=1)
     args = ap.parse_args()
     results = []
-    for model in each(args.models, "models"):
-        r = measure(model, args.rounds, args.work)
-        results.append(r)
-        p = r["processes"]
-        print(f"{model}: daemon RSS {p['daemon']['rss']:.0f} (USS {p['daemon']['uss']:.0f}), DHT process RSS "
-              f"{p['dht']['rss']:.0f} USS {p['dht']['uss']:.0f}, p2pd RSS {p['p2pd']['rss']:.0f} USS "
-              f"{p['p2pd']['uss']:.0f}; tree {r['tree_mib']:.0f} MiB (RSS summed {r['rss_sum_mib']:.0f}), model "
-              f"state {r['model_state_mib']:.0f}, beyond it {r['beyond_model_mib']:.0f} MiB", flush=True)
+    for repeat in each(range(args.repeats), "repeats"):
+        for model in args.models:
+            variants = args.variants if repeat % 2 == 0 else args.variants[::-1]
+            for variant in variants:
+                r = measure(model, args.rounds, args.work, variant == "in-process")
+                r["repeat"] = repeat
+                results.append(r)
+                p = r["processes"]
+                dht = f"DHT process RSS {p['dht']['rss']:.0f} USS {p['dht']['uss']:.0f}, " if "dht" in p else ""
+                print(f"{model} {variant}: daemon RSS {p['daemon']['rss']:.0f} (USS {p['daemon']['uss']:.0f}), {dht}"
+                      f"p2pd RSS {p['p2pd']['rss']:.0f} USS {p['p2pd']['uss']:.0f}; tree {r['tree_mib']:.0f} MiB "
+                      f"(RSS summed {r['rss_sum_mib']:.0f}), model state {r['model_state_mib']:.0f}, beyond it "
+                      f"{r['beyond_model_mib']:.0f} MiB; {r['merges_per_min']:.1f} merges/min, "
+                      f"{r['steps_per_s']:.1f} steps/s", flush=True)
     write_result(args.out, {"results": results})
     return 0
 

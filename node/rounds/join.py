@@ -22,6 +22,7 @@ from hivemind.utils import get_dht_time
 
 from atoll.protocols import dht_guard, dht_io
 from atoll.protocols.dht_setup import DHT_NODE_OPTIONS, apply_p2pd_environment
+from atoll.protocols.local_dht import LocalDHT
 from atoll.protocols.auth import (AuthError, JoinToken, RunKey, fingerprint, identity_bytes, key_of_identity,
                                   peer_id_of, signed_by)
 from atoll.protocols.revocation import RevocationList
@@ -36,26 +37,29 @@ logger = logging.getLogger("atoll")
 CONFIG_TTL = 24 * 3600.0
 NEW_RUN_LOOK = 5.0  # seconds a --new-run daemon looks for the run at its peers before it starts the run
 def start_dht(cfg: NodeConfig, validators: list, client_mode: bool = False, identity_path: str | None = None,
-              ) -> DHT:
-    """Start hivemind's DHT, retrying bootstrap; ``ConfigError`` if no initial peer answers. ``identity_path``: the
-    libp2p identity (default: ``cfg.identity_path``; see ``identity_file`` for a private run's). ``client_mode``: a
-    reader that lives for one command (``atoll status``): a client DHT node with a throwaway identity. A daemon with
+              ) -> DHT | LocalDHT:
+    """Start hivemind's DHT (its node in a forked process; with ``cfg.dht_in_process`` on a thread of this one,
+    ``protocols/local_dht.py``), retrying bootstrap; ``ConfigError`` if no initial peer answers. ``identity_path``:
+    the libp2p identity (default: ``cfg.identity_path``; see ``identity_file`` for a private run's). ``client_mode``:
+    a reader that lives for one command or test: a client DHT node with a throwaway identity. A daemon with
     ``cfg.client_mode`` (behind NAT) runs a client DHT node too, but keeps its identity (its peer id is its member
     key's in a private run, and it picks its data shard)."""
     apply_p2pd_environment()
-    dht_guard.install()  # before the DHT's process forks from ours: it inherits the bounded handlers
+    dht_guard.install()  # before the DHT's process forks from ours (or its node starts here): the bounded handlers
+    options = dict(
+        # A client node serves no DHT requests and stays out of the others' routing tables: nobody wastes a dial
+        # (a timeout, on the internet) on an address behind NAT.
+        initial_peers=list(cfg.initial_peers), client_mode=client_mode or cfg.client_mode,
+        host_maddrs=list(cfg.host_maddrs), announce_maddrs=list(cfg.announce_maddrs) or None,
+        identity_path=None if client_mode else (identity_path or cfg.identity_path),
+        startup_timeout=30, **DHT_NODE_OPTIONS,
+    )
     last_error: Exception | None = None
     for attempt in range(cfg.bootstrap_retries):
         try:
-            return DHT(
-                # A client node serves no DHT requests and stays out of the others' routing tables: nobody
-                # wastes a dial (a timeout, on the internet) on an address behind NAT.
-                initial_peers=list(cfg.initial_peers), start=True, client_mode=client_mode or cfg.client_mode,
-                host_maddrs=list(cfg.host_maddrs), announce_maddrs=list(cfg.announce_maddrs) or None,
-                identity_path=None if client_mode else (identity_path or cfg.identity_path),
-                record_validators=validators,
-                startup_timeout=30, **DHT_NODE_OPTIONS,
-            )
+            if cfg.dht_in_process:
+                return LocalDHT.create(validators=validators, **options)
+            return DHT(start=True, record_validators=validators, **options)
         except Exception as e:  # hivemind raises plain Exceptions for bootstrap failures
             last_error = e
             if attempt + 1 < cfg.bootstrap_retries:

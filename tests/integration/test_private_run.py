@@ -1,5 +1,8 @@
 """A private run lets no one in without a join token: an outsider on the run's DHT can neither write its records,
 join its rounds, nor download its state, and every attempt is refused and logged. Members train as usual.
+
+``b`` runs its DHT node in its own process (``--dht-in-process``, ``protocols/local_dht.py``), ``a`` in hivemind's
+forked DHT process: the same records, validators and refusals on both, in one swarm.
 """
 
 import asyncio
@@ -7,7 +10,7 @@ import asyncio
 import pytest
 from hivemind import DHT
 from hivemind.utils import get_dht_time
-from scripts.swarm import LocalSwarm, StatusReader
+from scripts.swarm import LocalSwarm, StatusReader, daemon_processes
 from support.records import forged_progress
 from support.swarms import assert_replicas_agree, peer_id, wait_for
 
@@ -30,7 +33,7 @@ def swarm(tmp_path_factory):
     s = LocalSwarm(tmp_path_factory.mktemp("private"), COMMON)
     try:
         s.start("a", join=False)
-        s.start("b")
+        s.start("b", ["--dht-in-process", "true"])
         yield s
     finally:
         s.stop_all(timeout=30)
@@ -53,6 +56,7 @@ def test_members_train_together(swarm):
     wait_for(lambda: sum(len(r["contributors"]) == 2 for r in a.rounds()) >= 2, 180, "two 2-member rounds")
     assert_replicas_agree(swarm, "ab")
     assert "starting a new private run 'atoll'" in a.log()
+    assert "dht" in daemon_processes(a.proc.pid) and "dht" not in daemon_processes(b.proc.pid)
 
 
 def test_outsider_cannot_write_records_or_join_rounds(swarm, outsider):
@@ -71,7 +75,8 @@ def test_outsider_cannot_write_records_or_join_rounds(swarm, outsider):
                              expiration, subkey=subkey)
     announcement = {"peer_id": me, "fragment": 0, "version": version}
     assert not dht.store(open_rounds_key("atoll", 0, version, digest), announcement, expiration, subkey=subkey)
-    wait_for(lambda: "refused a DHT record of owner key" in a.log(), 30, "a to log the refused records")
+    for d in swarm.daemons.values():
+        wait_for(lambda: "refused a DHT record of owner key" in d.log(), 30, "both to log the refused records")
     reader = StatusReader(swarm.bootstrap)
     try:
         listed = {p["peer_id"] for p in reader.read()["peers"]}

@@ -127,7 +127,8 @@ def test_toml_file_with_every_key(tmp_path, access):
                codec_block=128, clip_factor=3.0, robust_merge="trimmed", model_digest="0123456789abcdef",
                tokenizer="bytes", global_batch=32)
     node = dict(run_id="exp-1", initial_peers=(PEER,), host_maddrs=("/ip4/127.0.0.1/tcp/0",),
-                announce_maddrs=("/ip4/127.0.0.1/tcp/4001",), client_mode=True, identity=str(tmp_path / "identity.key"),
+                announce_maddrs=("/ip4/127.0.0.1/tcp/4001",), client_mode=True, dht_in_process=True,
+                identity=str(tmp_path / "identity.key"),
                 checkpoint_dir=str(tmp_path / "ckpt"), device="cpu", precision="bf16", batch_size=4, threads=2, codec_threads=2,
                 snapshot_at="due", max_steps=100,
                 heartbeat=1.5, eval_batches=4, eval_budget=0.05, bootstrap_retries=5, config_wait=12.0, new_run=True,
