@@ -192,12 +192,11 @@ def revoke(run_key: str, run_id: str, initial_peers: list[str], tokens: list[str
 
     from atoll.protocols import dht_io
     from atoll.protocols.auth import AuthError, Certificate, RunKey, fingerprint, is_peer_id, peer_id_of
-    from atoll.protocols.revocation import RevocationList, newest_revocation
+    from atoll.protocols.revocation import REVOCATION_TTL, RevocationList, newest_revocation
     from atoll.protocols.record_validator import make_validators
     from atoll.protocols.records import revoked_key, unwrap_subkeys
 
     from .ops.reader import check_target, open_reader
-    from .rounds.peers import REVOCATION_TTL
 
     try:
         key = RunKey.load(run_key)

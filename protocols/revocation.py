@@ -9,6 +9,9 @@ from dataclasses import dataclass
 import msgpack
 
 from .auth import RunKey, is_peer_id, signed_by
+from .records import MAX_EXPIRY
+
+REVOCATION_TTL = MAX_EXPIRY["revoked"] - 60.0  # a revocation outlives the daemons that know it (and is kept on disk)
 
 REVOCATION_FORMAT = "atoll-revoked-1"
 MAX_REVOKED = 1024

@@ -26,7 +26,7 @@ from hivemind.utils import get_dht_time
 
 from atoll.protocols import dht_io
 from atoll.protocols.auth import owner_of_raw_subkey, peer_id_of
-from atoll.protocols.revocation import newest_revocation
+from atoll.protocols.revocation import REVOCATION_TTL, newest_revocation
 from atoll.protocols.record_validator import sync_run_validator
 from atoll.protocols.records import (ALL_SHARDS, MAX_CLOCK_SKEW, MAX_EXPIRY, PROGRESS_SHARDS, READ_BUDGET,
                                      HeadRecord,
@@ -44,7 +44,6 @@ HEAD_REPUBLISH = 30.0  # seconds between notes of how far the run got
 HEAD_TTL = 7 * 24 * 3600.0  # a run's head outlives its daemons: a newcomer then waits for a holder to return
 REVOCATION_POLL = 5.0  # seconds between reads of the run's revocation list (and of the DHT's refusal counts)
 REVOCATION_REPUBLISH = CONFIG_REPUBLISH
-REVOCATION_TTL = MAX_EXPIRY["revoked"] - 60.0  # a revocation outlives the daemons that know it (and is kept on disk)
 ALL_READ_UP_TO = READ_BUDGET * 5 // 4  # once reading the ALL_SHARDS key, it is read up to this many records
 WRITE_ALL_UP_TO = 2 * READ_BUDGET  # a daemon writes its record under the ALL_SHARDS key while its table is this small
 FOLLOW_S = 20.0  # seconds the shards of peers we follow (``follow``) are read at every read of the table

@@ -39,6 +39,19 @@ def test_the_readers_modules_and_the_light_parser_import_no_torch():
     assert doc["heavy"] == []
 
 
+def test_the_light_commands_themselves_import_no_torch(tmp_path):
+    """Each light command run to its first refusal (a missing run key: after its imports, before the network)."""
+    peer = "/ip4/127.0.0.1/tcp/1/p2p/QmXoypizjW3WknFiJnKLwHCnL72vedxjQkDDP1mXWo6uco"
+    missing = str(tmp_path / "missing.key")
+    commands = [["revoke", "--run-key", missing, "--initial-peers", peer, "--peer-id", peer.rsplit("/", 1)[1]],
+                ["token", "--run-key", missing, "--out", str(tmp_path / "t")],
+                ["status", "--run-key", missing, "--initial-peers", peer],
+                ["dashboard", "--run-key", missing, "--port", "0", "--initial-peers", peer]]
+    for argv in commands:
+        doc = fresh(f"from atoll.node.cli import main\nout = main({argv!r})")
+        assert doc["out"] == 2 and doc["heavy"] == [], (argv, doc)
+
+
 def test_without_the_lazy_packages_the_same_imports_bring_torch():
     """What the test above guards against: hivemind's own package ``__init__`` imports torch."""
     doc = fresh("import atoll.node.ops.status\nout = None")
