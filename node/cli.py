@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from .checks import DEFAULT_RUN_ID, ConfigError
+from .home import model_commands  # argparse and checks only: light
 
 _RUN_ID = DEFAULT_RUN_ID  # default of ``atoll status`` and ``atoll token`` too
 LIGHT_COMMANDS = ("status", "dashboard", "token", "revoke")
@@ -321,8 +322,6 @@ def build_parser(light: bool = False) -> argparse.ArgumentParser:
     _token_parser(sub)
     _revoke_parser(sub)
     if not light:
-        from .home import model_commands
-
         _data_parser(sub)
         _control_parser(sub)
         model_commands.add_parsers(sub, _RUN_ID)
@@ -358,9 +357,7 @@ def main(argv: list[str] | None = None) -> int:
             return revoke(args.run_key, args.run_id, list(args.initial_peers), args.token, args.peer_id)
         if args.command == "data":
             return prepare_data(args)
-        if args.command in ("export", "sample", "eval"):
-            from .home import model_commands
-
+        if args.command in model_commands.COMMANDS:
             return model_commands.run(args)
         if args.command in ("pause", "resume"):
             from .island.control import run_control, socket_path

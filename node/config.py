@@ -15,7 +15,6 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-
 from .algorithm import SnapshotAt
 from .checks import DEFAULT_RUN_ID, check_maddr, check_run_id
 from .faults import parse_faults

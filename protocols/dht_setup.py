@@ -3,7 +3,14 @@ environment (imports nothing: ``node/ops/reader.py``'s light readers use it too)
 
 from __future__ import annotations
 
+import logging
 import os
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+logger = logging.getLogger("atoll")
+T = TypeVar("T")
 
 # hivemind's DHTNode keeps values it read fresh in the background (a read ``cache_refresh_before_expiry`` s before
 # they expire) and stores what it found on the nearest node that lacked it (``cache_nearest``). Every read atoll
@@ -27,3 +34,17 @@ def apply_p2pd_environment() -> None:
     """Set ``P2PD_ENVIRONMENT`` for the p2pd started after this, where the environment does not set it already."""
     for name, value in P2PD_ENVIRONMENT.items():
         os.environ.setdefault(name, value)
+
+
+def start_with_retries(start: Callable[[], T], tries: int) -> T:
+    """``start()`` until it returns, at most ``tries`` times, 2 s, then 4 s, ... apart (a bootstrap peer may be
+    starting too); raises the last try's error. hivemind raises plain Exceptions for bootstrap failures."""
+    for attempt in range(tries):
+        try:
+            return start()
+        except Exception as e:
+            if attempt + 1 >= tries:
+                raise
+            logger.warning("DHT start failed (%s); retrying in %d s", e, 2 * (attempt + 1))
+            time.sleep(2 * (attempt + 1))
+    raise ValueError(f"tries must be positive, got {tries}")

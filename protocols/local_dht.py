@@ -68,10 +68,6 @@ class LocalDHT:
     def peer_id(self) -> Any:
         return self.node.peer_id
 
-    @property
-    def client_mode(self) -> bool:
-        return bool(self.node.protocol.client_mode)
-
     def get_visible_maddrs(self) -> list:
         return self._submit(self.node.p2p.get_visible_maddrs()).result()
 
@@ -94,9 +90,6 @@ class LocalDHT:
               **kwargs: Any) -> Any:
         future = self._submit(self.node.store(key, value, expiration_time, subkey=subkey, **kwargs))
         return future if return_future else future.result()
-
-    def is_alive(self) -> bool:
-        return self._thread.is_alive() and self.node is not None and self.node.is_alive
 
     def shutdown(self) -> None:
         """Stop the node (and its p2pd), its background tasks and the loop's thread; safe to call twice."""

@@ -7,16 +7,13 @@ nothing here imports torch.
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Sequence
 
-from atoll.protocols.dht_setup import DHT_NODE_OPTIONS, apply_p2pd_environment
+from atoll.protocols.dht_setup import DHT_NODE_OPTIONS, apply_p2pd_environment, start_with_retries
 from atoll.protocols.local_dht import LocalDHT
 
 from ..checks import ConfigError, check_maddr, check_run_id
 
-logger = logging.getLogger("atoll")
 STARTUP_TIMEOUT = 30.0  # seconds for p2pd to start and one initial peer to answer, as a daemon's DHT start
 BOOTSTRAP_RETRIES = 3  # NodeConfig's default
 
@@ -37,14 +34,9 @@ def open_reader(run_id: str, initial_peers: Sequence[str], validators: list,
     apart, as a daemon's)."""
     check_target(run_id, initial_peers)
     apply_p2pd_environment()
-    last_error: Exception | None = None
-    for attempt in range(retries):
-        try:
-            return LocalDHT.create(initial_peers, validators, client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                   startup_timeout=STARTUP_TIMEOUT, **DHT_NODE_OPTIONS)
-        except Exception as e:  # hivemind raises plain Exceptions for bootstrap failures
-            last_error = e
-            if attempt + 1 < retries:
-                logger.warning("DHT start failed (%s); retrying in %d s", e, 2 * (attempt + 1))
-                time.sleep(2 * (attempt + 1))
-    raise ConfigError(f"initial_peers: could not reach any bootstrap peer after {retries} attempts ({last_error})")
+    try:
+        return start_with_retries(lambda: LocalDHT.create(
+            initial_peers, validators, client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            startup_timeout=STARTUP_TIMEOUT, **DHT_NODE_OPTIONS), retries)
+    except Exception as e:
+        raise ConfigError(f"initial_peers: could not reach any bootstrap peer after {retries} attempts ({e})") from None

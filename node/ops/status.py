@@ -14,8 +14,8 @@ from hivemind.utils import get_dht_time
 from atoll.protocols import dht_io
 from atoll.protocols.auth import AuthError, JoinToken, RunKey
 from atoll.protocols.record_validator import make_validators
-from atoll.protocols.records import (ALL_SHARDS, MAX_CLOCK_SKEW, READ_BUDGET, ProgressRecord, config_key, parse_progress,
-                                     parse_run_config, progress_key, progress_keys, unwrap_subkeys)
+from atoll.protocols.records import (ALL_SHARDS, MAX_CLOCK_SKEW, READ_BUDGET, ProgressRecord, config_key,
+                                     parse_progress, parse_run_config, progress_key, progress_keys, unwrap_subkeys)
 from atoll.protocols.summary import merge, parse_summary, summary_key, totals
 
 from ..checks import ConfigError

@@ -21,7 +21,7 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time
 
 from atoll.protocols import dht_guard, dht_io
-from atoll.protocols.dht_setup import DHT_NODE_OPTIONS, apply_p2pd_environment
+from atoll.protocols.dht_setup import DHT_NODE_OPTIONS, apply_p2pd_environment, start_with_retries
 from atoll.protocols.local_dht import LocalDHT
 from atoll.protocols.auth import (AuthError, JoinToken, RunKey, fingerprint, identity_bytes, key_of_identity,
                                   peer_id_of, signed_by)
@@ -54,22 +54,19 @@ def start_dht(cfg: NodeConfig, validators: list, client_mode: bool = False, iden
         identity_path=None if client_mode else (identity_path or cfg.identity_path),
         startup_timeout=30, **DHT_NODE_OPTIONS,
     )
-    last_error: Exception | None = None
-    for attempt in range(cfg.bootstrap_retries):
-        try:
-            if cfg.dht_in_process:
-                return LocalDHT.create(validators=validators, **options)
-            return DHT(start=True, record_validators=validators, **options)
-        except Exception as e:  # hivemind raises plain Exceptions for bootstrap failures
-            last_error = e
-            if attempt + 1 < cfg.bootstrap_retries:
-                logger.warning("DHT start failed (%s); retrying in %d s", e, 2 * (attempt + 1))
-                time.sleep(2 * (attempt + 1))
-    if cfg.initial_peers:
-        raise ConfigError(
-            f"initial_peers: could not reach any bootstrap peer after {cfg.bootstrap_retries} attempts ({last_error})"
-        )
-    raise RuntimeError(f"could not start the DHT: {last_error}")
+
+    def start() -> DHT | LocalDHT:
+        if cfg.dht_in_process:
+            return LocalDHT.create(validators=validators, **options)
+        return DHT(start=True, record_validators=validators, **options)
+
+    try:
+        return start_with_retries(start, cfg.bootstrap_retries)
+    except Exception as e:
+        if cfg.initial_peers:
+            raise ConfigError(f"initial_peers: could not reach any bootstrap peer after {cfg.bootstrap_retries} "
+                              f"attempts ({e})") from None
+        raise RuntimeError(f"could not start the DHT: {e}") from e
 
 
 def membership(cfg: NodeConfig) -> JoinToken | None:

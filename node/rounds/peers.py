@@ -29,9 +29,8 @@ from atoll.protocols.auth import owner_of_raw_subkey, peer_id_of
 from atoll.protocols.revocation import REVOCATION_TTL, newest_revocation
 from atoll.protocols.record_validator import sync_run_validator
 from atoll.protocols.records import (ALL_SHARDS, MAX_CLOCK_SKEW, MAX_EXPIRY, PROGRESS_SHARDS, READ_BUDGET,
-                                     HeadRecord,
-                                     ProgressRecord, Status, config_key, head_key, parse_head, parse_progress,
-                                     progress_key, progress_shard, revoked_key, unwrap_subkeys)
+                                     HeadRecord, ProgressRecord, Status, config_key, head_key, parse_head,
+                                     parse_progress, progress_key, progress_shard, revoked_key, unwrap_subkeys)
 from atoll.protocols.summary import is_summarizer, summary_key, totals
 
 from .context import SyncContext

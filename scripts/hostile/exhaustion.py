@@ -8,7 +8,6 @@ second review's DHT floods, held-open state downloads and dynamic DHT keys, live
   header and then never again; a refused or broken one is asked for again a second later.
 - ``dynamic_keys``: group decisions of about 50 KB (1,000 made-up members) under new round keys (versions past the
   swarm's, bases of its own), each living an hour, as fast as its own DHT node stores them at the nearest nodes.
-
 - ``cpu_burn``: a control, no message at all: the member's DHT process spins for the attack's length, taking
   whatever CPU its nice level gets it, as the flood's processes do. On a machine the honest daemons share, what
   it costs them is what the flood costs through the CPU alone, not through the network.

@@ -1,7 +1,6 @@
 """The light commands import no torch (``protocols/light_import.py``, ``node/cli.py``'s ``LIGHT_COMMANDS``): each check
 runs in a fresh interpreter and reads its ``sys.modules`` (no sockets)."""
 
-import argparse
 import json
 import subprocess
 import sys
@@ -105,4 +104,3 @@ def test_the_light_parser_refuses_a_heavy_command():
 
     with pytest.raises(SystemExit):
         build_parser(light=True).parse_args(["start"])
-    assert isinstance(build_parser(light=True), argparse.ArgumentParser)
