@@ -148,9 +148,14 @@ def joiner_config(swarm: LocalSwarm, key: RunKey, root: Path) -> dict:
         dht.shutdown()
 
 
-def held_out(observed: dict) -> float:
-    losses = [observed["rounds"][n][-1]["held_out_loss"] for n in HONEST]
+def held_out(observed: dict, last: int = 1) -> float:
+    """The honest daemons' mean held-out loss over their ``last`` rounds."""
+    losses = [r["held_out_loss"] for n in HONEST for r in observed["rounds"][n][-last:]]
     return sum(losses) / len(losses)
+
+
+def contributors(observed: dict) -> dict[str, list[list[str]]]:
+    return {n: [sorted(r["contributors"]) for r in observed["rounds"][n]] for n in HONEST}
 
 
 def merges(observed: dict) -> int:
@@ -194,7 +199,16 @@ def test_the_honest_daemons_train_as_if_the_attackers_were_absent(baseline, atta
     print(f"held-out loss: baseline {held_out(baseline):.4f}, attacked {held_out(attacked):.4f}; multi-member "
           f"rounds: {merges(baseline)} vs {merges(attacked)}; attack took {attacked['attack_s']:.0f} s: "
           f"{ {k: v for k, v in attacked.items() if k in dict(PHASES) or k == 'junk_records'} }")
-    assert abs(held_out(attacked) - held_out(baseline)) <= 0.02 * held_out(baseline)
+    if contributors(attacked) == contributors(baseline):
+        # The same rounds with the same members: the same trajectory, so the same losses (deterministic run).
+        assert abs(held_out(attacked) - held_out(baseline)) <= 1e-3 * held_out(baseline)
+    else:
+        # A lost round sets the attacked swarm on another trajectory, and this run's final held-out loss is no
+        # figure to compare across trajectories: every run here climbs 10-30% over its last four rounds, and
+        # swarms differing only in data order end 2.52-3.11. The mean over the last quarter of the rounds is
+        # held to the issue's bound (5%) instead; a poisoned model's is 10-100x.
+        quarter = STEPS // 10 // 4
+        assert abs(held_out(attacked, quarter) - held_out(baseline, quarter)) <= 0.05 * held_out(baseline, quarter)
     # Every round merged with the others, but for at most one (a member's first hostile answer can cost a round).
     assert merges(attacked) >= merges(baseline) - len(HONEST)
     hashes = {attacked["rounds"][n][-1]["hash"] for n in HONEST}
