@@ -8,11 +8,14 @@ record, from every node, at every read and every write: on a thin link these wal
 
 While this node knows fewer than ``bucket_size`` others, it knows the swarm: a write goes straight to the
 ``num_replicas`` nearest nodes it knows (itself included, as hivemind's store does), the next known one taking
-the place of any that does not answer; and a latest read asks this node's own storage and the ``READ_BEAM``
-nearest others (hivemind's read with a narrower beam, which still follows any nearer node they name). Every
-writer and reader of a small swarm ranks the same nodes nearest a key, so the nodes read are among those written
-to; the second one read covers a write the first missed (it was restarting, say). A node that knows
-``bucket_size`` others or more uses hivemind's walks unchanged.
+the place of any that does not answer; and a latest read asks this node's own storage and ``READ_BEAM`` of those
+replicas. A node that knows ``bucket_size`` others or more uses hivemind's walks unchanged.
+
+Slow replicas: one busy node (a member that floods its own DHT node slows every call to it, docs/security.md) must not set the pace of every read and write of the swarm. So each node times its calls to
+the others (``Latency``), a read asks the replicas that answered fastest first and asks the next one as well when
+an answer is ``HEDGE_AFTER`` s late, and a write returns once ``R - READ_BEAM + 1`` of its ``R`` replicas
+answered, the others finishing in the background. Any ``READ_BEAM`` replicas a read asks then include one that
+answered the write: the two sets of a swarm's ``R`` replicas cannot miss each other.
 """
 
 from __future__ import annotations
@@ -25,6 +28,63 @@ from hivemind.dht.crypto import DHTRecord
 from hivemind.dht.routing import DHTID
 
 READ_BEAM = 2
+HEDGE_AFTER = 0.2  # s: a read's replica this late is joined by the next one (a healthy answer on loopback is ms)
+HEDGE_FACTOR = 4.0
+LATENCY_WEIGHT = 0.5  # each call's share of a node's latency estimate (an exponential average)
+_BACKGROUND: set[asyncio.Future] = set()  # calls left to finish after their read or write returned (asyncio keeps
+# only weak references to tasks)
+
+
+class Latency:
+    """How long this node's calls to each other node take (an exponential average, seconds; a call that got no
+    answer counts as ``wait_timeout``), and the calls still out: a node whose oldest open call is older than its
+    average counts as that slow. Read replicas are asked fastest first; unknown nodes count as fast."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[Any, float] = {}
+        self.open: dict[Any, list[float]] = {}  # start times of the calls still out, per node
+        self.hedges = 0  # reads that asked one node more than ``READ_BEAM`` because one was late
+
+    def observe(self, peer_id: Any, seconds: float) -> None:
+        old = self.seconds.get(peer_id)
+        self.seconds[peer_id] = seconds if old is None else old + LATENCY_WEIGHT * (seconds - old)
+
+    def estimate(self, peer_id: Any, now: float) -> float:
+        waited = max((now - t for t in self.open.get(peer_id, ())), default=0.0)
+        return max(self.seconds.get(peer_id, 0.0), waited)
+
+    def fastest_first(self, peers: list[Any], now: float) -> list[Any]:
+        """``peers`` by their latency, in the order they came (nearest first) between equals."""
+        return sorted(peers, key=lambda p: self.estimate(p, now))
+
+    def hedge_after(self, peers: list[Any], now: float) -> float:
+        """How late an answer from ``peers`` may be before the next node is asked too: ``HEDGE_AFTER``, or
+        ``HEDGE_FACTOR`` × their median latency when every node answers slowly (a loaded machine)."""
+        estimates = sorted(self.estimate(p, now) for p in peers)
+        return max(HEDGE_AFTER, HEDGE_FACTOR * estimates[len(estimates) // 2]) if estimates else HEDGE_AFTER
+
+    async def timed(self, peer_id: Any, call: Any, no_answer: float) -> Any:
+        """``call``'s result (None when the node did not answer), its time observed."""
+        loop = asyncio.get_running_loop()
+        started, result = loop.time(), None
+        self.open.setdefault(peer_id, []).append(started)
+        try:
+            result = await call
+        finally:
+            opened = self.open[peer_id]
+            opened.remove(started)
+            if not opened:
+                del self.open[peer_id]
+            took = loop.time() - started
+            self.observe(peer_id, took if result is not None else max(no_answer, took))
+        return result
+
+
+def latency(node: Any) -> Latency:
+    """The node's ``Latency`` (kept on the node: every coroutine here runs in the DHT's process, given the node)."""
+    if not isinstance(getattr(node, "atoll_latency", None), Latency):
+        node.atoll_latency = Latency()
+    return node.atoll_latency
 
 
 def _known(node: Any, key_id: DHTID) -> list[tuple[DHTID, Any]]:
@@ -39,44 +99,134 @@ def _small(node: Any, key_id: DHTID) -> bool:
     return len(_known(node, key_id)) < node.protocol.bucket_size
 
 
+def replicas(node: Any, key_id: DHTID) -> tuple[list[tuple[DHTID, Any]], int]:
+    """The nodes a small swarm's writes of ``key_id`` go to, nearest first (``peer_id`` None: this node), then the
+    other known nodes that stand in for any that does not answer; and ``R``, how many of them are the replicas."""
+    candidates = sorted([*_known(node, key_id), (node.node_id, None)], key=lambda c: key_id.xor_distance(c[0]))
+    return candidates, min(node.num_replicas, len(candidates))
+
+
+def write_quorum(count: int) -> int:
+    """Answers a write of ``count`` replicas waits for: enough that any ``READ_BEAM`` of them include one."""
+    return max(1, count - READ_BEAM + 1)
+
+
+def read_order(node: Any, key_id: DHTID) -> list[Any]:
+    """The other nodes a small swarm's read of ``key_id`` asks, in order: the replicas fastest first, then the
+    nodes that stand in for them."""
+    candidates, count = replicas(node, key_id)
+    others = [peer for _, peer in candidates[:count] if peer is not None]
+    now = asyncio.get_running_loop().time()
+    return latency(node).fastest_first(others, now) + [peer for _, peer in candidates[count:] if peer is not None]
+
+
 async def get_near(keys: tuple[str, ...], _dht: Any, node: Any) -> dict[str, Any]:
     """The latest value of each of ``keys`` (None where there is none), as hivemind's ``get_many`` returns it: from
-    this node and the ``READ_BEAM`` nearest others in a small swarm, else from hivemind's full walk."""
-    small = all(_small(node, DHTID.generate(source=key)) for key in keys)
-    beam = {"beam_size": READ_BEAM} if small else {}
-    return dict(await node.get_many(keys, sufficient_expiration_time=float("inf"), **beam))
+    this node and ``READ_BEAM`` of the key's replicas in a small swarm, else from hivemind's full walk."""
+    ids = {key: DHTID.generate(source=key) for key in keys}
+    if not all(_small(node, key_id) for key_id in ids.values()):
+        return dict(await node.get_many(keys, sufficient_expiration_time=float("inf")))
+    found = await _read(node, list(ids.values()))
+    return {key: found[key_id] for key, key_id in ids.items()}
+
+
+async def _read(node: Any, key_ids: list[DHTID]) -> dict[DHTID, Any]:
+    """Each key's latest value from this node's storage and ``READ_BEAM`` answers of its read order (``read_order``),
+    merged as hivemind's read merges them (``_SearchState``: the latest value, a dictionary's subkeys joined). A
+    replica that fails is replaced at once; one that is ``HEDGE_AFTER`` s late is joined by the next in order."""
+    from hivemind.dht.node import _SearchState  # hivemind's merge of a read's answers: one rule for both reads
+
+    protocol, clock = node.protocol, latency(node)
+    states = {k: _SearchState(k, float("inf"), serializer=protocol.serializer,
+                              record_validator=protocol.record_validator) for k in key_ids}
+    for key_id, state in states.items():
+        state.add_candidate(protocol.storage.get(key_id), source_node_id=node.node_id)
+        state.add_candidate(protocol.cache.get(key_id), source_node_id=node.node_id)
+    order = {k: read_order(node, k) for k in key_ids}
+    answered = dict.fromkeys(key_ids, 0)
+    pending: dict[asyncio.Task, list[DHTID]] = {}
+
+    def ask(wanted: list[DHTID]) -> None:
+        """The next node in each wanted key's order, one call per node."""
+        calls: dict[Any, list[DHTID]] = {}
+        for key_id in wanted:
+            if order[key_id]:
+                calls.setdefault(order[key_id].pop(0), []).append(key_id)
+        for peer_id, ids in calls.items():
+            call = node._call_find_with_blacklist(peer_id, ids)
+            pending[asyncio.ensure_future(clock.timed(peer_id, call, protocol.wait_timeout))] = ids
+
+    loop = asyncio.get_running_loop()
+    hedge = clock.hedge_after(sorted({p for peers in order.values() for p in peers}, key=str), loop.time())
+    for _ in range(READ_BEAM):
+        ask(key_ids)
+    while pending and any(answered[k] < READ_BEAM for k in key_ids):
+        done, _ = await asyncio.wait(list(pending), timeout=hedge, return_when=asyncio.FIRST_COMPLETED)
+        if not done:  # late: the next one as well, for every key still short of answers
+            clock.hedges += 1
+            ask([k for k in key_ids if answered[k] < READ_BEAM])
+            continue
+        failed: list[DHTID] = []
+        for task in done:
+            ids, response = pending.pop(task), task.result()
+            for key_id in ids:
+                if response is None:
+                    failed.append(key_id)
+                else:
+                    answered[key_id] += 1
+                    states[key_id].add_candidate(response[key_id][0], source_node_id=None)
+        ask([k for k in failed if answered[k] < READ_BEAM])  # no answer: the next one in order instead
+    _BACKGROUND.update(pending)  # late answers still time their nodes
+    for task in pending:
+        task.add_done_callback(_BACKGROUND.discard)
+    for state in states.values():
+        state.finish_search()
+    return {key_id: state.future.result() for key_id, state in states.items()}
 
 
 async def store_near(key: str, subkey: Any, value: Any, expiration_time: float, _dht: Any, node: Any) -> bool:
     """Store ``value`` under ``key`` (and ``subkey``) until ``expiration_time``: whether at least one node took it
-    (a node refuses a value that expires no later than the one it holds). Signed by the node's record validator as
+    (a node refuses a value that expires no later than the one it holds), known once ``write_quorum`` of the key's
+    replicas answered; the others are written in the background. Signed by the node's record validator as
     hivemind's store signs it, so every node (this one included) validates it as it would validate hivemind's."""
     protocol = node.protocol
     key_id = DHTID.generate(source=key)
-    known = _known(node, key_id)
-    if len(known) >= protocol.bucket_size:
+    if not _small(node, key_id):
         return bool(await node.store(key, value, expiration_time, subkey=subkey))
 
     record = DHTRecord(key_id.to_bytes(), protocol.serializer.dumps(subkey), protocol.serializer.dumps(value),
                        expiration_time)
     if protocol.record_validator is not None:
         record = dataclasses.replace(record, value=protocol.record_validator.sign_value(record))
-    # Nearest last, so that pop() takes the nearest untried node.
-    candidates = sorted([*known, (node.node_id, None)], key=lambda c: key_id.xor_distance(c[0]), reverse=True)
+    quorum = asyncio.get_running_loop().create_future()
+    task = asyncio.ensure_future(_replicate(node, key_id, subkey, record, quorum))
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+    return await asyncio.shield(quorum)
+
+
+async def _replicate(node: Any, key_id: DHTID, subkey: Any, record: DHTRecord, quorum: asyncio.Future) -> None:
+    """Write ``record`` to the key's replicas (``replicas``: the next known node in place of one that does not
+    answer) until all answered; ``quorum`` gets whether a node took it once ``write_quorum`` of them answered."""
+    protocol, clock = node.protocol, latency(node)
+    candidates, count = replicas(node, key_id)
+    untried, needed = candidates[::-1], write_quorum(count)  # pop() takes the nearest untried node
     stored = answered = 0
-    pending: set[asyncio.Task] = set()
-    while answered < node.num_replicas and (candidates or pending):
-        while candidates and answered + len(pending) < node.num_replicas:
-            node_id, peer_id = candidates.pop()
+    pending: set[asyncio.Future] = set()
+    while answered < count and (untried or pending):
+        while untried and answered + len(pending) < count:
+            _, peer_id = untried.pop()
             if peer_id is None:
                 answered += 1
                 valid = protocol.record_validator is None or protocol.record_validator.validate(record)
-                stored += bool(valid and protocol.storage.store(key_id, record.value, expiration_time,
+                stored += bool(valid and protocol.storage.store(key_id, record.value, record.expiration_time,
                                                                subkey=subkey))
             else:
-                pending.add(asyncio.create_task(protocol.call_store(
-                    peer_id, keys=[key_id], values=[record.value], expiration_time=[expiration_time],
-                    subkeys=[subkey])))
+                call = protocol.call_store(peer_id, keys=[key_id], values=[record.value],
+                                           expiration_time=[record.expiration_time], subkeys=[subkey])
+                pending.add(asyncio.ensure_future(clock.timed(peer_id, call, protocol.wait_timeout)))
+        if answered >= needed and not quorum.done():
+            quorum.set_result(stored > 0)
         if pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
@@ -84,4 +234,5 @@ async def store_near(key: str, subkey: Any, value: Any, expiration_time: float, 
                 if result is not None:  # None: no answer, and the next known node is tried
                     answered += 1
                     stored += bool(result[0])
-    return stored > 0
+    if not quorum.done():
+        quorum.set_result(stored > 0)

@@ -1,6 +1,7 @@
 """``near`` over real hivemind DHTs on 127.0.0.1: in a small swarm a write goes straight to the nodes without
 the lookup hivemind's store walks first, every other node reads it (signed by the writer's owner key, validated
-by each) from its own storage and ``READ_BEAM`` others, and a node that is gone is passed over."""
+by each) from its own storage and ``READ_BEAM`` others, a node that is gone is passed over, and one that does
+not answer holds neither writes nor reads."""
 
 import asyncio
 import functools
@@ -30,6 +31,10 @@ async def _count_finds(_dht, node) -> None:
 
 async def _finds(_dht, node) -> int:
     return node.finds_made
+
+
+async def _hedges(_dht, node) -> int:
+    return near.latency(node).hedges
 
 
 def _swarm(n: int) -> list[tuple[DHT, RSASignatureValidator]]:
@@ -91,7 +96,8 @@ def test_a_small_swarm_writes_without_a_lookup_and_every_node_reads_it():
         reader.run_coroutine(_count_finds)
         found = asyncio.run(dht_io.get(reader, KEY))
         assert found.value[subkey].value == {"step": 1}
-        assert 1 <= reader.run_coroutine(_finds) <= near.READ_BEAM
+        # (one more for each time an answer was late: a loaded machine)
+        assert 1 <= reader.run_coroutine(_finds) <= near.READ_BEAM + reader.run_coroutine(_hedges)
         reader.run_coroutine(_count_finds)
         assert reader.get(KEY, latest=True).value[subkey].value == {"step": 1}
         assert reader.run_coroutine(_finds) == len(nodes) - 1
@@ -133,3 +139,55 @@ def test_a_node_that_knows_a_full_bucket_uses_hivemind_s_store():
 
 async def _set_bucket_size(size: int, _dht, node) -> None:
     node.protocol.bucket_size = size
+
+
+HUNG_S = 60.0  # a node that does not answer for longer than any read or write here may take
+
+
+async def _hang_calls_to(peer: str, _dht, node) -> None:
+    """Runs in the DHT's process: this node's finds and stores to ``peer`` wait ``HUNG_S`` s first (a node whose
+    event loop someone else keeps busy); every node it calls is written down. The hedge is 2 s here, so that a
+    healthy node on a loaded machine never looks late."""
+    near.HEDGE_AFTER = 2.0
+    node.called = []
+    for name in ("call_find", "call_store"):
+        original = getattr(node.protocol, name)
+
+        async def hanging(peer_id, *args, _original=original, **kwargs):
+            node.called.append(str(peer_id))
+            if str(peer_id) == peer:
+                await asyncio.sleep(HUNG_S)
+            return await _original(peer_id, *args, **kwargs)
+
+        setattr(node.protocol, name, hanging)
+
+
+async def _called(_dht, node) -> list[str]:
+    return node.called
+
+
+def test_a_node_that_does_not_answer_holds_neither_writes_nor_reads():
+    nodes = _swarm(4)
+    try:
+        (writer, validator), (reader, _), (hung, _), _ = nodes
+        for dht, _ in nodes:
+            _wait_until_known(dht, len(nodes) - 1)
+        hung_peer = str(hung.peer_id)
+        for dht in (writer, reader):
+            dht.run_coroutine(functools.partial(_hang_calls_to, hung_peer))
+        subkey = validator.local_public_key
+
+        # Four replicas: the write returns once three answered (itself and two others), without the hung one.
+        for step in range(3):
+            assert asyncio.run(dht_io.store(writer, KEY, {"step": step}, get_dht_time() + 60 + step, subkey,
+                                            timeout=HUNG_S / 4))
+        assert hung_peer in writer.run_coroutine(_called)  # it was asked, and not waited for
+
+        # Reads answer from the others; once it is late, the hung node is asked last, so no more.
+        for _ in range(5):
+            found = asyncio.run(dht_io.get(reader, KEY, timeout=HUNG_S / 4))
+            assert found is not None and found.value[subkey].value == {"step": 2}
+        assert reader.run_coroutine(_called).count(hung_peer) <= 1
+    finally:
+        for dht, _ in nodes:
+            dht.shutdown()
