@@ -29,3 +29,25 @@ def test_a_step_delay_paces_each_step_and_data_shard_pins_the_shard_within_the_r
     assert slept == [0.25]
     assert Harness.parse(["data_shard=2"]).shard(9, 16) == 2
     assert Harness.parse(["data_shard=18"]).shard(9, 16) == 2
+
+
+def test_step_jitter_varies_each_delay_within_its_share_and_the_seed_repeats_it(monkeypatch):
+    slept = []
+    monkeypatch.setattr(harness_module.time, "sleep", slept.append)
+    h = Harness.parse(["step_delay=0.2", "step_jitter=0.1", "jitter_seed=7"])
+    for _ in range(200):
+        h.pace()
+    assert all(0.18 - 1e-12 <= s <= 0.22 + 1e-12 for s in slept) and len(set(slept)) > 100
+    assert abs(sum(slept) / len(slept) - 0.2) < 0.005  # uniform about the delay: mean 0.2, sd 0.0115/sqrt(200)
+    again = []
+    monkeypatch.setattr(harness_module.time, "sleep", again.append)
+    h = Harness.parse(["step_delay=0.2", "step_jitter=0.1", "jitter_seed=7"])
+    for _ in range(200):
+        h.pace()
+    assert again == slept
+    other = []
+    monkeypatch.setattr(harness_module.time, "sleep", other.append)
+    Harness.parse(["step_delay=0.2", "step_jitter=0.1", "jitter_seed=8"]).pace()
+    assert other[0] != slept[0]
+    with pytest.raises(ValueError, match="at most 1"):
+        Harness.parse(["step_jitter=1.5"])
