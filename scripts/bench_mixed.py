@@ -7,8 +7,8 @@ The paper's setting, scaled to this machine: learners of two speeds, every step'
 (``--harness step_jitter``, drawn from a generator seeded per daemon and seed). Steps are dominated by a fixed
 per-step delay (as in ``bench_straggler``), so that "18% slower" means the delay and an estimate of the compute,
 not the noise of four daemons sharing two cores; the slow daemons' measured pace is reported beside it. Every
-configuration runs the same model, data and wall-clock budget, once per seed (a seed is a fresh set of
-identities, so other data shards), in an order that rotates from seed to seed:
+configuration runs the same model, data and wall-clock budget, once per seed (a seed pins each daemon's data
+shard and its jitter's draws), in an order that rotates from seed to seed:
 
 - ``uniform``: ``decoupled`` with the defaults, four daemons at the fast pace (the reference);
 - ``mixed``: ``decoupled`` with the defaults (quorum, grace window, token weights);
@@ -23,6 +23,13 @@ moment; the uniform run's curve interpolated at the tokens the configuration rea
 time in inner steps, mean over daemons; and over the uniform run's, since this machine's start-up and merges
 count against every configuration), tokens lost (trained and never merged), and the slow daemons' share of
 the tokens that reached a merge. Writes docs/results/mixed/bench_mixed.json and .png.
+
+``--devices``: the mixed-device variant, in the xla environment (``make xla-venv``; torch_xla's runtime on the
+CPU). Three daemons, synchronous DiLoCo for ``--steps`` steps each, data pinned per seed and position: all three
+on the CPU (fp32), against one of them on xla (bf16 autocast) beside two on the CPU; the held-out loss of the
+final replicas, xla over CPU, per seed. Writes docs/results/mixed/bench_mixed_devices.json.
+
+    PYTHONPATH=build/xla-path PJRT_DEVICE=CPU ~/.cache/atoll/venv-xla/bin/python -m scripts.bench_mixed --devices
 """
 
 from __future__ import annotations
@@ -110,7 +117,10 @@ def run_once(root: Path, label: str, seed: int, args: argparse.Namespace) -> dic
         for i in range(DAEMONS):
             name = f"d{i}"
             delay = slow_delay(args.compute_estimate) if mixed and name in SLOW else FAST_DELAY
-            harness = [f"step_delay={delay}", f"step_jitter={JITTER}", f"jitter_seed={seed * DAEMONS + i}"]
+            # Each daemon's data shard and jitter are pinned by seed and position, so that every configuration of a
+            # seed trains on the same data (a fresh identity would pick another shard) and only the speeds differ.
+            harness = [f"step_delay={delay}", f"step_jitter={JITTER}", f"jitter_seed={seed * DAEMONS + i}",
+                       f"data_shard={seed * DAEMONS + i}"]
             # d0 evaluates at each of its fragment-0 merges: the curve the configurations are compared on.
             own = ["--eval-budget", "1"] if i == 0 else []
             swarm.start(name, [*(x for h in harness for x in ("--harness", h)), *own], join=i > 0)
@@ -135,6 +145,52 @@ def run_once(root: Path, label: str, seed: int, args: argparse.Namespace) -> dic
             "rounds": {n: x["rounds"] for n, x in s.items()}}
 
 
+DEVICE_CONFIGS = {"all cpu": ("cpu", "cpu", "cpu"), "one xla": ("xla", "cpu", "cpu")}
+
+
+def run_devices(root: Path, label: str, seed: int, args: argparse.Namespace) -> dict:
+    """One swarm of the mixed-device variant: every daemon to ``--steps``, in lockstep (synchronous rounds)."""
+    run = RunConfig(model="nano", algorithm="diloco", sync_every=20)
+    common = ["--model", run.model, "--algorithm", run.algorithm, "--sync-every", str(run.sync_every),
+              "--batch-size", "4", "--max-steps", str(args.steps), "--gather-timeout", "30", "--round-timeout", "30",
+              "--threads", "1"]
+    shutil.rmtree(root, ignore_errors=True)
+    devices = DEVICE_CONFIGS[label]
+    with LocalSwarm(root, common) as swarm:
+        for i, device in enumerate(devices):
+            harness = [f"data_shard={seed * len(devices) + i}", f"start_together={len(devices)}"]
+            swarm.start(f"d{i}", ["--device", device, *(x for h in harness for x in ("--harness", h))], join=i > 0)
+        codes = {n: d.proc.wait(args.seconds * 20) for n, d in swarm.daemons.items()}
+    if any(codes.values()):
+        raise RuntimeError(f"{label}: daemons exited {codes}; see {root}")
+    s = summaries(swarm)
+    return {"config": label, "seed": seed, "devices": list(devices),
+            "held_out_loss_end": statistics.mean(evaluate_swarm(swarm, run)),
+            "steps": [x["step"] for x in s], "wall_seconds": [x["wall_seconds"] for x in s]}
+
+
+def measure_devices(args: argparse.Namespace) -> int:
+    runs = []
+    for n, seed in enumerate(each(args.seeds, "seeds")):
+        got = {}
+        for label in (list(DEVICE_CONFIGS) if n % 2 == 0 else list(DEVICE_CONFIGS)[::-1]):
+            print(f"seed {seed}: {label}, {args.steps} steps ...", flush=True)
+            got[label] = run_devices(Path("runs/bench_mixed") / label.replace(" ", "_"), label, seed, args)
+        got["ratio"] = got["one xla"]["held_out_loss_end"] / got["all cpu"]["held_out_loss_end"]
+        print(f"  held-out: all cpu {got['all cpu']['held_out_loss_end']:.4f}, one xla "
+              f"{got['one xla']['held_out_loss_end']:.4f} (x{got['ratio']:.4f})", flush=True)
+        runs.append(got)
+    ratio = interval([r["ratio"] for r in runs])
+    print(f"held-out loss, one xla daemon over all cpu: x{fmt(ratio, 4)}")
+    doc = {"command": "python -m scripts.bench_mixed " + " ".join(sys.argv[1:]), "model": "nano", "daemons": 3,
+           "algorithm": "diloco", "sync_every": 20, "steps": args.steps, "seeds": args.seeds, "ratio": ratio,
+           "runs": runs}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_result(out / "bench_mixed_devices.json", doc)
+    return 0
+
+
 def compare(got: dict[str, dict]) -> None:
     """Each configuration against the uniform run of the same seed: its held-out loss at equal tokens (both curves
     at the fewer tokens of the two runs' last evaluations), at the end, and its goodput."""
@@ -157,9 +213,14 @@ def main() -> int:
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--sync-every", type=int, default=40)
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--compute-estimate", type=float, default=0.05, help="seconds of compute per step")
+    parser.add_argument("--compute-estimate", type=float, default=0.25,
+                        help="seconds of compute per step (tiny, batch 8, four daemons on two cores)")
     parser.add_argument("--out", default="docs/results/mixed")
+    parser.add_argument("--devices", action="store_true", help="the mixed-device variant (the xla environment)")
+    parser.add_argument("--steps", type=int, default=200, help="--devices: steps per daemon")
     args = parser.parse_args()
+    if args.devices:
+        return measure_devices(args)
     if "uniform" not in args.configs:
         parser.error("--configs must include uniform (the reference)")
     started = time.time()
