@@ -11,10 +11,11 @@ While this node knows fewer than ``bucket_size`` others, it knows the swarm: a w
 the place of any that does not answer; and a latest read asks this node's own storage and ``READ_BEAM`` of those
 replicas. A node that knows ``bucket_size`` others or more uses hivemind's walks unchanged.
 
-Slow replicas: one busy node (a member that floods its own DHT node slows every call to it, docs/security.md) must not set the pace of every read and write of the swarm. So each node times its calls to
-the others (``Latency``), a read asks the replicas that answered fastest first and asks the next one as well when
-an answer is ``HEDGE_AFTER`` s late, and a write returns once ``R - READ_BEAM + 1`` of its ``R`` replicas
-answered, the others finishing in the background. Any ``READ_BEAM`` replicas a read asks then include one that
+Slow replicas: one busy node (a member that floods its own DHT node slows every call to it, docs/security.md)
+must not set the pace of every read and write of the swarm. So each node times its calls to the others
+(``Latency``), a read asks the replicas that answered fastest first and asks the next one as well when an answer
+is ``HEDGE_AFTER`` s late, and a write returns once ``R - READ_BEAM + 1`` of its ``R`` replicas answered, the
+others finishing in the background. Any ``READ_BEAM`` replicas a read asks then include one that
 answered the write: the two sets of a swarm's ``R`` replicas cannot miss each other.
 """
 
@@ -213,26 +214,28 @@ async def _replicate(node: Any, key_id: DHTID, subkey: Any, record: DHTRecord, q
     untried, needed = candidates[::-1], write_quorum(count)  # pop() takes the nearest untried node
     stored = answered = 0
     pending: set[asyncio.Future] = set()
-    while answered < count and (untried or pending):
-        while untried and answered + len(pending) < count:
-            _, peer_id = untried.pop()
-            if peer_id is None:
-                answered += 1
-                valid = protocol.record_validator is None or protocol.record_validator.validate(record)
-                stored += bool(valid and protocol.storage.store(key_id, record.value, record.expiration_time,
-                                                               subkey=subkey))
-            else:
-                call = protocol.call_store(peer_id, keys=[key_id], values=[record.value],
-                                           expiration_time=[record.expiration_time], subkeys=[subkey])
-                pending.add(asyncio.ensure_future(clock.timed(peer_id, call, protocol.wait_timeout)))
-        if answered >= needed and not quorum.done():
-            quorum.set_result(stored > 0)
-        if pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                result = task.result()
-                if result is not None:  # None: no answer, and the next known node is tried
+    try:
+        while answered < count and (untried or pending):
+            while untried and answered + len(pending) < count:
+                _, peer_id = untried.pop()
+                if peer_id is None:
                     answered += 1
-                    stored += bool(result[0])
-    if not quorum.done():
-        quorum.set_result(stored > 0)
+                    valid = protocol.record_validator is None or protocol.record_validator.validate(record)
+                    stored += bool(valid and protocol.storage.store(key_id, record.value, record.expiration_time,
+                                                                   subkey=subkey))
+                else:
+                    call = protocol.call_store(peer_id, keys=[key_id], values=[record.value],
+                                               expiration_time=[record.expiration_time], subkeys=[subkey])
+                    pending.add(asyncio.ensure_future(clock.timed(peer_id, call, protocol.wait_timeout)))
+            if answered >= needed and not quorum.done():
+                quorum.set_result(stored > 0)
+            if pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    result = task.result()
+                    if result is not None:  # None: no answer, and the next known node is tried
+                        answered += 1
+                        stored += bool(result[0])
+    finally:  # the caller hears what was stored, even if a call raised
+        if not quorum.done():
+            quorum.set_result(stored > 0)
