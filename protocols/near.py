@@ -32,8 +32,15 @@ READ_BEAM = 2
 HEDGE_AFTER = 0.2  # s: a read's replica this late is joined by the next one (a healthy answer on loopback is ms)
 HEDGE_FACTOR = 4.0
 LATENCY_WEIGHT = 0.5  # each call's share of a node's latency estimate (an exponential average)
-_BACKGROUND: set[asyncio.Future] = set()  # calls left to finish after their read or write returned (asyncio keeps
-# only weak references to tasks)
+_BACKGROUND: set[asyncio.Future] = set()  # work left to finish after its read or write returned: asyncio keeps
+# only weak references to tasks
+
+
+def _keep(tasks: Any) -> None:
+    """Hold ``tasks`` until they finish (see ``_BACKGROUND``)."""
+    for task in tasks:
+        _BACKGROUND.add(task)
+        task.add_done_callback(_BACKGROUND.discard)
 
 
 class Latency:
@@ -44,7 +51,7 @@ class Latency:
     def __init__(self) -> None:
         self.seconds: dict[Any, float] = {}
         self.open: dict[Any, list[float]] = {}  # start times of the calls still out, per node
-        self.hedges = 0  # reads that asked one node more than ``READ_BEAM`` because one was late
+        self.hedges = 0  # nodes asked by reads beyond ``READ_BEAM`` because an answer was late
 
     def observe(self, peer_id: Any, seconds: float) -> None:
         old = self.seconds.get(peer_id)
@@ -134,7 +141,7 @@ async def get_near(keys: tuple[str, ...], _dht: Any, node: Any) -> dict[str, Any
 async def _read(node: Any, key_ids: list[DHTID]) -> dict[DHTID, Any]:
     """Each key's latest value from this node's storage and ``READ_BEAM`` answers of its read order (``read_order``),
     merged as hivemind's read merges them (``_SearchState``: the latest value, a dictionary's subkeys joined). A
-    replica that fails is replaced at once; one that is ``HEDGE_AFTER`` s late is joined by the next in order."""
+    replica that fails is replaced at once; one that is late (``Latency.hedge_after``) is joined by the next."""
     from hivemind.dht.node import _SearchState  # hivemind's merge of a read's answers: one rule for both reads
 
     protocol, clock = node.protocol, latency(node)
@@ -147,8 +154,8 @@ async def _read(node: Any, key_ids: list[DHTID]) -> dict[DHTID, Any]:
     answered = dict.fromkeys(key_ids, 0)
     pending: dict[asyncio.Task, list[DHTID]] = {}
 
-    def ask(wanted: list[DHTID]) -> None:
-        """The next node in each wanted key's order, one call per node."""
+    def ask(wanted: list[DHTID]) -> bool:
+        """The next node in each wanted key's order, one call per node; whether there was one."""
         calls: dict[Any, list[DHTID]] = {}
         for key_id in wanted:
             if order[key_id]:
@@ -156,16 +163,16 @@ async def _read(node: Any, key_ids: list[DHTID]) -> dict[DHTID, Any]:
         for peer_id, ids in calls.items():
             call = node._call_find_with_blacklist(peer_id, ids)
             pending[asyncio.ensure_future(clock.timed(peer_id, call, protocol.wait_timeout))] = ids
+        return bool(calls)
 
     loop = asyncio.get_running_loop()
-    hedge = clock.hedge_after(sorted({p for peers in order.values() for p in peers}, key=str), loop.time())
+    hedge = clock.hedge_after(list({p for peers in order.values() for p in peers}), loop.time())
     for _ in range(READ_BEAM):
         ask(key_ids)
     while pending and any(answered[k] < READ_BEAM for k in key_ids):
         done, _ = await asyncio.wait(list(pending), timeout=hedge, return_when=asyncio.FIRST_COMPLETED)
         if not done:  # late: the next one as well, for every key still short of answers
-            clock.hedges += 1
-            ask([k for k in key_ids if answered[k] < READ_BEAM])
+            clock.hedges += ask([k for k in key_ids if answered[k] < READ_BEAM])
             continue
         failed: list[DHTID] = []
         for task in done:
@@ -177,9 +184,7 @@ async def _read(node: Any, key_ids: list[DHTID]) -> dict[DHTID, Any]:
                     answered[key_id] += 1
                     states[key_id].add_candidate(response[key_id][0], source_node_id=None)
         ask([k for k in failed if answered[k] < READ_BEAM])  # no answer: the next one in order instead
-    _BACKGROUND.update(pending)  # late answers still time their nodes
-    for task in pending:
-        task.add_done_callback(_BACKGROUND.discard)
+    _keep(pending)  # late answers still time their nodes
     for state in states.values():
         state.finish_search()
     return {key_id: state.future.result() for key_id, state in states.items()}
@@ -200,9 +205,7 @@ async def store_near(key: str, subkey: Any, value: Any, expiration_time: float, 
     if protocol.record_validator is not None:
         record = dataclasses.replace(record, value=protocol.record_validator.sign_value(record))
     quorum = asyncio.get_running_loop().create_future()
-    task = asyncio.ensure_future(_replicate(node, key_id, subkey, record, quorum))
-    _BACKGROUND.add(task)
-    task.add_done_callback(_BACKGROUND.discard)
+    _keep([asyncio.ensure_future(_replicate(node, key_id, subkey, record, quorum))])
     return await asyncio.shield(quorum)
 
 

@@ -146,6 +146,7 @@ def run_once(root: Path, label: str, seed: int, args: argparse.Namespace) -> dic
 
 
 DEVICE_CONFIGS = {"all cpu": ("cpu", "cpu", "cpu"), "one xla": ("xla", "cpu", "cpu")}
+DEVICE_RUN_TIMEOUT = 1200  # seconds for a swarm of the mixed-device variant to finish its steps
 
 
 def run_devices(root: Path, label: str, seed: int, args: argparse.Namespace) -> dict:
@@ -160,7 +161,7 @@ def run_devices(root: Path, label: str, seed: int, args: argparse.Namespace) -> 
         for i, device in enumerate(devices):
             harness = [f"data_shard={seed * len(devices) + i}", f"start_together={len(devices)}"]
             swarm.start(f"d{i}", ["--device", device, *(x for h in harness for x in ("--harness", h))], join=i > 0)
-        codes = {n: d.proc.wait(args.seconds * 20) for n, d in swarm.daemons.items()}
+        codes = {n: d.proc.wait(DEVICE_RUN_TIMEOUT) for n, d in swarm.daemons.items()}
     if any(codes.values()):
         raise RuntimeError(f"{label}: daemons exited {codes}; see {root}")
     s = summaries(swarm)

@@ -207,7 +207,7 @@ def test_the_honest_daemons_train_as_if_the_attackers_were_absent(baseline, atta
         # figure to compare across trajectories: every run here climbs 10-30% over its last four rounds, and
         # swarms differing only in data order end 2.52-3.11. The mean over the last quarter of the rounds is
         # held to the bound (5%) instead; a poisoned model's is 10-100x.
-        quarter = STEPS // 10 // 4
+        quarter = len(baseline["rounds"]["a"]) // 4
         assert abs(held_out(attacked, quarter) - held_out(baseline, quarter)) <= 0.05 * held_out(baseline, quarter)
     # Every round merged with the others, but for at most one (a member's first hostile answer can cost a round).
     assert merges(attacked) >= merges(baseline) - len(HONEST)
