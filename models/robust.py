@@ -140,14 +140,17 @@ class Clipping:
 
 
 def clip_members(weights: Sequence[float], norms: Sequence[float], sizes: Sequence[float], factor: float,
-                 rda: bool) -> Clipping:
-    """A reducer's clips, in order: each member's values by their norm (``sizes``, as ``clip_contributions``), its
-    declared weight and RDA norm (``clip_scalars``), then weight × size (``clip_influence``; RDA: × its clipped
-    norm). A pure function of the scalars, so that a member given them computes what its reducer did."""
+                 rda: bool, cap: float = 0.0) -> Clipping:
+    """A reducer's clips, in order: each declared weight to ``cap``, the most the run's batch allows one member
+    (0: no cap; the absolute bound holds even where every member lies alike), each member's values by their norm
+    (``sizes``, as ``clip_contributions``), its declared weight and RDA norm (``clip_scalars``), then weight × size
+    (``clip_influence``; RDA: × its clipped norm). A pure function of the scalars, so that a member given them
+    computes what its reducer did."""
     n = len(weights)
+    capped = [i for i, w in enumerate(weights) if cap and w > cap]
+    weights = [min(float(w), cap) if cap else float(w) for w in weights]
     if not factor or n < 2:
-        return Clipping([1.0] * n, [float(w) for w in weights], [float(x) for x in norms],
-                        [float(x) for x in sizes], [])
+        return Clipping([1.0] * n, weights, [float(x) for x in norms], [float(x) for x in sizes], capped)
     bound, median = clip_bound(sizes, factor), lower_median(sizes)
     scales = [median / s if s > bound else 1.0 for s in sizes]
     cut = [i for i, s in enumerate(sizes) if s > bound]
@@ -155,8 +158,8 @@ def clip_members(weights: Sequence[float], norms: Sequence[float], sizes: Sequen
     clipped_weights, cut_w = clip_scalars(weights, factor)
     clipped_norms, cut_n = clip_scalars(norms, factor)
     clipped_weights, cut_i = clip_influence(clipped_weights, clipped_norms if rda else clipped_sizes, factor)
-    return Clipping(scales, clipped_weights, clipped_norms, clipped_sizes, sorted(set(cut) | set(cut_w) | set(cut_n)
-                                                                                   | set(cut_i)))
+    return Clipping(scales, clipped_weights, clipped_norms, clipped_sizes,
+                    sorted(set(capped) | set(cut) | set(cut_w) | set(cut_n) | set(cut_i)))
 
 
 def merge_bound(rule: MergeRule, weights: Sequence[float], sizes: Sequence[float], exclude: int | None = None) -> float:

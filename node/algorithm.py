@@ -51,6 +51,10 @@ class LocalMerge(enum.StrEnum):
     MIX = "mix"
 
 
+# Rounds' worth of steps one contribution may hold at full weight: its own and one missed round's carried work.
+CARRIED_ROUNDS = 2
+
+
 @dataclass(frozen=True)
 class Algorithm:
     """The policy of one algorithm."""
@@ -68,6 +72,15 @@ class Algorithm:
     def weight(self, tokens: int, steps: int) -> float:
         """A contribution's weight from the tokens and steps behind it since its fragment was last received."""
         return token_weight(tokens, steps) if self.token_weighted else float(tokens)
+
+    def weight_bound(self, step_tokens: int, sync_every: int, overlap: int) -> float:
+        """The most weight one contribution may declare (0: no bound, where the run does not bound its tokens a
+        step): ``step_tokens`` for each of the steps one contribution can hold, ``CARRIED_ROUNDS`` rounds' worth
+        plus the overlap (a round missed carries its work into the next; more than that is cut, not refused)."""
+        if not step_tokens:
+            return 0.0
+        steps = CARRIED_ROUNDS * sync_every + self.overlap_steps(overlap)
+        return self.weight(step_tokens * steps, steps)
 
     def num_fragments(self, configured: int) -> int:
         return configured if self.fragmented else 1

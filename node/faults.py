@@ -12,11 +12,13 @@ The faults, each triggered by the daemon's own step or round count (never by a c
   unknown codec, NaN), each kind until it has reached two completed rounds.
 - ``split_side=S`` with ``split_until=N``: until step N the daemon sees and meets only daemons of side S (a split
   swarm whose halves meet again later).
-- ``byzantine=K`` (scale, nan, shape, direction) from the ``byzantine_from``-th multi-member round on (default 1):
-  ``scale`` sends the delta ×1000, ``nan`` parts holding NaN, ``shape`` parts one block short, ``direction`` the
-  negated delta (the honest norm, the opposite direction: what the norm clip cannot see), ``edge`` the negated
-  delta at ``EDGE_FACTOR`` × its norm declaring ``EDGE_FACTOR`` × its token weight (each just inside the clip,
-  the second review's attack) (the daemon still reduces its own shard honestly).
+- ``byzantine=K`` (scale, nan, shape, direction, edge, weight) from the ``byzantine_from``-th multi-member round
+  on (default 1): ``scale`` sends the delta ×1000, ``nan`` parts holding NaN, ``shape`` parts one block short,
+  ``direction`` the negated delta (the honest norm, the opposite direction: what the norm clip cannot see),
+  ``edge`` the negated delta at ``EDGE_FACTOR`` × its norm declaring ``EDGE_FACTOR`` × its token weight (each just
+  inside the clip, the second review's attack), ``weight`` the negated delta at its honest norm declaring
+  ``EDGE_FACTOR`` × its token weight (the weight lie alone, which the run's bound on a weight cuts:
+  ``Algorithm.weight_bound``) (the daemon still reduces its own shard honestly).
 - ``reducer=K`` (scale, silent): the shards this daemon reduces leave it hostile (it merges honestly itself):
   ``scale`` answers every member with the reduced shard ×``REDUCER_SCALE`` under honest scalars, ``silent`` holds
   every member's stream open without an answer (the second review's reducer attacks).
@@ -60,7 +62,7 @@ KINDS: dict[str, type] = {"kill_in_round": int, "corrupt_round": int, "split_sid
                           "byzantine": str, "byzantine_from": int, "kill_in_checkpoint": int,
                           "checkpoint_kill_signal": int, "kill_rank": int, "kill_rank_at": int,
                           "slow_checkpoint": float, "reducer": str}
-BYZANTINE = ("scale", "nan", "shape", "direction", "edge")
+BYZANTINE = ("scale", "nan", "shape", "direction", "edge", "weight")
 REDUCERS = ("scale", "silent")
 REDUCER_SCALE = -5.0
 CORRUPTIONS = ("truncated", "header", "codec", "nan")
@@ -164,6 +166,13 @@ class Edge(Tamper):
         return sent / -EDGE_FACTOR
 
 
+class Heavy(Reversed):
+    """A member that claims the negation of its delta at its honest norm and ``EDGE_FACTOR`` × its token weight."""
+
+    def weight(self, weight: float) -> float:
+        return weight * EDGE_FACTOR
+
+
 class ScaledAnswer(Answer):
     """A reducer that answers with its reduced shard ×``REDUCER_SCALE`` (the scalars it sends stay honest)."""
 
@@ -257,7 +266,8 @@ class Faults:
         kind = self.spec.get("byzantine")
         if kind is not None and self.rounds_attempted >= self.spec.get("byzantine_from", 1):
             logger.warning("fault injection: byzantine (%s) contribution in round %d", kind, self.rounds_attempted)
-            tamper = {"scale": Scaled, "direction": Reversed, "edge": Edge}.get(kind, lambda: Hostile(kind))()
+            kinds = {"scale": Scaled, "direction": Reversed, "edge": Edge, "weight": Heavy}
+            tamper = kinds.get(kind, lambda: Hostile(kind))()
         return tamper
 
     def answer(self) -> Answer:

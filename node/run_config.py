@@ -130,6 +130,11 @@ class RunConfig:
     global_batch: int = opt(0, help="sequences per inner step of every island, over its ranks and micro-batches: an "
                                     "island accumulates global_batch / (batch_size x ranks) micro-batches; 0: each "
                                     "island trains batch_size x grad_accum x ranks", metavar="N")
+    max_step_tokens: int = opt(0, help="tokens one island may count for one inner step: a contribution declares "
+                                      "at most the weight of this many a step for 2 rounds of steps, more is cut to "
+                                      "that; 0: set by the daemon that starts the run to its own tokens a step (the "
+                                      "global batch's where --global-batch is set), and a joiner that trains more a "
+                                      "step refuses to start", metavar="N")
     robust_merge: str = opt(
         "trimmed", help="how a reducer merges its shard's contributions, after the clips: 'clip' the weighted mean; "
                         "'trimmed' (default) a coordinate-wise trimmed mean (floor(M/4) values, at least 1 from 3 "
@@ -149,7 +154,8 @@ class RunConfig:
             raise ConfigError(f"data: {self.data!r} is neither 'builtin' nor an existing path")
         require_positive(self, "sync_every", "num_shards", "outer_lr", "outer_period", "inner_lr", "gather_timeout",
                   "round_timeout", "fragments", "quorum", "max_group")
-        require_non_negative(self, "warmup_steps", "weight_decay", "seed", "overlap", "global_batch")
+        require_non_negative(self, "warmup_steps", "weight_decay", "seed", "overlap", "global_batch",
+                             "max_step_tokens")
         if self.gather_timeout > 885:  # a round's records live 4 gather timeouts + 60 s; the DHT caps them at 1 h
             raise ConfigError(f"gather_timeout: at most 885 s, got {self.gather_timeout}")
         if self.local_merge not in tuple(LocalMerge):

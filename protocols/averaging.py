@@ -102,7 +102,7 @@ def check_shard(header: dict[str, Any], spec: GroupSpec, reducer: str, me: str,
         if not any(weight == w and norm == n and math.isclose(size, z, rel_tol=1e-6, abs_tol=1e-30) for w, n, z in own):
             return f"reducer misstated our part ({weight}, {norm}, {size}; ours {own})", "reducer_parts"
     weights, norms, sizes = zip(*parts)
-    clip = clip_members(weights, norms, sizes, clip_factor, spec.mode == "rda")
+    clip = clip_members(weights, norms, sizes, clip_factor, spec.mode == "rda", spec.max_weight)
     exclude = contributors.index(reducer) if reducer in contributors else None
     bound = merge_bound(spec.merge, clip.weights, clip.sizes, exclude)
     if floor > bound * (1 + 1e-5):

@@ -9,9 +9,10 @@ round with a bit-identical merged delta.
 Hostile members: every header field, size and value is checked before use (sizes against the shard and the
 codec's exact encoded size, before anything is buffered); a rejected part is a missing member and its sender
 an offender (``protocols/cooldown.py``): its parts are treated as missing in the shards this daemon reduces
-while it cools down. Valid but outsized parts are clipped before the merge (``models/robust.py``: a
-contribution, declared weight or RDA norm above ``clip_factor`` × the lower median of the shard's is scaled to
-that median); clipping is per shard, because a reducer sees only its shard. The run's ``robust_merge``
+while it cools down. Valid but outsized parts are clipped before the merge (``models/robust.py``: a declared
+weight above the run's bound, ``GroupSpec.max_weight``, is cut to it; a contribution, declared weight or RDA norm
+above ``clip_factor`` × the lower median of the shard's is scaled to that median); clipping is per shard, because
+a reducer sees only its shard. The run's ``robust_merge``
 (``GroupSpec.merge``) then picks how the shard's contributions merge: the weighted mean, or a coordinate-wise
 trimmed mean or centered clipping, which also bound a member at a typical norm pointing anywhere. A member that
 never sends its part costs its reducer at most ``timeout``; the shard is reduced without it.
@@ -85,6 +86,9 @@ class GroupSpec:
     # Sum the parts in member order, not sorted by peer id: sibling groups (coordination.sibling_group) list one
     # member of each round group in the groups' order, and each must compute the same bits from the same parts.
     ordered: bool = False
+    # The most weight one member may declare in this group: the run's tokens a step for the steps a contribution can
+    # hold (``Algorithm.weight_bound``); 0: no cap (sibling merges, whose weights are whole groups').
+    max_weight: float = 0.0
 
     @property
     def reducer_list(self) -> tuple[str, ...]:
@@ -100,6 +104,8 @@ class GroupSpec:
             text += f"|r={','.join(self.reducers)}"
         if self.ordered:
             text += "|ordered"
+        if self.max_weight:
+            text += f"|w<={self.max_weight!r}"
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 
     def bounds(self) -> list[tuple[int, int]]:
@@ -172,8 +178,9 @@ class _Reduction:
         if result.clipped:
             if self.stats is not None:
                 self.stats.clipped += len(result.clipped)
-            logger.info("round f%d v%d: clipped the contributions of %s (above %g x the round's median) to it",
-                        self.spec.fragment, self.spec.version, [c[-8:] for c in result.clipped], self.clip_factor)
+            logger.info("round f%d v%d: clipped the contributions of %s (above %g x the round's median, or a weight "
+                        "above the run's bound %g) to it", self.spec.fragment, self.spec.version,
+                        [c[-8:] for c in result.clipped], self.clip_factor, self.spec.max_weight)
         if not self.result.done():
             self.result.set_result(result)
 
@@ -195,7 +202,13 @@ class _Reduction:
         # Robust merging (models/robust.py): outliers among what gets averaged, the weights, RDA's norms and weight ×
         # size (above clip_factor × the round's lower median) are scaled down: no single member dominates the merge.
         # Decided from scalars alone (clip_members), which every member is sent to check the answer against.
-        clip = clip_members(weights, norms, sizes, self.clip_factor, self.spec.mode == "rda")
+        cap = self.spec.max_weight
+        for peer, weight in zip(peers, weights):
+            if cap and weight > cap:  # a member that lies, or one carrying more than a missed round's work
+                logger.info("round f%d v%d: %s declared weight %.4g, above the run's bound %.4g (max_step_tokens for "
+                            "2 rounds of steps): cut to it", self.spec.fragment, self.spec.version, peer[-8:], weight,
+                            cap)
+        clip = clip_members(weights, norms, sizes, self.clip_factor, self.spec.mode == "rda", cap)
         values = [v.double() * scale if scale != 1.0 else v.double() for v, scale in zip(values, clip.scales)]
         parts = [[float(w), float(n), s] for w, n, s in zip(weights, norms, sizes)]
         weights, norms = clip.weights, clip.norms

@@ -20,6 +20,7 @@ config rank 0 agreed and train in lockstep with it, taking what its boundaries w
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -70,9 +71,11 @@ class Daemon:
             if not ranks.leader:
                 return self._follow(control)
             self._control = control
-            self.island = island = Member(self.cfg, self.explicit, self._build_learner, derived_fields, self.device,
-                                           self.stop)
-            island.counters.ranks = ranks.world * self.device.devices  # an SPMD island's devices count as ranks
+            world = ranks.world * self.device.devices  # an SPMD island's devices count as ranks
+            self.island = island = Member(self.cfg, self.explicit, self._build_learner,
+                                          functools.partial(derived_fields, cfg=self.cfg, world=world), self.device,
+                                          self.stop)
+            island.counters.ranks = world
             self._install_signal_handlers()  # before start: a SIGTERM during start-up still means a clean exit 0
             self.lending = self._lending()
             with contextlib.ExitStack() as leaving:
@@ -399,14 +402,23 @@ def micro_batches(cfg: NodeConfig, world: int) -> int:
     return accumulate
 
 
-def derived_fields(run: RunConfig) -> dict[str, str]:
-    """What the daemon that starts a run publishes for joiners to check: its model's digest and its data's
-    tokenizer."""
+def derived_fields(run: RunConfig, cfg: NodeConfig, world: int) -> dict[str, Any]:
+    """What the daemon that starts a run publishes for joiners to check: its model's digest, its data's tokenizer,
+    and (unless set) the tokens a step any island may count, this island's own (``world``: its ranks)."""
     try:
         tokenizer = tokenizer_of(run.data)
     except ValueError as e:
         raise ConfigError(f"data: {e}") from None
-    return {"model_digest": run_model_digest(run), "tokenizer": tokenizer}
+    model, shape = _run_model(run)
+    fields: dict[str, Any] = {"model_digest": model_digest(model), "tokenizer": tokenizer}
+    if not run.max_step_tokens:
+        fields["max_step_tokens"] = island_step_tokens(cfg, world, shape.seq_len)
+    return fields
+
+
+def island_step_tokens(cfg: NodeConfig, world: int, seq_len: int) -> int:
+    """The tokens one inner step of this island trains: its sequences over ranks and micro-batches × seq_len."""
+    return cfg.batch_size * micro_batches(cfg, world) * world * seq_len
 
 
 def _tokenized(tokenizer: str) -> str:
@@ -414,14 +426,18 @@ def _tokenized(tokenizer: str) -> str:
 
 
 def run_model_digest(run: RunConfig) -> str:
-    """The digest of the run's model (``models/registry.py``), built without memory on the meta device when the
-    model allows it, else on the CPU."""
+    """The digest of the run's model (``models/registry.py``)."""
+    return model_digest(_run_model(run)[0])
+
+
+def _run_model(run: RunConfig):
+    """The run's model and its shape, built without memory on the meta device when the model allows it, else on
+    the CPU."""
     try:
         with torch.device("meta"):
-            model, _ = build_model(run.model, run.seed)
+            return build_model(run.model, run.seed)
     except ModelError:
         try:
-            model, _ = build_model(run.model, run.seed)  # a factory that needs real tensors (it loads weights, say)
+            return build_model(run.model, run.seed)  # a factory that needs real tensors (it loads weights, say)
         except ModelError as e:
             raise ConfigError(f"model: {e}") from None
-    return model_digest(model)

@@ -24,7 +24,7 @@ from atoll.models.registry import model_digest
 from ..algorithm import algorithm
 from ..config import NodeConfig, load_config
 from ..log import setup_logging
-from ..run_config import OWN_MODEL, ConfigError
+from ..run_config import OWN_MODEL, ConfigError, RunConfig
 from ..trainee import LoopTrainee, device_of, optimizer_params
 from .member import Member, logger
 from .ranks import IslandSync, Ranks, init_island
@@ -98,8 +98,13 @@ class Island(Member):
                 raise ConfigError(NO_DDP)
             return trainee
 
-        super().__init__(cfg, explicit, build, lambda _run: {"model_digest": digest}, device, threading.Event(),
-                         print_addresses=False)
+        def derive(run: RunConfig) -> dict[str, Any]:
+            """The model's digest and, where the loop says what it trains a step, the run's bound on it."""
+            if tokens_per_step is None or run.max_step_tokens:
+                return {"model_digest": digest}
+            return {"model_digest": digest, "max_step_tokens": tokens_per_step}
+
+        super().__init__(cfg, explicit, build, derive, device, threading.Event(), print_addresses=False)
         self._ranks = Ranks.from_env()
         self._sync: IslandSync | None = None  # the collectives with this island's other ranks, if it has any
         self._stop_requested = threading.Event()

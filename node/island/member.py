@@ -62,7 +62,16 @@ RATE_WINDOW = 5.0  # seconds over which tokens/s is measured
 METRICS_EVERY = 10  # steps between progress events in metrics.jsonl
 
 BuildTrainee = Callable[[NodeConfig, str], Trainee]  # (the agreed config, our peer id) -> the trainee
-Derive = Callable[[RunConfig], dict[str, str]]  # the run config fields a starter derives and publishes
+def check_step_tokens(run: RunConfig, tokens: int) -> None:
+    """``ConfigError`` if this island trains more tokens a step than the run counts (``max_step_tokens``): its
+    contributions would be cut to the run's bound in every round, the work above it counted for nothing."""
+    if run.max_step_tokens and tokens > run.max_step_tokens:
+        raise ConfigError(f"max_step_tokens: this island trains {tokens} tokens a step, the run counts at most "
+                          f"{run.max_step_tokens} (set by the daemon that started it); train fewer (--batch-size, "
+                          "--grad-accum) or start the run with a larger --max-step-tokens")
+
+
+Derive = Callable[[RunConfig], dict[str, Any]]  # the run config fields a starter derives and publishes
 
 
 class Stage(enum.Enum):
@@ -171,6 +180,7 @@ class Member:
         if run.model_digest and digest != run.model_digest:
             raise ConfigError(f"model: this island's model has parameters (names, shapes, dtypes: digest {digest}) "
                               f"other than the run's (digest {run.model_digest}); build the run's model")
+        check_step_tokens(run, trainee.tokens_per_step)
         self.held_out = HeldOut(cfg.eval_budget, self.counters)
         self.fragments, self.replica, self.local = arrival.build(trainee, cfg)
         resumed, error_feedback = False, {}

@@ -43,6 +43,12 @@ class SyncContext:
     p2p: Any = None  # hivemind's P2P, once the event loop has started
     spawn: Callable[[Coroutine], Any] = lambda coro: None  # start a background task on the event loop
 
+    @property
+    def max_weight(self) -> float:
+        """The most weight one member may declare in a round (``Algorithm.weight_bound``; 0: unbounded)."""
+        run = self.cfg.run
+        return self.algorithm.weight_bound(run.max_step_tokens, run.sync_every, run.overlap)
+
     def namespace(self) -> str:
         """Where progress records, round registrations and open rounds live (a fault may split the swarm)."""
         return self.faults.namespace(self.cfg.run_id, self.counters.step)

@@ -286,7 +286,7 @@ def read_run_config(dht: DHT, cfg: NodeConfig, token: JoinToken | None) -> RunCo
 
 
 def agree_on_run_config(dht: DHT, cfg: NodeConfig, explicit: set[str], token: JoinToken | None, subkey: bytes,
-                        derive: Callable[[RunConfig], dict[str, str]] | None = None
+                        derive: Callable[[RunConfig], dict[str, Any]] | None = None
                         ) -> tuple[NodeConfig, dict[str, Any]]:
     """Adopt the run's published config (joiners) or publish ours (the daemon that starts the run). Returns the
     config to run with and the run's config record (which the syncer keeps re-publishing). ``derive``: the fields

@@ -161,7 +161,7 @@ class RoundProtocol:
             target = ctx.error_feedback.target(str(p), delta) if use_ef else delta
             tamper = ctx.faults.tamper(len(members), p, version)
             result, alive = await self.allreduce(p, version, members, target, weight, mode, run.compression, tamper,
-                                                 base=digest)
+                                                 base=digest, max_weight=ctx.max_weight)
             ctx.faults.round_ended(tamper, result is not None)
             if result is not None and self._stalled_since(formed):
                 logger.warning("round f%d v%d: this daemon did not run for a while during the all-reduce (frozen or "
@@ -282,9 +282,11 @@ class RoundProtocol:
 
     async def allreduce(self, p: int, version: int, members: list[str], tensor: torch.Tensor, weight: float,
                         mode: str, codec: str, tamper: Tamper = HONEST, first_attempt: int = 0,
-                        base: str = "", ordered: bool = False) -> tuple[AllreduceResult | None, list[str]]:
+                        base: str = "", ordered: bool = False, max_weight: float = 0.0
+                        ) -> tuple[AllreduceResult | None, list[str]]:
         """The group's all-reduce, retried without reducers that failed; (None, _) when it cannot complete.
-        Attempt numbers are part of the group id, so a caller that starts over passes a fresh ``first_attempt``."""
+        Attempt numbers are part of the group id, so a caller that starts over passes a fresh ``first_attempt``.
+        ``max_weight``: the most weight one member may declare (``GroupSpec.max_weight``)."""
         ctx = self.ctx
         alive = list(members)
         for attempt in range(first_attempt, first_attempt + MAX_ATTEMPTS):
@@ -295,7 +297,8 @@ class RoundProtocol:
                 logger.info("round f%d v%d: no reachable member to reduce; skipping this round", p, version)
                 return None, alive
             spec = GroupSpec(ctx.cfg.run_id, p, version, attempt, tuple(alive), tensor.numel(), mode, codec,
-                             ctx.cfg.run.codec_block, base, MergeRule(ctx.cfg.run.robust_merge), reducers, ordered)
+                             ctx.cfg.run.codec_block, base, MergeRule(ctx.cfg.run.robust_merge), reducers, ordered,
+                             max_weight)
             result = await allreduce(ctx.p2p, self.averager, spec, ctx.peer_id, tensor, weight,
                                      ctx.cfg.run.round_timeout, tamper)
             if result.merged is not None:

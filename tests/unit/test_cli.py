@@ -125,7 +125,7 @@ def test_toml_file_with_every_key(tmp_path, access):
                max_group=8, grace_gamma=0.25,
                join_window=False, stale_contributions=True, rda=False, compression="int8", error_feedback=False,
                codec_block=128, clip_factor=3.0, robust_merge="trimmed", model_digest="0123456789abcdef",
-               tokenizer="bytes", global_batch=32)
+               tokenizer="bytes", global_batch=32, max_step_tokens=4096)
     node = dict(run_id="exp-1", initial_peers=(PEER,), host_maddrs=("/ip4/127.0.0.1/tcp/0",),
                 announce_maddrs=("/ip4/127.0.0.1/tcp/4001",), client_mode=True, dht_in_process=True,
                 identity=str(tmp_path / "identity.key"),

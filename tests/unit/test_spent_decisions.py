@@ -30,7 +30,7 @@ def _rounds(monkeypatch, decision, allreduce_result, quorum=True):
     faults = SimpleNamespace(group_formed=lambda *a: None, tamper=lambda *a: HONEST, round_ended=lambda *a: None)
     rounds.ctx = SimpleNamespace(
         cfg=SimpleNamespace(run=run), algorithm=SimpleNamespace(joins_open_rounds=False, quorum=quorum, rda=False),
-        in_round=set(), spawn=lambda coro: coro.close(), dht=None, namespace=lambda: "run", peer_id="a",
+        in_round=set(), spawn=lambda coro: coro.close(), dht=None, max_weight=0.0, namespace=lambda: "run", peer_id="a",
         subkey=b"a", reject=lambda *a: None, faults=faults, counters=SimpleNamespace(step_time=0.1, rounds_done=0))
     rounds.fragments, rounds.started_at = [SimpleNamespace(has_embedding=False)], 0.0
     rounds.catch_up = SimpleNamespace(behind=lambda p: False, maybe_catch_up=lambda: None)
