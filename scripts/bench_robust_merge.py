@@ -10,8 +10,9 @@ batch 4, a fixed number of steps, every daemon started together at a bootstrap-o
 barrier until all train, so that every round holds everyone at the same steps) runs once per configuration: the
 current merge (``--robust-merge clip``: the norm clip, then the weighted mean) and each robust rule, with four
 honest daemons (``none``: the quality cost) and with the fourth daemon sending the negation of its delta
-(``--fault byzantine=direction``: the honest norm, a hostile direction; what the norm clip cannot see). The
-order of the configurations rotates from seed to seed. The same identities (so the same data shards) serve
+(``--fault byzantine=direction``: the honest norm, a hostile direction; what the norm clip cannot see), or any
+other ``--attacks``: a ``byzantine`` kind of ``node/faults.py``, or ``reducer-scale``/``reducer-silent`` (the fourth
+daemon a hostile reducer, ``--fault reducer=K``). The order of the configurations rotates from seed to seed. The same identities (so the same data shards) serve
 every run of an invocation. The figure of merit is the held-out loss of the final global replica after the last
 round, as the honest daemons report it (mean over a, b, c; all hold the same replica): results depend on steps
 and seeds, not on how loaded the machine is.
@@ -48,6 +49,14 @@ def common_args(steps: int, sync_every: int, seed: int) -> list[str]:
             "--harness", "step_delay=0.1", "--eval-budget", "1", "--seed", str(seed), "--open"]
 
 
+def fault_of(attack: str) -> str:
+    """The fourth daemon's ``--fault`` for an attack: ``reducer-K`` a hostile reducer (``reducer=K``: its members'
+    checks), any other a hostile contribution (``byzantine=K``, ``node/faults.py``)."""
+    if attack.startswith("reducer-"):
+        return f"reducer={attack.removeprefix('reducer-')}"
+    return f"byzantine={attack}"
+
+
 def run_swarm(root: Path, identities: Path, args: list[str], rule: str, attack: str) -> dict:
     """Four daemons started together; each trains ``--max-steps`` and exits. The final round's held-out loss."""
     from hivemind import DHT
@@ -63,7 +72,7 @@ def run_swarm(root: Path, identities: Path, args: list[str], rule: str, attack: 
             together = ["--harness", f"start_together={len(names)}", *peers]
             daemons = [(n, ["--identity", str(identities / f"{n}.key"), *together]) for n in names]
             if attack != "none":
-                daemons[-1][1].extend(["--fault", f"byzantine={attack}"])
+                daemons[-1][1].extend(["--fault", fault_of(attack)])
             with ThreadPoolExecutor(len(daemons)) as pool:
                 list(pool.map(lambda d: swarm.start(*d, join=False), daemons))
             codes = {n: d.proc.wait(900) for n, d in swarm.daemons.items()}
@@ -95,7 +104,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--sync-every", type=int, default=15)
     parser.add_argument("--rules", nargs="+", default=["trimmed", "centered"])
-    parser.add_argument("--attacks", nargs="+", default=["none", "direction"])
+    parser.add_argument("--attacks", nargs="+", default=["none", "direction"],
+                        help="none, a byzantine kind (direction, edge, weight, ...), or reducer-scale / reducer-silent")
     parser.add_argument("--out", default="docs/results/robust_merge")
     parser.add_argument("--name", default="bench_robust_merge", help="file name (without .json/.png) under --out")
     parser.add_argument("--pool", nargs="+", metavar="JSON", help="run nothing: summarize the runs of these earlier "
