@@ -12,10 +12,10 @@ current merge (``--robust-merge clip``: the norm clip, then the weighted mean) a
 honest daemons (``none``: the quality cost) and with the fourth daemon sending the negation of its delta
 (``--fault byzantine=direction``: the honest norm, a hostile direction; what the norm clip cannot see), or any
 other ``--attacks``: a ``byzantine`` kind of ``node/faults.py``, or ``reducer-scale``/``reducer-silent`` (the fourth
-daemon a hostile reducer, ``--fault reducer=K``). The order of the configurations rotates from seed to seed. The same identities (so the same data shards) serve
-every run of an invocation. The figure of merit is the held-out loss of the final global replica after the last
-round, as the honest daemons report it (mean over a, b, c; all hold the same replica): results depend on steps
-and seeds, not on how loaded the machine is.
+daemon a hostile reducer, ``--fault reducer=K``). The order of the configurations rotates from seed to seed.
+The same identities (so the same data shards) serve every run of an invocation. The figure of merit is the
+held-out loss of the final global replica after the last round, as the honest daemons report it (mean over a, b,
+c; all hold the same replica): results depend on steps and seeds, not on how loaded the machine is.
 
 Reported per run, as ratios per seed (a rule over ``clip`` under the same attack; an attacked run over the honest
 ``clip`` run), and as the mean with a 95% interval over seeds (``scripts/stats.py``). Writes
@@ -93,6 +93,10 @@ def run_swarm(root: Path, identities: Path, args: list[str], rule: str, attack: 
                     "held_out_loss_by_daemon": dict(zip(HONEST, losses)), "version": max(versions),
                     "versions_agree": len(versions) == 1, "replicas_agree": len(hashes) == 1,
                     "clipped": sum(s.get("clipped", 0) for s in summaries.values()),
+                    # What the honest daemons refused, by kind: a hostile reducer's shards (reducer_shard), say.
+                    "rejected_by_kind": {k: sum(s.get("rejected_by_kind", {}).get(k, 0) for s in summaries.values())
+                                         for k in sorted({k for s in summaries.values()
+                                                          for k in s.get("rejected_by_kind", {})})},
                     "seconds": time.time() - started}
     finally:
         bootstrap.shutdown()
@@ -149,7 +153,8 @@ def measure(args: argparse.Namespace, out: Path) -> list[dict]:
                 r["seed"] = seed
                 runs.append(r)
                 print(f"    held-out {r['held_out_loss']:.4f}  version {r['version']}  replicas agree "
-                      f"{r['replicas_agree']}  clipped {r['clipped']}  ({r['seconds']:.0f} s)", flush=True)
+                      f"{r['replicas_agree']}  clipped {r['clipped']}  refused {r['rejected_by_kind']}  "
+                      f"({r['seconds']:.0f} s)", flush=True)
                 write_result(partial, {"runs": runs})
     partial.unlink()
     return runs
