@@ -26,8 +26,9 @@ of 3,000 junk-signed records, a few at a time, at one node, and the whole swarm'
   small records alive in a node (a registration per round lives 4 gather timeouts + 60 s). A node sees keys
   only as hashes, so it cannot check their shapes: it bounds what each writer holds instead.
 - a peer that broke a bound no honest daemon comes near (more keys or records in one call than above, or a request
-  larger than ``MAX_REQUEST_BYTES``) is refused every call for ``OFFENCE_COOLDOWN`` seconds, before its request
-  is parsed (``dht_cooling``): hivemind parses a unary request whole before any handler sees it (a find of 30,000
+  larger than ``MAX_REQUEST_BYTES``), or that kept writing or asking past its budget (``RATE_OFFENCE_COUNT``
+  refusals by a budget within ``RATE_OFFENCE_WINDOW`` s), is refused every call for ``OFFENCE_COOLDOWN`` seconds,
+  before its request is parsed (``dht_cooling``): hivemind parses a unary request whole before any handler sees it (a find of 30,000
   keys is 600 KB), so the bounds above, checked on the parsed request, cost the node a parse for every refused
   call; a cooling peer's calls cost it a dictionary look-up. Requests are checked for size before the parse too.
 - every refusal is counted in ``REFUSED`` (by kind), which the DHT's process logs at most once per ``LOG_EVERY``.
@@ -68,6 +69,13 @@ MAX_BYTES_PER_PEER = 16 * 1024 * 1024
 MAX_HELD = 1 << 18  # live records tracked over all peers; past it (after dropping expired ones) stores are refused
 OFFENCE_COOLDOWN = 30.0  # seconds a peer that broke a count or size bound is refused everything
 OFFENCES = ("dht_find_keys", "dht_store_records", "dht_request_bytes")
+# The budgets' refusals (keys a second, value bytes a second): one is no offence (an honest burst may meet a
+# budget), RATE_OFFENCE_COUNT of them within RATE_OFFENCE_WINDOW seconds are. A peer refused that often keeps
+# sending past its budget: the re-measured dynamic-keys member drew about 80 such refusals a second from each node,
+# and each still cost the node a parse.
+RATE_REFUSALS = ("dht_keys_rate", "dht_store_bytes")
+RATE_OFFENCE_COUNT = 16
+RATE_OFFENCE_WINDOW = 10.0
 # Bytes of one request, before it is parsed: a find of MAX_FIND_KEYS keys is about 6 KB; a store cannot write more
 # than a burst of the write budget anyway.
 MAX_REQUEST_BYTES = {"rpc_find": 64 * 1024, "rpc_store": STORE_BURST_BYTES + 64 * 1024, "rpc_ping": 64 * 1024}
@@ -181,8 +189,31 @@ class _Cooling:
 COOLING = _Cooling()
 
 
+class _Overruns:
+    """Each peer's recent refusals by a budget (``RATE_REFUSALS``): whether it now has ``RATE_OFFENCE_COUNT``
+    within ``RATE_OFFENCE_WINDOW`` seconds (and then its count starts again)."""
+
+    def __init__(self, clock=time.monotonic) -> None:
+        self.clock = clock
+        self.times: dict[str, list[float]] = {}
+
+    def overran(self, peer: str) -> bool:
+        now = self.clock()
+        if len(self.times) >= MAX_COOLING and peer not in self.times:
+            self.times.clear()  # remembered peers are only those refused in the last window: forget them all
+        recent = [t for t in self.times.get(peer, []) if now - t < RATE_OFFENCE_WINDOW] + [now]
+        if len(recent) >= RATE_OFFENCE_COUNT:
+            self.times.pop(peer, None)
+            return True
+        self.times[peer] = recent
+        return False
+
+
+OVERRUNS = _Overruns()
+
+
 def _refuse(kind: str, peer: str) -> None:
-    if kind in OFFENCES:
+    if kind in OFFENCES or (kind in RATE_REFUSALS and OVERRUNS.overran(peer)):
         COOLING.offend(peer)
     REFUSED[kind] += 1
     now = time.monotonic()

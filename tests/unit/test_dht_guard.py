@@ -197,6 +197,28 @@ def test_a_peer_that_broke_a_bound_is_refused_before_its_requests_are_parsed(mon
     assert "dht_keys_rate" not in dht_guard.OFFENCES and "dht_calls_in_flight" not in dht_guard.OFFENCES
 
 
+def test_a_peer_that_keeps_going_past_its_budget_cools_down(monkeypatch):
+    """The dynamic-keys member, re-measured, drew about 80 byte-budget refusals a second from each node, each one
+    parsed. A budget's refusal is no offence; RATE_OFFENCE_COUNT of them within RATE_OFFENCE_WINDOW s are."""
+    now = [0.0]
+    monkeypatch.setattr(dht_guard, "COOLING", dht_guard._Cooling(clock=lambda: now[0]))
+    monkeypatch.setattr(dht_guard, "OVERRUNS", dht_guard._Overruns(clock=lambda: now[0]))
+    small = dht_pb2.FindRequest(keys=[b"a"]).SerializeToString()
+    name = "DHTProtocol.rpc_store"
+    for _ in range(dht_guard.RATE_OFFENCE_COUNT - 1):  # an honest burst, refused now and then: never cooled
+        dht_guard._refuse("dht_store_bytes", "QmBurst")
+        now[0] += dht_guard.RATE_OFFENCE_WINDOW / (dht_guard.RATE_OFFENCE_COUNT - 1) + 0.01
+    assert dht_guard.admit_request(name, small, "QmBurst")
+    for kind in ("dht_store_bytes", "dht_keys_rate") * (dht_guard.RATE_OFFENCE_COUNT // 2):
+        assert dht_guard.admit_request(name, small, "QmFlood")  # refused by its budgets, not cooling yet
+        dht_guard._refuse(kind, "QmFlood")
+        now[0] += 0.05
+    assert not dht_guard.admit_request(name, small, "QmFlood")  # the 16th refusal within 10 s: cooling
+    assert dht_guard.admit_request(name, small, "QmBurst")
+    now[0] += dht_guard.OFFENCE_COOLDOWN
+    assert dht_guard.admit_request(name, small, "QmFlood")
+
+
 def test_the_unary_handler_parses_and_serves_only_admitted_requests(monkeypatch):
     """``install`` replaces hivemind's registration of a unary handler with the same code plus the check: an admitted
     request is parsed and answered as before; a refused one fails before the parse and the handler never runs."""
