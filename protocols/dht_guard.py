@@ -28,9 +28,9 @@ of 3,000 junk-signed records, a few at a time, at one node, and the whole swarm'
 - a peer that broke a bound no honest daemon comes near (more keys or records in one call than above, or a request
   larger than ``MAX_REQUEST_BYTES``), or that kept writing or asking past its budget (``RATE_OFFENCE_COUNT``
   refusals by a budget within ``RATE_OFFENCE_WINDOW`` s), is refused every call for ``OFFENCE_COOLDOWN`` seconds,
-  before its request is parsed (``dht_cooling``): hivemind parses a unary request whole before any handler sees it (a find of 30,000
-  keys is 600 KB), so the bounds above, checked on the parsed request, cost the node a parse for every refused
-  call; a cooling peer's calls cost it a dictionary look-up. Requests are checked for size before the parse too.
+  before its request is parsed (``dht_cooling``): hivemind parses a unary request whole before any handler sees
+  it (a find of 30,000 keys is 600 KB), so the bounds above, checked on the parsed request, cost the node a parse
+  for every refused call; a cooling peer's calls cost it a dictionary look-up. Requests are checked for size before the parse too.
 - every refusal is counted in ``REFUSED`` (by kind), which the DHT's process logs at most once per ``LOG_EVERY``.
 
 hivemind collects a servicer's handlers from its class when the handlers are added, so the wrappers are put on
