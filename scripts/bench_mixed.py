@@ -22,8 +22,8 @@ seed (the first daemon's own held-out evaluations at its fragment-0 merges, agai
 moment; the uniform run's curve interpolated at the tokens the configuration reached), goodput (the share of wall
 time in inner steps since each daemon's first step, mean over daemons; and over the uniform run's, since this
 machine's merges count against every configuration; ``goodput_life`` counts each daemon's start-up in as well,
-as goodput did before it counted from the first step), tokens lost (trained and never merged), and the slow daemons' share of
-the tokens that reached a merge. Writes docs/results/mixed/bench_mixed.json and .png.
+as goodput did before it counted from the first step), tokens lost (trained and never merged), and the slow
+daemons' share of the tokens that reached a merge. Writes docs/results/mixed/bench_mixed.json and .png.
 
 ``--devices``: the mixed-device variant, in the xla environment (``make xla-venv``; torch_xla's runtime on the
 CPU). Three daemons, synchronous DiLoCo for ``--steps`` steps each, data pinned per seed and position: all three
