@@ -245,12 +245,15 @@ class PeerTable:
             self._everyone = {p: r for p, r in self._everyone.items() if not self.revoked(p)}
 
     # ---- the table ------------------------------------------------------------------------------------------
-    async def refresh(self, max_age: float = 0.0) -> dict[str, ProgressRecord]:
+    async def refresh(self, max_age: float = 0.0, full: bool = False) -> dict[str, ProgressRecord]:
         """Read the live peers' progress records (all shards, or our own and some others in turns: see the module).
 
         ``max_age > 0``: a table whose read began less than ``max_age`` seconds ago is returned as it is, and a
         read in flight is shared. Reads are not cheap: each DHT node asked checks the signature of every record
-        it returns."""
+        it returns. ``full``: a read of its own from the keys' replicas (``FULL_READ_EVERY``), for a decision that
+        must not rest on a record this node's storage missed."""
+        if full:
+            return await self._read_shards(self._shards_to_read(), prune=True)
         if max_age > 0:
             if self._read is not None and not self._read.done():
                 return await asyncio.shield(self._read)
