@@ -133,14 +133,13 @@ def _store(dht: Any, key: str, value: Any, expiration_time: float, subkey: Any) 
 
 
 async def get_many(dht: DHT, keys: list[str], timeout: float | None = None,
-                   on_timeout: OnTimeout = None, local: bool = False) -> dict[str, Any]:
+                   on_timeout: OnTimeout = None) -> dict[str, Any]:
     """The latest value of each of ``keys`` (None where there is none), found in one traversal of the DHT (hivemind
     asks each node for several keys at once); ``{}`` if it did not complete within ``timeout`` seconds. Counted as
-    one call, of the first key's kind, with the entries of all. ``local``: where this node is a replica of every
-    key of a small swarm, its own storage only (``near.get_near``)."""
+    one call, of the first key's kind, with the entries of all."""
     timeout, started = READ_TIMEOUT if timeout is None else timeout, time.monotonic()
     try:
-        found = await asyncio.wait_for(_awaitable(_get_many(dht, tuple(keys), local)), timeout)
+        found = await asyncio.wait_for(_awaitable(_get_many(dht, tuple(keys))), timeout)
     except asyncio.TimeoutError:
         _count("get", keys[0], started, gave_up=True)
         _gave_up("read", f"{keys[0]} and {len(keys) - 1} more keys", timeout, on_timeout)
@@ -178,10 +177,10 @@ def _get(dht: Any, key: str) -> Any:
     return dht.get(key, latest=True, return_future=True)
 
 
-def _get_many(dht: Any, keys: tuple[str, ...], local: bool = False) -> Any:
-    """The future of the latest value of each of ``keys`` (see ``_store``; ``local``: ``get_many``'s)."""
+def _get_many(dht: Any, keys: tuple[str, ...]) -> Any:
+    """The future of the latest value of each of ``keys`` (see ``_store``)."""
     if runs_near(dht):
-        return dht.run_coroutine(functools.partial(get_near, keys, local=local), return_future=True)
+        return dht.run_coroutine(functools.partial(get_near, keys), return_future=True)
     return dht.run_coroutine(functools.partial(_latest, keys), return_future=True)
 
 

@@ -128,30 +128,18 @@ def read_order(node: Any, key_id: DHTID) -> list[Any]:
     return latency(node).fastest_first(others, now) + [peer for _, peer in candidates[count:] if peer is not None]
 
 
-def holds(node: Any, key_id: DHTID) -> bool:
-    """Whether this node is one of a small swarm's replicas of ``key_id``: every write of it comes here too."""
-    candidates, count = replicas(node, key_id)
-    return any(peer is None for _, peer in candidates[:count])
-
-
-async def get_near(keys: tuple[str, ...], _dht: Any, node: Any, local: bool = False) -> dict[str, Any]:
+async def get_near(keys: tuple[str, ...], _dht: Any, node: Any) -> dict[str, Any]:
     """The latest value of each of ``keys`` (None where there is none), as hivemind's ``get_many`` returns it: from
-    this node and ``READ_BEAM`` of the key's replicas in a small swarm, else from hivemind's full walk.
-
-    ``local``: from this node's storage alone where it is a replica of every key (``holds``), which every write
-    reaches, most within the write itself and the rest in its background: a read that may miss a record written
-    a moment ago (one whose write to this node failed, until the next), and costs no call. For what is written
-    again at every heartbeat (the peer table), not for a round's records."""
+    this node and ``READ_BEAM`` of the key's replicas in a small swarm, else from hivemind's full walk."""
     ids = {key: DHTID.generate(source=key) for key in keys}
     if not all(_small(node, key_id) for key_id in ids.values()):
         return dict(await node.get_many(keys, sufficient_expiration_time=float("inf")))
-    beam = 0 if local and all(holds(node, key_id) for key_id in ids.values()) else READ_BEAM
-    found = await _read(node, list(ids.values()), beam)
+    found = await _read(node, list(ids.values()))
     return {key: found[key_id] for key, key_id in ids.items()}
 
 
-async def _read(node: Any, key_ids: list[DHTID], beam: int = READ_BEAM) -> dict[DHTID, Any]:
-    """Each key's latest value from this node's storage and ``beam`` answers of its read order (``read_order``),
+async def _read(node: Any, key_ids: list[DHTID]) -> dict[DHTID, Any]:
+    """Each key's latest value from this node's storage and ``READ_BEAM`` answers of its read order (``read_order``),
     merged as hivemind's read merges them (``_SearchState``: the latest value, a dictionary's subkeys joined). A
     replica that fails is replaced at once; one that is late (``Latency.hedge_after``) is joined by the next."""
     from hivemind.dht.node import _SearchState  # hivemind's merge of a read's answers: one rule for both reads
@@ -179,12 +167,12 @@ async def _read(node: Any, key_ids: list[DHTID], beam: int = READ_BEAM) -> dict[
 
     loop = asyncio.get_running_loop()
     hedge = clock.hedge_after(list({p for peers in order.values() for p in peers}), loop.time())
-    for _ in range(beam):
+    for _ in range(READ_BEAM):
         ask(key_ids)
-    while pending and any(answered[k] < beam for k in key_ids):
+    while pending and any(answered[k] < READ_BEAM for k in key_ids):
         done, _ = await asyncio.wait(list(pending), timeout=hedge, return_when=asyncio.FIRST_COMPLETED)
         if not done:  # late: the next one as well, for every key still short of answers
-            clock.hedges += ask([k for k in key_ids if answered[k] < beam])
+            clock.hedges += ask([k for k in key_ids if answered[k] < READ_BEAM])
             continue
         failed: list[DHTID] = []
         for task in done:
@@ -195,7 +183,7 @@ async def _read(node: Any, key_ids: list[DHTID], beam: int = READ_BEAM) -> dict[
                 else:
                     answered[key_id] += 1
                     states[key_id].add_candidate(response[key_id][0], source_node_id=None)
-        ask([k for k in failed if answered[k] < beam])  # no answer: the next one in order instead
+        ask([k for k in failed if answered[k] < READ_BEAM])  # no answer: the next one in order instead
     _keep(pending)  # late answers still time their nodes
     for state in states.values():
         state.finish_search()

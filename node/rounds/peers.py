@@ -47,10 +47,6 @@ ALL_READ_UP_TO = READ_BUDGET * 5 // 4  # once reading the ALL_SHARDS key, it is 
 WRITE_ALL_UP_TO = 2 * READ_BUDGET  # a daemon writes its record under the ALL_SHARDS key while its table is this small
 FOLLOW_S = 20.0  # seconds the shards of peers we follow (``follow``) are read at every read of the table
 FOLLOW_PEERS = 2
-# Every FULL_READ_EVERY-th read of the table asks the key's replicas; the others read this node's own storage where
-# it is one of them (a small swarm: every write reaches it). A record whose write to this node failed then waits
-# for the next full read or heartbeat, instead of every read downloading every record from two other nodes.
-FULL_READ_EVERY = 4
 # A progress record lives this many heartbeats (of the last one's length): one or two lost stores do not make a live
 # daemon vanish from the others' tables.
 LIFETIME_BEATS = 3
@@ -87,7 +83,6 @@ class PeerTable:
         self._lock = threading.Lock()
         self._read: asyncio.Future | None = None  # the shared read of the table in flight, if any
         self._read_at = 0.0
-        self._reads = 0  # reads of the table so far (``FULL_READ_EVERY``)
         self._revocations_read = -1e9
         self._revocation_published = -1e9
         self._dht_refused: dict[str, int] = {}  # the DHT process's refusal counts as last added to our stats
@@ -245,24 +240,19 @@ class PeerTable:
             self._everyone = {p: r for p, r in self._everyone.items() if not self.revoked(p)}
 
     # ---- the table ------------------------------------------------------------------------------------------
-    async def refresh(self, max_age: float = 0.0, full: bool = False) -> dict[str, ProgressRecord]:
+    async def refresh(self, max_age: float = 0.0) -> dict[str, ProgressRecord]:
         """Read the live peers' progress records (all shards, or our own and some others in turns: see the module).
 
         ``max_age > 0``: a table whose read began less than ``max_age`` seconds ago is returned as it is, and a
         read in flight is shared. Reads are not cheap: each DHT node asked checks the signature of every record
-        it returns. ``full``: a read of its own from the keys' replicas (``FULL_READ_EVERY``), for a decision that
-        must not rest on a record this node's storage missed."""
-        if full:
-            return await self._read_shards(self._shards_to_read(), prune=True)
+        it returns."""
         if max_age > 0:
             if self._read is not None and not self._read.done():
                 return await asyncio.shield(self._read)
             if time.monotonic() - self._read_at < max_age:
                 return self.peers()
         self._read_at = time.monotonic()
-        local = self._reads % FULL_READ_EVERY != 0  # the first read asks the replicas
-        self._reads += 1
-        read = asyncio.ensure_future(self._read_shards(self._shards_to_read(), prune=True, local=local))
+        read = asyncio.ensure_future(self._read_shards(self._shards_to_read(), prune=True))
         if max_age > 0:
             self._read = read
         return await asyncio.shield(read)
@@ -308,13 +298,11 @@ class PeerTable:
         self._follow = {s: until for s, until in self._follow.items() if until > now}
         return [self.my_shard, *chosen, *sorted(set(self._follow) - set(chosen) - {self.my_shard})]
 
-    async def _read_shards(self, shards: list[int], prune: bool = False, local: bool = False
-                           ) -> dict[str, ProgressRecord]:
-        """Read ``shards`` into the table; ``prune``: drop the shards not read for longer than ``_keep``; ``local``:
-        from this node's storage alone where it holds the keys (``dht_io.get_many``)."""
+    async def _read_shards(self, shards: list[int], prune: bool = False) -> dict[str, ProgressRecord]:
+        """Read ``shards`` into the table; ``prune``: drop the shards not read for longer than ``_keep``."""
         ctx, ns = self.ctx, self.ctx.namespace()
         keys = [progress_key(ns, shard) for shard in shards]
-        found = await dht_io.get_many(ctx.dht, keys, on_timeout=ctx.reject, local=local)
+        found = await dht_io.get_many(ctx.dht, keys, on_timeout=ctx.reject)
         now, at = get_dht_time(), time.monotonic()
         held = 0
         for shard, key in zip(shards, keys):

@@ -37,7 +37,7 @@ from .catchup import MAX_LONELY_LEAD, CatchUp
 from .context import SyncContext
 from .contribution import Contribution
 from .peers import PeerTable
-from .waits import EMA, FragmentPeers, grace_window, join_window
+from .waits import PEERS_MAX_AGE, EMA, FragmentPeers, grace_window, join_window
 
 logger = logging.getLogger("atoll")
 MAX_ATTEMPTS = 3
@@ -215,15 +215,12 @@ class RoundProtocol:
           next one. Under the delta rule waiting costs no work: θ keeps it and the next contribution carries it.
           At most ``MAX_DEFERRALS`` times at one version: a peer claiming our replica and never joining cannot
           stop our rounds, only slow them. Not under ``--local-merge overwrite``: there a lone merge keeps more.
-        - The table is read afresh from the progress keys' replicas first (``PeerTable.refresh(full=True)``): the
-          one it holds may be a moment old, or from this node's storage alone, and after a stall
-          (``Syncer._watch_stalls``) from before the stall. A table with no live peer at all, when we had some, says that our DHT
+        - While the daemon settles after a stall (``Syncer._watch_stalls``) the table is read afresh first: the one
+          it holds is from before the stall. A table with no live peer at all, when we had some, says that our DHT
           node lost the others during the stall (``Rejoin.after_stall`` is finding them again), not that they left:
           no round merges alone (``BEHIND``) until they are back or the settling ends."""
         settling = time.monotonic() < self.ctx.settle_until
-        # From the replicas, not this node's storage alone: a peer's record that missed it could hide our very
-        # replica held elsewhere, and merging alone would fork it.
-        peers = await self.peers.refresh(full=True)
+        peers = await self.peers.refresh(max_age=0.0 if settling else PEERS_MAX_AGE)
         live = [peer for peer in peers.values() if peer.status == Status.TRAINING]
         if settling and self.had_peers() and not live:
             logger.info("round f%d v%d: alone, and no peer is visible since the stall: not merging alone until the "

@@ -1,12 +1,13 @@
 """A decoupled round whose group is only this daemon merges alone only when that cannot fork the replica: not while
 a live peer holds the fragment at a later version (caught up instead), not while one holds our very replica (the
-work waits for the next round, a bounded number of times); always on a read of the table of its own, from the
-progress keys' replicas (no sockets: the peer table is a stub)."""
+work waits for the next round, a bounded number of times); after a stall only on a fresh read of the table (no
+sockets: the peer table is a stub)."""
 
 import asyncio
 import time
 from types import SimpleNamespace
 
+from atoll.node.rounds import waits
 from atoll.node.rounds.catchup import MAX_LONELY_LEAD
 from atoll.node.rounds.round_protocol import MAX_DEFERRALS, Outcome, RoundProtocol
 from atoll.protocols.records import Status
@@ -22,9 +23,9 @@ class Table:
     def revoked(self, peer_id):
         return False
 
-    async def refresh(self, max_age=0.0, full=False):
+    async def refresh(self, max_age=0.0):
         self.reads += 1
-        self.ages.append("full" if full else max_age)
+        self.ages.append(max_age)
         return {r.peer_id: r for r in self.records}
 
 
@@ -48,7 +49,7 @@ def refuse_alone(records, version, fragment=0, **kw):
 
 
 def test_alone_in_the_swarm_or_ahead_of_it_merges():
-    assert refuse_alone([], 7) == (None, ["full"])  # a read of its own, from the replicas
+    assert refuse_alone([], 7) == (None, [waits.PEERS_MAX_AGE])
     assert refuse_alone([peer("b", [6, 3])], 7)[0] is None  # behind: not a fork
     assert refuse_alone([peer("a", [7, 9], hashes=("other", OURS))], 7)[0] is None  # at our version on a fork
 
@@ -95,15 +96,15 @@ def test_a_claim_too_far_ahead_is_ignored():
 def test_after_a_stall_the_table_is_read_afresh_before_a_lone_merge():
     """The table held right after a stall is from before it: a lone merge then waits for a fresh read (max_age 0)."""
     settling = time.monotonic() + 60
-    assert refuse_alone([], 7, settle_until=settling) == (None, ["full"])
-    assert refuse_alone([peer("a", [8, 0])], 7, settle_until=settling) == (BEHIND, ["full"])
+    assert refuse_alone([], 7, settle_until=settling) == (None, [0.0])
+    assert refuse_alone([peer("a", [8, 0])], 7, settle_until=settling) == (BEHIND, [0.0])
 
 
 def test_after_a_stall_an_empty_table_is_our_dht_having_lost_the_others():
     """Settling, with no live peer visible although we had some: our DHT node lost them during the stall (the
     rejoin is finding them), so no round merges alone; once settled, or with a peer visible, the usual rule."""
     settling = time.monotonic() + 60
-    assert refuse_alone([], 7, settle_until=settling, had_peers=True) == (BEHIND, ["full"])
+    assert refuse_alone([], 7, settle_until=settling, had_peers=True) == (BEHIND, [0.0])
     assert refuse_alone([peer("a", [9, 0], Status.LEAVING)], 7, settle_until=settling, had_peers=True)[0] is BEHIND
     assert refuse_alone([peer("a", [6, 0])], 7, settle_until=settling, had_peers=True)[0] is None
     assert refuse_alone([], 7, had_peers=True)[0] is None  # not settling: alone in the swarm merges

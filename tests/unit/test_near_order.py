@@ -45,25 +45,3 @@ def test_the_hedge_waits_for_a_loaded_machine():
     assert latency.hedge_after(peers, now=0.0) == near.HEDGE_AFTER
     latency.seconds = {"a": 1.2, "b": 1.0, "c": 0.8}  # every node slow: a late answer is a multiple of theirs
     assert latency.hedge_after(peers, now=0.0) == pytest.approx(near.HEDGE_FACTOR * 1.0)
-
-
-def test_a_node_holds_a_key_when_it_is_among_its_nearest_replicas():
-    import random
-    from types import SimpleNamespace
-
-    from hivemind.dht.routing import DHTID
-
-    rng = random.Random(5)
-    for trial in range(50):
-        ids = [DHTID.generate(source=f"node-{trial}-{i}") for i in range(rng.randint(1, 12))]
-        me, others = ids[0], ids[1:]
-        table = SimpleNamespace(get_nearest_neighbors=lambda key, k, exclude: sorted(
-            [(i, f"peer-{i}") for i in others], key=lambda c: key.xor_distance(c[0]))[:k])
-        node = SimpleNamespace(node_id=me, blacklist=set(), num_replicas=5,
-                               protocol=SimpleNamespace(routing_table=table, bucket_size=20))
-        key = DHTID.generate(source=f"key-{trial}")
-        # The naive reference: this node's rank by distance to the key among every node it knows and itself.
-        rank = sorted(ids, key=key.xor_distance).index(me)
-        assert near.holds(node, key) == (rank < 5)
-        if len(ids) <= 5:
-            assert near.holds(node, key)  # a swarm of at most num_replicas: every node holds every key

@@ -23,7 +23,7 @@ def watching(monkeypatch, announcements: dict[str, dict], polls: int = 1):
                           in_round=set(), replica=SimpleNamespace(num_fragments=2, identity=lambda p: IDS[p]))
     rounds = RoundProtocol(ctx, peers=None, catch_up=None, fragments=[])
 
-    async def get_many(dht, keys, on_timeout=None, local=False):
+    async def get_many(dht, keys, on_timeout=None):
         asked.append(list(keys))
         return {key: SimpleNamespace(value={f"[owner:{i}]".encode(): SimpleNamespace(value=v)
                                             for i, v in enumerate(announcements.get(key, []))}) for key in keys}

@@ -20,11 +20,9 @@ from support.records import progress_record
 def counting_table(delay: float = 0.0) -> tuple[PeerTable, list[int]]:
     table = PeerTable(ctx=SimpleNamespace(peer_id="me"))  # the stubbed read below is all a refresh touches
     reads: list[int] = []
-    table.local_reads = []  # whether each read was local (``FULL_READ_EVERY``)
 
-    async def read(shards, prune=False, local=False):
+    async def read(shards, prune=False):
         reads.append(len(reads))
-        table.local_reads.append(local)
         await asyncio.sleep(delay)
         peers = {f"peer{len(reads)}": object()}
         with table._lock:
@@ -86,7 +84,7 @@ class ShardedDHT:
         for held in self.held.values():
             held.pop(f"k{peer}".encode(), None)
 
-    async def get_many(self, dht, keys, on_timeout=None, local=False):
+    async def get_many(self, dht, keys, on_timeout=None):
         self.asked.append([ALL_SHARDS if key == progress_key("run", ALL_SHARDS) else int(key.rsplit("_", 1)[1])
                            for key in keys])
         return {key: SimpleNamespace(value=dict(self.held[key])) if key in self.held else None for key in keys}
@@ -228,7 +226,7 @@ def test_a_progress_record_from_the_future_is_left_out_and_counted(monkeypatch, 
         held.setdefault(progress_key("run", progress_shard(rec.peer_id, shards)), {})[subkey] = \
             SimpleNamespace(value=rec.dict())
 
-    async def get_many(dht, keys, on_timeout=None, local=False):
+    async def get_many(dht, keys, on_timeout=None):
         return {key: SimpleNamespace(value=held[key]) if key in held else None for key in keys}
 
     monkeypatch.setattr("atoll.node.rounds.peers.dht_io.get_many", get_many)
@@ -315,18 +313,3 @@ def test_after_a_long_heartbeat_expirations_never_go_backwards(monkeypatch):
     assert all(len(e) == 1 for e in published)  # one expiration for the record under each of its keys
     times = [long, *(e.pop() for e in published)]
     assert all(a < b for a, b in zip(times, times[1:])), times
-
-
-def test_the_table_is_read_from_this_nodes_storage_but_every_few_reads():
-    from atoll.node.rounds.peers import FULL_READ_EVERY
-
-    table, reads = counting_table()
-
-    async def main():
-        for _ in range(2 * FULL_READ_EVERY + 1):
-            await table.refresh()
-
-    asyncio.run(main())
-    # The first read asks the key's replicas (a node's storage starts empty), then one read in FULL_READ_EVERY.
-    want = [i % FULL_READ_EVERY != 0 for i in range(2 * FULL_READ_EVERY + 1)]
-    assert table.local_reads == want and want.count(False) == 3
