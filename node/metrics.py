@@ -82,10 +82,6 @@ class Counters:
     paused_seconds: float = 0.0  # time paused (island/pause.py): lent back to its owner, not counted against goodput
     pauses: int = 0
     started: float = field(default_factory=time.monotonic)
-    # When the first inner step began (monotonic): goodput counts from there. The start-up before it (the DHT, the
-    # run's config, a joiner's first download) is paid once per process, not a share of training: counted in, it
-    # made goodput depend on how long a run lasts. It is reported apart (``startup_s``).
-    training_since: float | None = None
     # The training loop's: each round's end by fragment (``round_ended``), and when the last checkpoint was written.
     rounds_by_result: dict[tuple[int, str], int] = field(default_factory=dict)
     round_seconds: dict[int, Histogram] = field(default_factory=dict)  # merged rounds' durations by fragment
@@ -112,19 +108,11 @@ class Counters:
 
     def stepped(self, seconds: float) -> None:
         """One inner step took ``seconds``."""
-        if self.training_since is None:
-            self.training_since = time.monotonic() - seconds
         self.step_time = seconds if not self.step_time else 0.9 * self.step_time + 0.1 * seconds
-
-    @property
-    def startup_seconds(self) -> float:
-        """From this process's start to its first inner step (all of its life so far, before that step)."""
-        end = self.training_since if self.training_since is not None else time.monotonic()
-        return end - self.started
 
     def progress(self) -> dict[str, Any]:
         """This daemon's own fields of its progress record."""
-        wall = max(time.monotonic() - self.started - self.startup_seconds - self.paused_seconds, 1e-9)
+        wall = max(time.monotonic() - self.started - self.paused_seconds, 1e-9)
         return {
             "status": self.status.value, "device": self.device, "ranks": self.ranks, "algorithm": self.algorithm,
             "step": self.step,
@@ -141,7 +129,6 @@ class Counters:
         """What this daemon did over its lifetime: the last metrics event."""
         return {**self.progress(), "status": Status.STOPPED.value, "version": sum(versions), "versions": versions,
                 "train_seconds": self.train_seconds, "wall_seconds": time.monotonic() - self.started,
-                "startup_s": self.startup_seconds,
                 "bytes_sent": traffic.bytes_sent, "bytes_received": traffic.bytes_received,
                 "rejected": traffic.rejected, "rejected_by_kind": dict(traffic.rejected_by_kind),
                 "clipped": traffic.clipped, "streams_in": traffic.streams_in, "rank_drift": self.rank_drift,

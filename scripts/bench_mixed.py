@@ -20,9 +20,8 @@ Reported per configuration (mean and 95% interval over the seeds): the held-out 
 (each daemon's final replica, evaluated here; their mean) and at equal tokens against the uniform run of the same
 seed (the first daemon's own held-out evaluations at its fragment-0 merges, against the swarm's tokens at that
 moment; the uniform run's curve interpolated at the tokens the configuration reached), goodput (the share of wall
-time in inner steps since each daemon's first step, mean over daemons; and over the uniform run's, since this
-machine's merges count against every configuration; ``goodput_life`` counts each daemon's start-up in as well,
-as goodput did before it counted from the first step), tokens lost (trained and never merged), and the slow
+time in inner steps since each daemon's training began, mean over daemons; and over the uniform run's, since
+this machine's merges count against every configuration), tokens lost (trained and never merged), and the slow
 daemons' share of the tokens that reached a merge. Writes docs/results/mixed/bench_mixed.json and .png.
 
 ``--devices``: the mixed-device variant, in the xla environment (``make xla-venv``; torch_xla's runtime on the
@@ -138,11 +137,6 @@ def run_once(root: Path, label: str, seed: int, args: argparse.Namespace) -> dic
             "held_out_loss_per_daemon": dict(zip(swarm.daemons, losses)),
             "curve": held_out_curve(swarm), "tokens_total": trained,
             "goodput": statistics.mean(x["goodput"] for x in s.values()),
-            # The process's whole life, start-up included (goodput's definition before it counted from the first
-            # step): what the figures of earlier runs are.
-            "goodput_life": statistics.mean(x["train_seconds"] / max(1e-9, x["wall_seconds"] - x["paused_seconds"])
-                                            for x in s.values()),
-            "startup_s": {n: x.get("startup_s") for n, x in s.items()},
             "tokens_lost": sum(x["tokens_lost"] for x in s.values()),
             "tokens_lost_share": sum(x["tokens_lost"] for x in s.values()) / max(1, trained),
             "slow_share_of_merged": sum(merged[n] for n in SLOW) / max(1, sum(merged.values())),
@@ -253,8 +247,7 @@ def main() -> int:
         row: dict = {"config": label, "algorithm": CONFIGS[label][0], "flags": CONFIGS[label][1],
                      "mixed": CONFIGS[label][2]}
         for key in ("held_out_loss_end", "held_out_end_ratio", "held_out_at_equal_tokens_ratio", "goodput",
-                    "goodput_ratio", "goodput_life", "tokens_lost_share", "slow_share_of_merged",
-                    "slow_pace_over_fast"):
+                    "goodput_ratio", "tokens_lost_share", "slow_share_of_merged", "slow_pace_over_fast"):
             values = [got[label][key] for got in runs if got[label].get(key) is not None]
             row[key] = interval(values) if values else None
         results.append(row)

@@ -63,9 +63,6 @@ class DaemonCollector(Collector):
         yield _gauge("atoll_held_out_step", "inner step of the last held-out evaluation", c.held_out_step)
         yield _counter("atoll_train_seconds", "seconds spent in inner steps", c.train_seconds)
         yield _counter("atoll_blocked_seconds", "seconds the training loop waited on the network", c.blocked_seconds)
-        yield _gauge("atoll_startup_seconds", "seconds from the process's start to its first inner step (the DHT, "
-                     "the run's config, a joiner's first download); goodput counts from that step",
-                     c.startup_seconds)
         yield _counter("atoll_tokens_lost", "tokens whose work no merge kept (overwritten, dropped past the carry "
                        "bound, lost with a fork)", c.tokens_lost)
         p50, p95 = c.in_flight()

@@ -45,24 +45,3 @@ def test_progress_fields_fit_the_published_record_schema():
     counters.held_out_loss = float("inf")  # no figure: no step either
     assert ProgressRecord.parse_obj({**rec, **counters.progress()}).held_out_step is None
     assert (parsed.rounds, parsed.rounds_skipped, parsed.step, parsed.tokens) == (2, 1, 3, 96)
-
-
-def test_goodput_counts_from_the_first_step_and_start_up_is_reported_apart(monkeypatch):
-    clock = [0.0]
-    monkeypatch.setattr("atoll.node.metrics.time.monotonic", lambda: clock[0])
-    counters = Counters(started=0.0)
-    clock[0] = 5.0  # the DHT, the run's config and the first download took 5 s
-    assert counters.progress()["goodput"] == 0.0 and counters.startup_seconds == 5.0
-    for _ in range(10):  # 10 steps of 0.9 s, each followed by 0.1 s at the step boundary
-        clock[0] += 0.9
-        counters.train_seconds += 0.9
-        counters.stepped(0.9)
-        clock[0] += 0.1
-    assert counters.startup_seconds == 5.0
-    assert abs(counters.progress()["goodput"] - 0.9) < 1e-9  # 9 s of steps in the 10 s since the first began
-    counters.paused_seconds = 2.0  # lent back to the machine's owner meanwhile: not counted either
-    clock[0] += 2.0
-    assert abs(counters.progress()["goodput"] - 0.9) < 1e-9
-    summary = counters.summary(SimpleNamespace(bytes_sent=0, bytes_received=0, rejected=0, rejected_by_kind={},
-                                               clipped=0, streams_in=0), [0])
-    assert summary["startup_s"] == 5.0 and summary["wall_seconds"] == 17.0
