@@ -212,9 +212,13 @@ class RoundProtocol:
           catch-up: one lying peer cannot stop a lone daemon's rounds.
         - ``DEFERRED`` when a live peer holds our very replica (same version and digest): it did not make it into
           this round (its registration came after the group closed, over a slow DHT), and will meet us in the
-          next one. Under the delta rule waiting costs no work: θ keeps it and the next contribution carries it.
-          At most ``MAX_DEFERRALS`` times at one version: a peer claiming our replica and never joining cannot
-          stop our rounds, only slow them. Not under ``--local-merge overwrite``: there a lone merge keeps more.
+          next one. Likewise when a live peer holds an older replica of our line (one of ``Replica.ancestors``):
+          it is catching up to ours, and a lone merge would put us a version further ahead each time it arrives
+          (a fast lone daemon outran its joiners by more than ``MAX_LONELY_LEAD`` versions, and the swarm stayed
+          forked). Under the delta rule waiting costs no work: θ keeps it and the next contribution carries it.
+          At most ``MAX_DEFERRALS`` times at one version: a peer claiming our replica (or an ancestor) and never
+          joining cannot stop our rounds, only slow them. Not under ``--local-merge overwrite``: there a lone merge
+          keeps more.
         - While the daemon settles after a stall (``Syncer._watch_stalls``) the table is read afresh first: the one
           it holds is from before the stall. A table with no live peer at all, when we had some, says that our DHT
           node lost the others during the stall (``Rejoin.after_stall`` is finding them again), not that they left:
@@ -233,7 +237,12 @@ class RoundProtocol:
                         "fork it: catching up instead", p, version, len(ahead), max(ahead))
             return Outcome.BEHIND
         # Peers we cool down or that were revoked are left out of our groups: they cannot meet us in the next round.
-        same = [peer for peer in live if peer.fragment_versions[p] == version and peer.fragment_hashes[p] == digest
+        # A peer on our line behind us (it holds an ancestor of our replica: catching up, or its record predates our
+        # last merge) is on its way to this version: merging alone would only make it chase us again.
+        line = set(self.ctx.replica.ancestors(p)) | {digest}
+        same = [peer for peer in live
+                if version - MAX_LONELY_LEAD <= peer.fragment_versions[p] <= version
+                and peer.fragment_hashes[p] in line
                 and not (self.ctx.cooldown.active(peer.peer_id) or self.peers.revoked(peer.peer_id))]
         at, deferred = self._deferred.get(p, (version, 0))
         deferred = deferred if at == version else 0
@@ -242,8 +251,8 @@ class RoundProtocol:
             # Our next round of p is at this version again: watch for a peer opening it, and announce ours.
             self._last_round.pop(p, None)
             self._announced.pop(p, None)
-            logger.info("round f%d v%d: alone while %d live peer(s) hold this replica; merging alone would fork it: "
-                        "the work goes into the next round", p, version, len(same))
+            logger.info("round f%d v%d: alone while %d live peer(s) hold this replica or are catching up to it; "
+                        "merging alone would fork it: the work goes into the next round", p, version, len(same))
             return Outcome.DEFERRED
         return None
 

@@ -33,9 +33,10 @@ def peer(name, versions, status=Status.TRAINING, hashes=(OURS, OURS)):
     return SimpleNamespace(peer_id=name, fragment_versions=versions, fragment_hashes=list(hashes), status=status)
 
 
-def protocol(records, settle_until=0.0, had_peers=False, local_merge="delta", cooled=()):
+def protocol(records, settle_until=0.0, had_peers=False, local_merge="delta", cooled=(), ancestors=(OURS,)):
     ctx = SimpleNamespace(settle_until=settle_until, cfg=SimpleNamespace(run=SimpleNamespace(local_merge=local_merge)),
-                          cooldown=SimpleNamespace(active=lambda peer: peer in cooled))
+                          cooldown=SimpleNamespace(active=lambda peer: peer in cooled),
+                          replica=SimpleNamespace(ancestors=lambda p: tuple(ancestors)))
     rounds = RoundProtocol(ctx, peers=Table(records), catch_up=None, fragments=[])
     rounds.had_peers = lambda: had_peers
     return rounds
@@ -50,7 +51,7 @@ def refuse_alone(records, version, fragment=0, **kw):
 
 def test_alone_in_the_swarm_or_ahead_of_it_merges():
     assert refuse_alone([], 7) == (None, [waits.PEERS_MAX_AGE])
-    assert refuse_alone([peer("b", [6, 3])], 7)[0] is None  # behind: not a fork
+    assert refuse_alone([peer("b", [6, 3], hashes=("theirs", OURS))], 7)[0] is None  # behind on another line
     assert refuse_alone([peer("a", [7, 9], hashes=("other", OURS))], 7)[0] is None  # at our version on a fork
 
 
@@ -58,7 +59,7 @@ def test_a_live_peer_at_a_later_version_stops_a_lone_merge():
     assert refuse_alone([peer("a", [8, 0])], 7)[0] is BEHIND
     assert refuse_alone([peer("a", [7, 0]), peer("b", [7 + MAX_LONELY_LEAD, 0])], 7)[0] is BEHIND
     # Another fragment's versions do not matter; nor do peers that are not training (joining, paused, leaving).
-    assert refuse_alone([peer("a", [6, 50])], 7)[0] is None
+    assert refuse_alone([peer("a", [6, 50], hashes=("theirs", OURS))], 7)[0] is None
     assert refuse_alone([peer("a", [9, 0], Status.PAUSED), peer("b", [7, 0], Status.JOINING)], 7)[0] is None
 
 
@@ -75,6 +76,20 @@ def test_a_live_peer_holding_our_replica_defers_the_lone_merge_a_bounded_number_
     rounds.peers.records = [peer("a", [8, 0])]
     assert asyncio.run(rounds._refuse_alone(0, 8, OURS)) is DEFERRED
     assert asyncio.run(rounds._refuse_alone(1, 0, OURS)) is DEFERRED  # each fragment counts its own
+
+
+def test_a_live_peer_catching_up_to_our_replica_defers_the_lone_merge_a_bounded_number_of_times():
+    """A peer behind us on our line (it holds one of our replica's ancestors) is on its way to our version: a lone
+    merge would put us one further ahead each time it arrives, and a fast lone daemon outran its joiners for good
+    (test_split_round's four daemons stayed forked). The same bound as for a peer holding our very replica."""
+    rounds = protocol([peer("b", [5, 0], hashes=("v5", OURS))], ancestors=("v4", "v5", "v6", OURS))
+    verdicts = [asyncio.run(rounds._refuse_alone(0, 7, OURS)) for _ in range(MAX_DEFERRALS + 1)]
+    assert verdicts == [DEFERRED] * MAX_DEFERRALS + [None]
+    # An older replica we do not descend from (a fork), or a version farther back than a lonely claim may lead, is
+    # no reason to wait.
+    assert refuse_alone([peer("b", [5, 0], hashes=("v5'", OURS))], 7, ancestors=("v5", OURS))[0] is None
+    far = 7 - MAX_LONELY_LEAD - 1
+    assert refuse_alone([peer("b", [far, 0], hashes=("old", OURS))], 7, ancestors=("old", OURS))[0] is None
 
 
 def test_a_peer_we_cool_down_does_not_defer_a_lone_merge():
@@ -106,7 +121,8 @@ def test_after_a_stall_an_empty_table_is_our_dht_having_lost_the_others():
     settling = time.monotonic() + 60
     assert refuse_alone([], 7, settle_until=settling, had_peers=True) == (BEHIND, [0.0])
     assert refuse_alone([peer("a", [9, 0], Status.LEAVING)], 7, settle_until=settling, had_peers=True)[0] is BEHIND
-    assert refuse_alone([peer("a", [6, 0])], 7, settle_until=settling, had_peers=True)[0] is None
+    fork = peer("a", [6, 0], hashes=("theirs", OURS))  # behind us on another line: the usual rule merges
+    assert refuse_alone([fork], 7, settle_until=settling, had_peers=True)[0] is None
     assert refuse_alone([], 7, had_peers=True)[0] is None  # not settling: alone in the swarm merges
 
 
