@@ -7,8 +7,10 @@ round of a run). Every DHT read and write atoll makes goes through this module a
 seconds; a read that gives up returns what an empty key would (``None``), a write reports failure. Callers
 already treat both as "nothing there yet" and retry at their next poll.
 
-``CALLS`` counts them by operation and record kind (``key_kind``), with their time and, for reads, the entries
-(subkeys) returned: what the protocol asks of the DHT, for ``scripts/bench_scale.py`` and the daemon's summary.
+``CALLS`` counts them by operation and record kind (``key_kind``), with their time, the value bytes they carried
+(``value_bytes``: what a write stored, what a read returned) and, for reads, the entries (subkeys) returned: what
+the protocol asks of the DHT, for ``scripts/bench_scale.py``, the daemon's summary and its metrics. The bytes are
+the records' own, once: a write's replicas, the walks' other answers and the wire's framing come on top.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import msgpack
 
 if TYPE_CHECKING:
     from hivemind import DHT
@@ -62,10 +66,11 @@ class CallStats:
     seconds: float = 0.0
     entries: int = 0  # reads: subkeys (or 1 for a plain value) returned
     gave_up: int = 0
+    bytes: int = 0  # value bytes written, or returned by reads (``value_bytes``)
 
     def as_dict(self) -> dict[str, Any]:
         return {"calls": self.calls, "seconds": round(self.seconds, 3), "entries": self.entries,
-                "gave_up": self.gave_up}
+                "gave_up": self.gave_up, "bytes": self.bytes}
 
 
 CALLS: dict[str, CallStats] = {}  # "get progress", "store round", ...: this process's calls
@@ -77,15 +82,40 @@ def _entries(value: Any) -> int:
     return 0 if value is None else len(inner) if isinstance(inner, dict) else 1
 
 
+def _size(value: Any) -> int:
+    """msgpack's length of ``value`` (hivemind's serializer differs only in a few bytes of ext types for tuples;
+    it imports torch, which the light client must not); a value msgpack cannot pack counts as its ``repr``."""
+    return len(msgpack.packb(value, use_bin_type=True, default=repr))
+
+
+def value_bytes(value: Any) -> int:
+    """The bytes of what a read returned (a ``ValueWithExpiration`` of one value, or of a dictionary of subkeys to
+    ``ValueWithExpiration``s; None: 0), or of a value to write: each subkey and value packed once."""
+    if value is None:
+        return 0
+    inner = getattr(value, "value", value)
+    if isinstance(inner, dict):
+        return sum(_size(k) + _size(getattr(v, "value", v)) for k, v in inner.items())
+    return _size(inner)
+
+
+def _written(value: Any, subkey: Any) -> int:
+    """The bytes a write stores: its value, and its subkey where it has one (counted whether or not it completed:
+    it went out)."""
+    return _size(value) + (0 if subkey is None else _size(subkey))
+
+
 def _count(op: str, key: str, started: float, value: Any = None, gave_up: bool = False,
-           entries: int | None = None) -> None:
+           entries: int | None = None, size: int | None = None) -> None:
     entries = (_entries(value) if op == "get" else 0) if entries is None else entries
+    size = value_bytes(value) if size is None else size
     with _calls_lock:
         stats = CALLS.setdefault(f"{op} {key_kind(key)}", CallStats())
         stats.calls += 1
         stats.seconds += time.monotonic() - started
         stats.gave_up += gave_up
         stats.entries += entries
+        stats.bytes += size
 
 
 def calls_summary() -> dict[str, dict[str, Any]]:
@@ -116,10 +146,10 @@ async def store(dht: DHT, key: str, value: Any, expiration_time: float, subkey: 
     try:
         stored = bool(await asyncio.wait_for(_awaitable(_store(dht, key, value, expiration_time, subkey)), timeout))
     except asyncio.TimeoutError:
-        _count("store", key, started, gave_up=True)
+        _count("store", key, started, gave_up=True, size=_written(value, subkey))
         _gave_up("write", key, timeout, on_timeout)
         return False
-    _count("store", key, started)
+    _count("store", key, started, size=_written(value, subkey))
     return stored
 
 
@@ -144,7 +174,8 @@ async def get_many(dht: DHT, keys: list[str], timeout: float | None = None,
         _count("get", keys[0], started, gave_up=True)
         _gave_up("read", f"{keys[0]} and {len(keys) - 1} more keys", timeout, on_timeout)
         return {}
-    _count("get", keys[0], started, entries=sum(map(_entries, found.values())))
+    _count("get", keys[0], started, entries=sum(map(_entries, found.values())),
+           size=sum(map(value_bytes, found.values())))
     return found
 
 
@@ -158,7 +189,8 @@ def get_many_blocking(dht: DHT, keys: list[str], timeout: float | None = None,
         _count("get", keys[0], started, gave_up=True)
         _gave_up("read", f"{keys[0]} and {len(keys) - 1} more keys", timeout, on_timeout)
         return {}
-    _count("get", keys[0], started, entries=sum(map(_entries, found.values())))
+    _count("get", keys[0], started, entries=sum(map(_entries, found.values())),
+           size=sum(map(value_bytes, found.values())))
     return found
 
 
@@ -212,10 +244,10 @@ def store_blocking(dht: DHT, key: str, value: Any, expiration_time: float, subke
     try:
         stored = bool(_store(dht, key, value, expiration_time, subkey).result(timeout))
     except (concurrent.futures.TimeoutError, TimeoutError):
-        _count("store", key, started, gave_up=True)
+        _count("store", key, started, gave_up=True, size=_written(value, subkey))
         _gave_up("write", key, timeout, on_timeout)
         return False
-    _count("store", key, started)
+    _count("store", key, started, size=_written(value, subkey))
     return stored
 
 

@@ -398,9 +398,28 @@ def summary(swarm: LocalSwarm) -> list[dict[str, Any]]:
             "rounds": len(rounds), "version": end.get("version"), "goodput": end.get("goodput"),
             "blocked_s": end.get("blocked_s"), "forks_healed": end.get("forks_healed"),
             "tokens_lost": end.get("tokens_lost"), "tokens_carried": end.get("tokens_carried"),
-            "bytes_sent": end.get("bytes_sent"),
+            "bytes_sent": end.get("bytes_sent"), "dht_calls": end.get("dht_calls") or {},
+            "minutes": (end.get("wall_seconds") or 0.0) / 60.0,
         })
     return rows
+
+
+def control_plane(rows: list[dict[str, Any]]) -> list[tuple[str, float, float, float, float]]:
+    """The DHT calls of ``summary``'s rows by record kind, per daemon and minute: (kind, reads, read KiB, writes,
+    written KiB), the most bytes first; the records' own bytes, each once (``dht_io.CallStats``)."""
+    minutes = sum(r["minutes"] for r in rows)
+    if minutes <= 0:
+        return []
+    totals: dict[str, list[float]] = {}
+    for r in rows:
+        for name, c in r["dht_calls"].items():
+            op, kind = name.split(" ", 1)
+            t = totals.setdefault(kind, [0.0, 0.0, 0.0, 0.0])
+            at = 0 if op == "get" else 2
+            t[at] += c.get("calls", 0)
+            t[at + 1] += c.get("bytes", 0) / 1024
+    out = [(kind, *(x / minutes for x in t)) for kind, t in totals.items()]
+    return sorted(out, key=lambda row: -(row[2] + row[4]))
 
 
 def main() -> int:
@@ -480,8 +499,15 @@ def main() -> int:
         table.add_row(r["daemon"], str(codes.get(r["daemon"])), str(r["steps"]), f"{r['tokens']:,}",
                       fmt(r["train_loss"]), fmt(r["held_out_loss"]), str(r["rounds"]), str(r["version"]),
                       fmt(r["goodput"], ".2f"), fmt(r["blocked_s"], ".1f"), str(r["forks_healed"]),
-                      fmt(r["tokens_lost"], ","), fmt(r["tokens_carried"], ","), fmt(None if r["bytes_sent"] is None else r["bytes_sent"] / 1e6, ".1f"))
+                      fmt(r["tokens_lost"], ","), fmt(r["tokens_carried"], ","),
+                      fmt(None if r["bytes_sent"] is None else r["bytes_sent"] / 1e6, ".1f"))
     console.print(table)
+    control = Table(title="the control plane: DHT records by kind, per daemon and minute (their own bytes, once)")
+    for col in ("kind", "reads", "read KiB", "writes", "written KiB"):
+        control.add_column(col, no_wrap=True, justify="left" if col == "kind" else "right")
+    for kind, reads, read_kib, writes, written_kib in control_plane(rows):
+        control.add_row(kind, f"{reads:.1f}", f"{read_kib:.1f}", f"{writes:.1f}", f"{written_kib:.1f}")
+    console.print(control)
     plot = Path(args.plot) if args.plot else workdir / "loss.png"
     plot_loss(swarm, plot)
     (workdir / "summary.json").write_text(json.dumps(rows, indent=1))

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from atoll.protocols import dht_io
 from atoll.protocols.records import Status
 
 from ..metrics import SKIPPED, Counters
@@ -108,6 +109,17 @@ class DaemonCollector(Collector):
             rejected.add_metric([kind], n)
         yield rejected
         yield _counter("atoll_clipped", "contributions robust merging scaled down", traffic.clipped)
+        calls = CounterMetricFamily("atoll_dht_calls", "DHT reads (get) and writes (store) this daemon made, by record "
+                                    "kind", labels=["op", "kind"])
+        sizes = CounterMetricFamily("atoll_dht_value_bytes", "bytes of the records this daemon's DHT writes stored "
+                                    "and its reads returned, each once (replicas and framing not counted), by kind",
+                                    labels=["op", "kind"])
+        for name, stats in dht_io.calls_summary().items():
+            op, kind = name.split(" ", 1)
+            calls.add_metric([op, kind], stats["calls"])
+            sizes.add_metric([op, kind], stats["bytes"])
+        yield calls
+        yield sizes
         age = None if c.checkpoint_at is None else max(0.0, time.time() - c.checkpoint_at)
         yield _gauge("atoll_checkpoint_age_seconds", "seconds since the last checkpoint was written", age)
 

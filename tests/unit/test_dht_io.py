@@ -116,3 +116,53 @@ def test_calls_are_counted_by_kind_with_the_entries_read():
     assert list(summary) == ["get head", "get progress"]
     assert (summary["get progress"]["calls"], summary["get progress"]["entries"]) == (2, 6)
     assert (summary["get head"]["calls"], summary["get head"]["gave_up"], summary["get head"]["entries"]) == (1, 1, 0)
+
+
+def test_calls_count_the_value_bytes_they_carried_by_kind():
+    """A read counts the bytes of the subkeys and values it returned, a write those of the value (and subkey) it
+    stored, whether or not it completed; against msgpack's lengths taken one by one."""
+    import msgpack
+    from hivemind.utils import ValueWithExpiration
+
+    from atoll.protocols.records import progress_key, round_key
+
+    records = {b"peer-a": {"step": 12, "sig": b"x" * 64}, b"peer-b": {"step": 7, "sig": b"y" * 64}}
+
+    class AnsweringDHT:
+        @staticmethod
+        def found():
+            return ValueWithExpiration({k: ValueWithExpiration(v, 0.0) for k, v in records.items()}, 0.0)
+
+        def get(self, key, latest, return_future):
+            future = concurrent.futures.Future()
+            future.set_result(self.found())
+            return future
+
+        def run_coroutine(self, fn, return_future):  # get_many: fn is functools.partial(_latest, keys)
+            future = concurrent.futures.Future()
+            future.set_result({key: self.found() for key in fn.args[0]})
+            return future
+
+        def store(self, key, value, expiration_time, subkey, return_future):
+            future = concurrent.futures.Future()
+            future.set_result(True)
+            return future
+
+    def packed(x):
+        return len(msgpack.packb(x, use_bin_type=True))
+
+    dht_io.CALLS.clear()
+    dht_io.get_blocking(AnsweringDHT(), progress_key("r", 0))
+    dht_io.get_many_blocking(AnsweringDHT(), [progress_key("r", 0), progress_key("r", 1)])
+    dht_io.get_blocking(BlockingSilentDHT(), progress_key("r", 0), timeout=0.01)  # nothing came back
+    registration = {"peer_id": "a", "time": 1.5, "weight": 3}
+    dht_io.store_blocking(AnsweringDHT(), round_key("r", 0, 5), registration, 60.0, subkey=b"key-a")
+    dht_io.store_blocking(BlockingSilentDHT(), round_key("r", 0, 5), registration, 60.0, subkey=b"key-a",
+                          timeout=0.01)  # gave up, but it went out
+    one_read = sum(packed(k) + packed(v) for k, v in records.items())
+    summary = dht_io.calls_summary()
+    assert summary["get progress"]["bytes"] == 3 * one_read
+    assert summary["store round"]["bytes"] == 2 * (packed(registration) + packed(b"key-a"))
+    assert summary["store round"]["gave_up"] == 1
+    assert dht_io.value_bytes(None) == 0 and dht_io.value_bytes(ValueWithExpiration(b"abc", 0.0)) == packed(b"abc")
+

@@ -93,6 +93,18 @@ def test_a_scrape_shows_what_the_daemon_counts():
     assert math.isnan(value(s, "atoll_checkpoint_age_seconds"))  # no checkpoint yet
 
 
+def test_a_scrape_shows_the_dht_calls_and_their_bytes_by_kind(monkeypatch):
+    from atoll.protocols import dht_io
+
+    monkeypatch.setattr(dht_io, "CALLS", {"get progress": dht_io.CallStats(calls=4, entries=12, bytes=3000),
+                                          "store round": dht_io.CallStats(calls=2, bytes=180)})
+    s = scrape(Counters(), TrafficStats(), versions=[0])
+    assert value(s, "atoll_dht_calls_total", op="get", kind="progress") == 4
+    assert value(s, "atoll_dht_value_bytes_total", op="get", kind="progress") == 3000
+    assert value(s, "atoll_dht_calls_total", op="store", kind="round") == 2
+    assert value(s, "atoll_dht_value_bytes_total", op="store", kind="round") == 180
+
+
 def test_values_not_known_yet_are_nan_and_a_checkpoint_has_an_age():
     import time
 
