@@ -502,7 +502,7 @@ def main() -> int:
                       fmt(r["tokens_lost"], ","), fmt(r["tokens_carried"], ","),
                       fmt(None if r["bytes_sent"] is None else r["bytes_sent"] / 1e6, ".1f"))
     console.print(table)
-    control = Table(title="the control plane: DHT records by kind, per daemon and minute (their own bytes, once)")
+    control = Table(title="DHT records by kind, per daemon-minute (their own bytes)")
     for col in ("kind", "reads", "read KiB", "writes", "written KiB"):
         control.add_column(col, no_wrap=True, justify="left" if col == "kind" else "right")
     for kind, reads, read_kib, writes, written_kib in control_plane(rows):
