@@ -76,7 +76,17 @@ def run_atoll(w: wan.Wan, root: Path, algorithm: str, steps: int, args: argparse
             "in_flight_p95_per_daemon": [x.get("in_flight_p95") for x in s],
             "bytes_sent_counted": sum(x["bytes_sent"] for x in s), "wire_bytes": sum(wire.values()),
             "wire_bytes_per_region": wire, "rounds_per_daemon": [x["rounds"] for x in s],
-            "outside_seconds": seconds, "stopped_by_bench": stopped}
+            "outside_seconds": seconds, "stopped_by_bench": stopped, "dht_record_bytes": dht_record_bytes(s)}
+
+
+def dht_record_bytes(summaries: list[dict]) -> dict[str, int]:
+    """The daemons' own count of the DHT records' bytes (``dht_io.CallStats.bytes``: what their writes stored and
+    their reads returned, each once), summed by "<op> <kind>"."""
+    out: dict[str, int] = {}
+    for x in summaries:
+        for name, c in (x.get("dht_calls") or {}).items():
+            out[name] = out.get(name, 0) + int(c.get("bytes", 0))
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def wait_daemons(swarm: LocalSwarm, args: argparse.Namespace) -> list[str]:
