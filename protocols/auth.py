@@ -5,9 +5,12 @@ A join token is a file holding a fresh RSA key (the member key, which signs the 
 ``RSASignatureValidator``) and a **certificate**: the run key's signature over (run id, run public key, member public
 key, expiry). Only the certificate travels: every DHT record a member writes carries it (``[member:...]`` appended
 before the owner's RSA signature, so the signature covers it), and every daemon of a private run refuses, on store
-and on read, any record that lacks a certificate binding the record's owner key to the run key. The run's averaging
-rounds are formed from those records and its state is served only to peers that published one, so a daemon without a
-token can neither write the run's records, join its rounds, nor download its state.
+and on read, any record that lacks a certificate binding the record's owner key to the run key. A record carries only
+the certificate's *proof* (its expiry and the run key's signature, ``Certificate.proof``): a reader who can check it
+knows the run's id and key already, and the member key is the record's owner key, in its subkey (the whole
+certificate in base64 is 672 bytes, its proof 104; a store of one record was 1.6-2.3 KB on the wire). The run's
+averaging rounds are formed from those records and its state is served only to peers that published one, so a
+daemon without a token can neither write the run's records, join its rounds, nor download its state.
 
 An observer of the DHT learns certificates but not member keys: a copied certificate is useless without the private
 key its owner signs records with.
@@ -48,6 +51,7 @@ TOKEN_FORMAT = "atoll-join-token-1"
 _OWNER_RE = re.compile(rb"\[owner:(.+?)\]")
 _MEMBER_RE = re.compile(rb"\[member:([A-Za-z0-9+/=]+)\]$")
 _MEMBER_FORMAT = b"[member:%s]"
+MAX_PROOF_BYTES = 96  # msgpack of [a float, 64 bytes]: 76
 _OWNER_SUBKEY_RE = re.compile(rb"\[owner:(ssh-rsa [A-Za-z0-9+/]+={0,2})\]")
 _PEER_ID_RE = re.compile(r"[1-9A-HJ-NP-Za-km-z]{40,60}")  # base58 of a sha2-256 multihash (46 characters)
 logger = logging.getLogger("atoll")
@@ -167,6 +171,25 @@ class Certificate:
 
     def to_bytes(self) -> bytes:
         return msgpack.packb([self.payload(), self.signature])
+
+    def proof(self) -> bytes:
+        """What a record carries of the certificate: its expiry and signature. The rest is the reader's own (the run's
+        id and key) or the record's (the member key is its owner key): ``from_proof`` puts them back."""
+        return msgpack.packb([self.expires_at, self.signature])
+
+    @classmethod
+    def from_proof(cls, data: bytes, run_id: str, run_public_key: bytes, member_key: bytes) -> Certificate:
+        """The certificate a record's ``proof`` stands for, given what the reader knows and the record's owner key
+        (parsed, not verified); ``AuthError`` if it is not a proof."""
+        if len(data) > MAX_PROOF_BYTES:
+            raise AuthError(f"certificate proof of {len(data)} bytes exceeds {MAX_PROOF_BYTES}")
+        try:
+            expires_at, signature = msgpack.unpackb(data)
+        except (ValueError, TypeError, msgpack.UnpackException) as e:
+            raise AuthError(f"malformed certificate proof ({e.__class__.__name__})") from None
+        if not (isinstance(expires_at, float) and isinstance(signature, bytes) and len(signature) == 64):
+            raise AuthError("malformed certificate proof fields")
+        return cls(run_id, run_public_key, member_key, expires_at, signature)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Certificate:
@@ -325,8 +348,9 @@ class MembershipValidator(RecordValidatorBase):
 
     With ``run_public_key`` None (an open run, or a client that only reads), records are accepted and a certificate,
     if present, is stripped (so that a daemon without a token can still read a private run's config and say that it
-    is private). Otherwise a record is valid only if its subkey names an owner key and its value ends with a
-    certificate for that key, signed by the run key, for this run, not expired. Verified certificates are cached.
+    is private). Otherwise a record is valid only if its subkey names an owner key and its value ends with the proof
+    of a certificate for that key (``Certificate.proof``), signed by the run key, for this run, not expired.
+    Verified proofs are cached with their owner key.
 
     Priority 5: signing appends the certificate before ``RSASignatureValidator`` (priority 10) signs the value, and
     validation checks it after that signature was checked and stripped.
@@ -334,8 +358,9 @@ class MembershipValidator(RecordValidatorBase):
 
     def __init__(self, run_id: str, run_public_key: bytes | None = None, certificate: bytes | None = None) -> None:
         self.run_id, self.run_public_key = run_id, run_public_key
-        self._suffix = _MEMBER_FORMAT % base64.b64encode(certificate) if certificate is not None else b""
-        self._verified: dict[bytes, tuple[float, bytes]] = {}  # certificate -> (expiry or 0, member key)
+        self._suffix = (_MEMBER_FORMAT % base64.b64encode(Certificate.from_bytes(certificate).proof())
+                        if certificate is not None else b"")
+        self._verified: dict[tuple[bytes, bytes], float] = {}  # (proof, member key) -> expiry or 0
         self._last_log: dict[str, float] = {}
         # By kind ("dht_member"), read by the daemon (record_validator.sync_run_validator).
         self.refused: dict[str, int] = {}
@@ -360,11 +385,11 @@ class MembershipValidator(RecordValidatorBase):
             self._refused(owners[0] if owners else b"", "no membership certificate")
             return False
         try:
-            cert_bytes = base64.b64decode(match.group(1), validate=True)
+            proof = base64.b64decode(match.group(1), validate=True)
         except ValueError:
             self._refused(owners[0], "malformed certificate")
             return False
-        if not self.member_of_run(cert_bytes, owners[0]):
+        if not self.member_of_run(proof, owners[0]):
             self._refused(owners[0], "certificate not valid for this run and owner")
             return False
         return True
@@ -379,20 +404,20 @@ class MembershipValidator(RecordValidatorBase):
             self._last_log[key] = now
             logger.warning("refused a DHT record of owner key %s: %s (the run is private)", key, reason)
 
-    def member_of_run(self, cert_bytes: bytes, owner_key: bytes) -> bool:
-        """True if ``cert_bytes`` is a valid, unexpired certificate of this run for ``owner_key``."""
-        known = self._verified.get(cert_bytes)
-        if known is None:
+    def member_of_run(self, proof: bytes, owner_key: bytes) -> bool:
+        """True if ``proof`` proves a valid, unexpired certificate of this run for ``owner_key``."""
+        assert self.run_public_key is not None
+        expires = self._verified.get((proof, owner_key))
+        if expires is None:
             try:
-                cert = Certificate.from_bytes(cert_bytes)
+                cert = Certificate.from_proof(proof, self.run_id, self.run_public_key, owner_key)
                 cert.verify(self.run_id, self.run_public_key)
             except AuthError:
                 return False
             if len(self._verified) > 10_000:  # many distinct valid certificates cannot grow the cache forever
                 self._verified.clear()
-            known = self._verified[cert_bytes] = (cert.expires_at, cert.member_key)
-        expires, member_key = known
-        return member_key == owner_key and not (expires and time.time() > expires)
+            expires = self._verified[(proof, owner_key)] = cert.expires_at
+        return not (expires and time.time() > expires)
 
     def merge_with(self, other: RecordValidatorBase) -> bool:
         return isinstance(other, MembershipValidator)  # one is enough; a second would append a second certificate

@@ -108,6 +108,38 @@ def test_bad_token_files_are_refused_clearly(tmp_path, run_key):
 VALUE = {"groups": [["p1"]], "time": 1.0}  # a group decision: well-formed under any key, claims no peer id
 
 
+def test_a_certificates_proof_stands_for_it_given_the_run_and_the_owner_key(run_key, token):
+    """A record carries only the certificate's expiry and signature; with the run's id and key and the record's
+    owner key they are the certificate again. Any other owner key, run, or a changed expiry fails to verify."""
+    cert = token.certificate
+    proof = cert.proof()
+    assert len(proof) <= 96 < len(cert.to_bytes()) // 4
+    again = Certificate.from_proof(proof, "run1", run_key.public_bytes, cert.member_key)
+    assert again == cert
+    again.verify("run1", run_key.public_bytes)
+    other_member = RSAPrivateKey().get_public_key().to_bytes()
+    with pytest.raises(AuthError, match="signature is invalid"):
+        Certificate.from_proof(proof, "run1", run_key.public_bytes, other_member).verify("run1", run_key.public_bytes)
+    with pytest.raises(AuthError, match="signature is invalid"):
+        Certificate.from_proof(proof, "run2", run_key.public_bytes, cert.member_key).verify("run2",
+                                                                                            run_key.public_bytes)
+    expiring = run_key.certify("run1", cert.member_key, expires_at=1000.0)
+    extended = Certificate.from_proof(dataclasses.replace(expiring, expires_at=1e12).proof()[:-64]
+                                      + expiring.signature, "run1", run_key.public_bytes, cert.member_key)
+    with pytest.raises(AuthError, match="signature is invalid"):  # a later expiry under the old signature
+        extended.verify("run1", run_key.public_bytes)
+    for bad in (b"", b"\x92\x01\x02", b"\x92\xcb" + b"\x00" * 8 + b"\xc4\x01a", b"x" * 200):
+        with pytest.raises(AuthError):
+            Certificate.from_proof(bad, "run1", run_key.public_bytes, cert.member_key)
+
+
+def test_a_member_record_carries_the_proof_not_the_certificate(run_key, token):
+    member = make_validators("run1", token)
+    record = _signed(member, b"key", member[0].local_public_key, VALUE)
+    assert base64.b64encode(token.certificate.proof()) in record.value
+    assert base64.b64encode(token.certificate.to_bytes()) not in record.value
+
+
 def _signed(validators, key: bytes, subkey: bytes, value) -> DHTRecord:
     """A record as the DHT of a daemon with ``validators`` would send it (value signed by the validator chain)."""
     chain = CompositeValidator(validators)
