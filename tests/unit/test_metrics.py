@@ -25,12 +25,34 @@ def test_held_out_evaluations_stay_within_their_share_of_wall_time(monkeypatch):
         held_out.evaluate(learner)
         evaluations += counters.eval_seconds > before
     assert counters.held_out_loss == 2.0 and counters.held_out_step == 0
-    # At most the budget plus the one evaluation that crossed it; and not far below it either.
-    assert 0.1 * clock[0] - 2.0 <= counters.eval_seconds <= 0.1 * clock[0] + 1.0 and evaluations < 100
+    # Within the budget (an evaluation runs only if it fits), and not far below it either.
+    assert 0.1 * clock[0] - 2.0 <= counters.eval_seconds <= 0.1 * clock[0] and evaluations < 100
     held_out.budget = 1.0  # every merge
     before = counters.eval_seconds
     held_out.evaluate(learner)
     assert counters.eval_seconds == before + 1.0
+
+
+def test_the_first_evaluation_always_runs_and_the_next_waits_until_it_fits(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr("atoll.node.metrics.time.monotonic", lambda: clock[0])
+
+    def evaluate():
+        clock[0] += 0.5
+        return 3.0
+
+    counters = Counters(started=0.0)
+    held_out = HeldOut(0.01, counters)
+    learner = SimpleNamespace(held_out_loss=evaluate, step=7)
+    clock[0] = 1.0
+    held_out.evaluate(learner)  # the first: a figure early, over the budget
+    assert (counters.held_out_loss, counters.held_out_step, counters.eval_seconds) == (3.0, 7, 0.5)
+    clock[0] = 99.0  # 0.99 s of budget: 0.5 spent, and another 0.5 would not fit
+    held_out.evaluate(learner)
+    assert counters.eval_seconds == 0.5
+    clock[0] = 100.0  # 1.0 s of budget: it fits exactly
+    held_out.evaluate(learner)
+    assert counters.eval_seconds == 1.0
 
 
 def test_progress_fields_fit_the_published_record_schema():
