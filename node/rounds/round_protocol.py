@@ -240,19 +240,19 @@ class RoundProtocol:
         # A peer on our line behind us (it holds an ancestor of our replica: catching up, or its record predates our
         # last merge) is on its way to this version: merging alone would only make it chase us again.
         line = set(self.ctx.replica.ancestors(p)) | {digest}
-        same = [peer for peer in live
-                if version - MAX_LONELY_LEAD <= peer.fragment_versions[p] <= version
-                and peer.fragment_hashes[p] in line
-                and not (self.ctx.cooldown.active(peer.peer_id) or self.peers.revoked(peer.peer_id))]
+        coming = [peer for peer in live
+                  if version - MAX_LONELY_LEAD <= peer.fragment_versions[p] <= version
+                  and peer.fragment_hashes[p] in line
+                  and not (self.ctx.cooldown.active(peer.peer_id) or self.peers.revoked(peer.peer_id))]
         at, deferred = self._deferred.get(p, (version, 0))
         deferred = deferred if at == version else 0
-        if same and LocalMerge(self.ctx.cfg.run.local_merge) is LocalMerge.DELTA and deferred < MAX_DEFERRALS:
+        if coming and LocalMerge(self.ctx.cfg.run.local_merge) is LocalMerge.DELTA and deferred < MAX_DEFERRALS:
             self._deferred[p] = (version, deferred + 1)
             # Our next round of p is at this version again: watch for a peer opening it, and announce ours.
             self._last_round.pop(p, None)
             self._announced.pop(p, None)
             logger.info("round f%d v%d: alone while %d live peer(s) hold this replica or are catching up to it; "
-                        "merging alone would fork it: the work goes into the next round", p, version, len(same))
+                        "merging alone would fork it: the work goes into the next round", p, version, len(coming))
             return Outcome.DEFERRED
         return None
 
