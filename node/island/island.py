@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from atoll.models.data import shard_for_peer
 from atoll.models.registry import model_digest
@@ -27,7 +28,7 @@ from ..log import setup_logging
 from ..run_config import OWN_MODEL, ConfigError, RunConfig
 from ..trainee import LoopTrainee, device_of, optimizer_params
 from .member import Member, logger
-from .ranks import IslandSync, Ranks, init_island
+from .ranks import IslandSync, Ranks, init_island, leave_island
 
 
 NO_DDP = "algorithm: ddp (a gradient all-reduce every step) runs in `atoll start` only"
@@ -107,6 +108,7 @@ class Island(Member):
         super().__init__(cfg, explicit, build, derive, device, threading.Event(), print_addresses=False)
         self._ranks = Ranks.from_env()
         self._sync: IslandSync | None = None  # the collectives with this island's other ranks, if it has any
+        self._own_group = False  # whether this island made the process group (it ends it at close)
         self._stop_requested = threading.Event()
         self._agreed_stop = False
         if self._ranks.world > 1:
@@ -115,6 +117,7 @@ class Island(Member):
                                   "`atoll start --fsdp` only, a Python island under torchrun is data parallel")
             if cfg.run.algorithm == "ddp":
                 raise ConfigError(NO_DDP)
+            self._own_group = not dist.is_initialized()
             _, control = init_island(self._ranks, device.kind)
             self._sync = IslandSync(self._ranks, trainee.params, control)
             self.rank_sync = self._sync
@@ -194,11 +197,17 @@ class Island(Member):
         self._hook = self._optimizer.register_step_post_hook(self._on_optimizer_step)
 
     def close(self) -> None:
-        """Unhook the optimizer and leave the run (``Member.close``). Safe to call more than once."""
+        """Unhook the optimizer and leave the run (``Member.close``); the process group too, where the island
+        made it (a script that made its own ends it). Safe to call more than once."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        super().close()
+        try:
+            super().close()
+        finally:
+            if self._own_group:
+                self._own_group = False
+                leave_island()
 
     def _on_optimizer_step(self, _optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         """The user's ``optimizer.step()`` returned: a step boundary."""

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ConfigError
+from . import collectives
 
 if TYPE_CHECKING:  # sharded.py builds on this module
     from .sharded import ShardedSync
@@ -168,34 +169,30 @@ class IslandSync:
     # ---- start ----------------------------------------------------------------------------------------------------
     def share_config(self, cfg: Any, peer_id: str) -> None:
         """Rank 0: the agreed config and the island's peer id, to every rank."""
-        dist.broadcast_object_list([cfg, peer_id], src=LEADER, group=self.control)
+        collectives.broadcast_object((cfg, peer_id), LEADER, self.control)
 
     def receive_config(self) -> tuple[Any, str]:
         """A follower: what ``share_config`` sent."""
-        box: list[Any] = [None, None]
-        dist.broadcast_object_list(box, src=LEADER, group=self.control)
-        return box[0], box[1]
+        cfg, peer_id = collectives.broadcast_object(None, LEADER, self.control)
+        return cfg, peer_id
 
     def share_state(self, learner: Any) -> None:
         """Rank 0, once it restored or downloaded the island's state: θ, optimizer state and counters to every
         rank (``receive_state``)."""
         tensors = {name: t.contiguous() for name, t in learner.state_tensors().items()}
         layout = [(name, tuple(t.shape), t.dtype) for name, t in sorted(tensors.items())]
-        dist.broadcast_object_list([(layout, learner.step, learner.tokens, learner.position)], src=LEADER,
-                                   group=self.control)
+        collectives.broadcast_object((layout, learner.step, learner.tokens, learner.position), LEADER, self.control)
         for name, _, _ in layout:
-            dist.broadcast(tensors[name], src=LEADER, group=self.control)
+            collectives.broadcast(tensors[name], LEADER, self.control)
         self.mark()
 
     def receive_state(self, learner: Any) -> None:
         """A follower: what ``share_state`` sent, loaded into ``learner``."""
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=LEADER, group=self.control)
-        layout, step, tokens, position = box[0]
+        layout, step, tokens, position = collectives.broadcast_object(None, LEADER, self.control)
         tensors = {}
         for name, shape, dtype in layout:
             tensors[name] = torch.empty(shape, dtype=dtype)
-            dist.broadcast(tensors[name], src=LEADER, group=self.control)
+            collectives.broadcast(tensors[name], LEADER, self.control)
         learner.load_state_tensors(tensors)
         learner.step, learner.tokens, learner.position = step, tokens, position
 
@@ -215,12 +212,12 @@ class IslandSync:
         leader = self.ranks.leader
         written = self.written() if leader else []
         header = torch.tensor([float(stop), float(len(written))], dtype=torch.float64)
-        dist.all_reduce(header, op=dist.ReduceOp.MAX, group=self.control)  # the others' count is 0
+        collectives.all_reduce(header, dist.ReduceOp.MAX, self.control)  # the others' count is 0
         stop, count = bool(header[0]), int(header[1])
         if count:
             t0 = time.perf_counter()
             indices = torch.tensor(written if leader else [0] * count, dtype=torch.int64)
-            dist.broadcast(indices, src=LEADER, group=self.control)
+            collectives.broadcast(indices, LEADER, self.control)
             self._broadcast([self.params[i] for i in indices.tolist()])
             self.broadcasts += 1
             self.seconds += time.perf_counter() - t0
@@ -234,7 +231,7 @@ class IslandSync:
     def mean_loss(self, loss: float | None) -> float | None:
         """The mean of every rank's ``loss`` (None where no rank has one)."""
         mine = torch.tensor([0.0 if loss is None else loss, 0.0 if loss is None else 1.0], dtype=torch.float64)
-        dist.all_reduce(mine, group=self.control)
+        collectives.all_reduce(mine, group=self.control)
         return float(mine[0] / mine[1]) if mine[1] else None
 
     def check(self) -> bool:
@@ -255,7 +252,7 @@ class IslandSync:
                 sums[0] += flat.sum()
                 sums[1] += flat.square().sum()
         every = [torch.zeros(2, dtype=torch.float64) for _ in range(self.ranks.world)]
-        dist.all_gather(every, sums, group=self.control)
+        collectives.all_gather(every, sums, self.control)
         drifted = [r for r, s in enumerate(every) if not torch.equal(s, every[LEADER])]
         if not drifted:
             return True
@@ -272,7 +269,7 @@ class IslandSync:
             for dtype in sorted({t.dtype for t in tensors}, key=str):
                 group = [t for t in tensors if t.dtype == dtype]
                 flat = torch.cat([t.detach().reshape(-1) for t in group])
-                dist.broadcast(flat, src=LEADER)
+                collectives.broadcast(flat, LEADER)
                 if not self.ranks.leader:
                     offset = 0
                     for t in group:

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from . import collectives
 from .ranks import LEADER, IslandSync, Ranks
 
 
@@ -69,7 +69,7 @@ class ShardedSync:
 
     # ---- rank 0 -------------------------------------------------------------------------------------------------
     def _ask(self, op: Op, arg: Any = None) -> None:
-        dist.broadcast_object_list([(int(op), arg)], src=LEADER, group=self.control)
+        collectives.broadcast_object((int(op), arg), LEADER, self.control)
 
     def read(self, indices: Sequence[int]) -> list[torch.Tensor]:
         self._ask(Op.READ, list(indices))
@@ -107,9 +107,8 @@ class ShardedSync:
     def serve(self) -> bool | None:
         """Do what rank 0 asks until it says ``END`` (returns whether the island stops) or ``TERMINATE`` (None)."""
         while True:
-            box: list[Any] = [None]
-            dist.broadcast_object_list(box, src=LEADER, group=self.control)
-            op, arg = Op(box[0][0]), box[0][1]
+            code, arg = collectives.broadcast_object(None, LEADER, self.control)
+            op = Op(code)
             if op is Op.END:
                 stop, self.learner.step, self.learner.tokens, self.learner.position = arg
                 return bool(stop)
@@ -150,10 +149,10 @@ class ShardedSync:
         padded = torch.zeros((max(lengths),) + tuple(t.shape[1:]), dtype=local.dtype)
         padded[: local.shape[0]] = local
         if not self.ranks.leader:
-            dist.gather(padded, None, dst=LEADER, group=self.control)
+            collectives.gather(padded, None, LEADER, self.control)
             return None
         parts = [torch.empty_like(padded) for _ in range(world)]
-        dist.gather(padded, parts, dst=LEADER, group=self.control)
+        collectives.gather(padded, parts, LEADER, self.control)
         return torch.cat([part[:n] for part, n in zip(parts, lengths)])
 
     def _write(self, indices: list[int], values: list[torch.Tensor] | None) -> None:
@@ -163,7 +162,7 @@ class ShardedSync:
             for k, p in enumerate(params):
                 whole = (values[k].to(torch.float32).reshape(p.shape).contiguous() if values is not None
                          else torch.empty(tuple(p.shape), dtype=torch.float32))
-                dist.broadcast(whole, src=LEADER, group=self.control)
+                collectives.broadcast(whole, LEADER, self.control)
                 _keep_shard(p, whole)
         self.seconds += time.perf_counter() - t0
 
@@ -185,7 +184,7 @@ class ShardedSync:
         state: dict[int, dict[str, torch.Tensor]] = {}
         for name, shape, dtype in layout:  # one whole tensor at a time: every rank keeps only its shard of it
             t = tensors[name].contiguous() if tensors is not None else torch.empty(shape, dtype=dtype)
-            dist.broadcast(t, src=LEADER, group=self.control)
+            collectives.broadcast(t, LEADER, self.control)
             kind, i = name.split(".")[0], int(name.split(".")[1])
             p = learner.params[i]
             with torch.no_grad():
