@@ -1,15 +1,19 @@
 #!/usr/bin/env python3
 """Whether a rank of an island can abort as it exits, with the island's collectives as they were and as they are.
 
-    python -m scripts.bench_island_exit [--blocks 3] [--collectives 2000] [--runs 20] [--load 0] [--out docs/results/island_exit/bench_island_exit.json]
+    python -m scripts.bench_island_exit [--blocks 3] [--collectives 2000] [--runs 20] [--load 0]
+        [--out docs/results/island_exit/bench_island_exit.json]
 
 Two modes: ``raw`` makes the collectives with ``torch.distributed`` directly, as ``IslandSync`` did; ``settled``
-through ``node/island/collectives.py``, which returns once gloo's threads let go of the tensors. In each block (a
+through ``node/island/collectives.py``, which keeps what gloo's threads still hold until they let go, and waits for
+the last of it at exit. In each block (a
 block stands for a seed; the modes alternate within it, their order too):
 
-- **the window**: a two-rank gloo job makes ``--collectives`` all-reduces of a boundary's header per rank and counts
-  those that returned while gloo still held the tensor: each is a moment at which a rank that exits, dropping the
-  tensor, can abort. Also the mean time per all-reduce, the settling's cost.
+- **the window**: a two-rank gloo job makes ``--collectives`` all-reduces of a boundary's header per rank and mode
+  (the modes alternating every 10 all-reduces) and counts
+  those that returned with the tensor left to gloo's thread to free (still held by it, and not kept by
+  ``collectives``): each is a moment at which a rank that exits, dropping the tensor, can abort. Also the mean time
+  per all-reduce: what keeping costs.
 - **exits**: ``--runs`` two-rank jobs shaped like a follower's last steps (``examples/own_loop.py`` under
   torchrun): a ``DistributedDataParallel`` step (the wrapper kept to the end), then the broadcast of a small
   object, and a boundary's collectives on temporaries (an all-reduce of a header, a broadcast of values), then
@@ -76,6 +80,8 @@ def worker(mode: str, rank: int, store: str, check: bool) -> int:
         collectives.all_reduce(header, dist.ReduceOp.MAX)
         collectives.broadcast(values, 0)
     if check:
+        if mode == "settled":
+            collectives.settle()  # what the exit handler does
         counts = (header._use_count(), values._use_count())
         if got != {"step": 40, "stop": True, "peer": "QmX" * 10} or float(header[1]) != 1.0 or float(values[0]) != 0:
             print(f"rank {rank}: wrong values {got} {header.tolist()} {values[0]}", flush=True)
@@ -89,26 +95,30 @@ def worker(mode: str, rank: int, store: str, check: bool) -> int:
     return 0
 
 
-def window(mode: str, rank: int, store: str, n: int) -> int:
-    """One rank of a job making ``n`` boundary headers' all-reduces: prints how many returned while gloo still
-    held the tensor (each a moment at which a rank that exits aborts) and the mean seconds per all-reduce."""
+def window(rank: int, store: str, n: int) -> int:
+    """One rank of a job making ``n`` boundary headers' all-reduces in each mode, the modes alternating every 10:
+    prints, per mode, how many returned with the tensor left to gloo's thread to free (each a moment at which a
+    rank that exits can abort) and the mean seconds per all-reduce."""
     import torch
     import torch.distributed as dist
 
     collectives = _collectives()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    held = 0
-    t0 = time.perf_counter()
-    for i in range(n):
+    held = dict.fromkeys(MODES, 0)
+    seconds = dict.fromkeys(MODES, 0.0)
+    for i in range(2 * n):
+        mode = MODES[(i // 10) % 2]
         header = torch.tensor([0.0, float(i)], dtype=torch.float64)
+        t0 = time.perf_counter()
         if mode == "raw":
             dist.all_reduce(header, op=dist.ReduceOp.MAX)
         else:
             collectives.all_reduce(header, dist.ReduceOp.MAX)
-        held += header._use_count() > 1
-    seconds = (time.perf_counter() - t0) / n
-    print(json.dumps({"rank": rank, "held": held, "n": n, "seconds": seconds}), flush=True)
+        seconds[mode] += time.perf_counter() - t0
+        # left to gloo's thread to free: still held by it, and (settled) not kept by the caller's side either
+        held[mode] += header._use_count() > 1 and not any(t is header for t in collectives._pending)
+    print(json.dumps({m: {"held": held[m], "n": n, "seconds": seconds[m] / n} for m in MODES}), flush=True)
     dist.destroy_process_group()
     return 0
 
@@ -159,7 +169,7 @@ def main() -> int:
     ap.add_argument("--load", type=int, default=0, help="busy processes contending for the cores")
     ap.add_argument("--out", default=str(ROOT / "docs/results/island_exit/bench_island_exit.json"))
     ap.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
-    ap.add_argument("--window", choices=MODES, help=argparse.SUPPRESS)
+    ap.add_argument("--window", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--store", help=argparse.SUPPRESS)
     ap.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
@@ -167,7 +177,7 @@ def main() -> int:
     if args.worker:
         return worker(args.worker, args.rank, args.store, args.check)
     if args.window:
-        return window(args.window, args.rank, args.store, args.collectives)
+        return window(args.rank, args.store, args.collectives)
 
     from scripts.results import write_result
     from scripts.stats import interval
@@ -178,13 +188,14 @@ def main() -> int:
     t0 = time.monotonic()
     try:
         for b in range(args.blocks):
-            for mode in (MODES if b % 2 == 0 else MODES[::-1]):
-                codes, outs = _spawn(["--window", mode, "--collectives", str(args.collectives)], 600)
-                if codes != [0, 0]:
-                    raise SystemExit(f"the window job ({mode}) failed:\n" + "\n".join(o[-800:] for o in outs))
-                ranks = [json.loads(o.strip().splitlines()[-1]) for o in outs]
-                windows[mode].append({"held": sum(r["held"] for r in ranks), "n": sum(r["n"] for r in ranks),
-                                      "seconds": sum(r["seconds"] for r in ranks) / 2})
+            codes, outs = _spawn(["--window", "--collectives", str(args.collectives)], 600)
+            if codes != [0, 0]:
+                raise SystemExit("the window job failed:\n" + "\n".join(o[-800:] for o in outs))
+            ranks = [json.loads(o.strip().splitlines()[-1]) for o in outs]
+            for mode in MODES:
+                windows[mode].append({"held": sum(r[mode]["held"] for r in ranks),
+                                      "n": sum(r[mode]["n"] for r in ranks),
+                                      "seconds": sum(r[mode]["seconds"] for r in ranks) / 2})
             for i in range(args.runs):
                 for mode in (MODES if i % 2 == 0 else MODES[::-1]):
                     outcome, outs = run_pair(mode)
@@ -192,7 +203,7 @@ def main() -> int:
                     if outcome == "failed":
                         print(f"block {b} run {i} {mode}: failed\n" + "\n".join(o[-800:] for o in outs), flush=True)
             print(f"block {b}: " + "; ".join(
-                f"{m}: held at return {windows[m][b]['held']}/{windows[m][b]['n']}, "
+                f"{m}: left to gloo {windows[m][b]['held']}/{windows[m][b]['n']}, "
                 f"{windows[m][b]['seconds'] * 1e6:.0f} us each, aborted {counts[m][b]['aborted']}/{args.runs}"
                 for m in MODES), flush=True)
     finally:
@@ -205,11 +216,12 @@ def main() -> int:
         k = sum(c["aborted"] for c in counts[m])
         lo, hi = wilson(k, n)
         held = [w["held"] / w["n"] for w in windows[m]]
-        summary[m] = {"held_at_return": interval(held), "held_at_return_per_block": held,
+        summary[m] = {"left_to_gloo": interval(held), "left_to_gloo_per_block": held,
                       "us_per_all_reduce": interval([w["seconds"] * 1e6 for w in windows[m]]),
-                      "exits": n, "aborted": k, "failed": sum(c["failed"] for c in counts[m]), "rate": k / n,
+                      "exits": n, "aborted": k, "failed": sum(c["failed"] for c in counts[m]),
+                      "rate": k / n if n else None,
                       "rate_95": [lo, hi], "aborted_per_block": [c["aborted"] for c in counts[m]]}
-        print(f"{m}: held at return {held}; aborted {k}/{n} = {k / n:.3f} (95% {lo:.3f}-{hi:.3f}); per block "
+        print(f"{m}: left to gloo {held}; aborted {k}/{n} = {k / max(n, 1):.3f} (95% {lo:.3f}-{hi:.3f}); per block "
               f"{summary[m]['aborted_per_block']}")
     ratio = [s_["seconds"] / r["seconds"] for s_, r in zip(windows["settled"], windows["raw"])]
     summary["settled_over_raw_seconds"] = interval(ratio)

@@ -1,18 +1,20 @@
-"""The island's collectives (``ranks.IslandSync``, ``sharded.ShardedSync``), each returning only once the process
-group's threads have let go of the tensors it was given.
+"""The island's collectives (``ranks.IslandSync``, ``sharded.ShardedSync``), which never leave gloo's threads the
+last reference to a tensor.
 
 Why: gloo completes a collective (``wait`` returns) before its worker thread drops the work, and with it the work's
 references to the tensors. A temporary whose Python reference the caller drops meanwhile is then freed on that
 thread, which takes the GIL to do it; if the interpreter has begun to exit by then (a rank that leaves right after
 its last boundary), the thread is ended inside a C++ destructor and the process aborts ("terminate called without
-an active exception", SIGABRT). A busy host makes the window wide enough (docs/design.md, "Islands of many
-ranks"). So each call here waits, after the collective, until the tensors that only the caller held are back to
-that one reference; they are then freed where the caller drops them, on its own thread. Tensors that others hold
-too (a parameter) are not waited for: their last reference is not the caller's to drop.
+an active exception", SIGABRT). A busy host makes the window wide enough (docs/design.md, "Islands of several
+ranks"). So the host tensors that only the caller held and that gloo still holds when a call returns are kept
+here until gloo lets go (looked at again at every call, without waiting), and an exit handler waits for the last of
+them before the interpreter begins to finalize. Tensors that others hold too (a parameter) are not kept: their
+last reference is not the caller's to drop.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import pickle
 import time
@@ -24,57 +26,67 @@ import torch
 import torch.distributed as dist
 
 logger = logging.getLogger("atoll")
-# A worker thread lets go of a finished collective as soon as it runs again; this bounds the wait should a tensor
-# be held by something else after all (it is then the collective's caller that holds it a while longer).
+# A worker thread lets go of a finished collective as soon as it runs again; this bounds the wait at exit should a
+# tensor be held by something else after all.
 SETTLE_SECONDS = 10.0
+_pending: list[torch.Tensor] = []  # what gloo still held when its call returned, kept referenced until it lets go
 
 
 def _held(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The host tensors held by nothing but the caller (one reference), to wait for after the collective. A
-    device tensor's collective (nccl) is let go of once the device ran it: waiting for that would stall the host
-    on the device at every boundary."""
+    """Before a collective: the host tensors held by nothing but the caller (one reference). A device tensor's
+    collective (nccl) is let go of once the device ran it, by a thread of torch's that this does not cover."""
     return [t for t in tensors if t.device.type == "cpu" and t._use_count() == 1]
 
 
-def settle(tensors: Sequence[torch.Tensor], timeout: float = SETTLE_SECONDS) -> bool:
-    """Wait until each of ``tensors`` (held by the caller alone before a collective) is back to one reference;
-    False if one is not within ``timeout`` seconds."""
+def _keep(ours: Sequence[torch.Tensor]) -> None:
+    """After a collective: keep those of ``ours`` that gloo still holds, and let go of those it no longer does."""
+    _pending[:] = [t for t in (*_pending, *ours) if t._use_count() > 1]
+
+
+def settle(timeout: float = SETTLE_SECONDS) -> bool:
+    """Wait until gloo let go of every tensor kept (``_keep``); False if one is still held after ``timeout``
+    seconds. Runs at exit, before the interpreter finalizes."""
     deadline = time.monotonic() + timeout
-    for t in tensors:
-        while t._use_count() > 1:
-            if time.monotonic() > deadline:
-                logger.debug("a collective's tensor is still held %.0f s after it completed", timeout)
-                return False
-            _pause()
-    return True
+    while True:
+        _pending[:] = [t for t in _pending if t._use_count() > 1]
+        if not _pending:
+            return True
+        if time.monotonic() > deadline:
+            logger.warning("%d tensor(s) of the island's collectives still held %.0f s after they completed; this "
+                           "process may abort as it exits", len(_pending), timeout)
+            return False
+        _pause()
 
 
 def _pause() -> None:
     time.sleep(0)  # gives the worker thread the core (and the GIL, which it does not need here)
 
 
+atexit.register(settle)
+
+
 def broadcast(t: torch.Tensor, src: int, group: Any = None) -> None:
     ours = _held([t])
     dist.broadcast(t, src=src, group=group)
-    settle(ours)
+    _keep(ours)
 
 
 def all_reduce(t: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None) -> None:
     ours = _held([t])
     dist.all_reduce(t, op=op, group=group)
-    settle(ours)
+    _keep(ours)
 
 
 def all_gather(outputs: list[torch.Tensor], t: torch.Tensor, group: Any = None) -> None:
     ours = _held([t, *outputs])
     dist.all_gather(outputs, t, group=group)
-    settle(ours)
+    _keep(ours)
 
 
 def gather(t: torch.Tensor, outputs: list[torch.Tensor] | None, dst: int, group: Any = None) -> None:
     ours = _held([t, *(outputs or [])])
     dist.gather(t, outputs, dst=dst, group=group)
-    settle(ours)
+    _keep(ours)
 
 
 def broadcast_object(obj: Any, src: int, group: Any = None) -> Any:
