@@ -167,8 +167,7 @@ class HeldOut:
     """Held-out evaluations of θ (the trainee's ``held_out_loss``), kept within ``budget`` of the wall time: one runs
     only if, taking as long as the last one did, it still fits (the first one always runs). On a device every
     evaluation is time not spent training; an evaluation allowed once the budget was merely not yet spent overshot
-    it by one evaluation each time (a `tiny` daemon's minute-long run spent 1.6% of its time evaluating on a 1%
-    budget). ``budget`` 1 evaluates whenever asked."""
+    it by one evaluation each time (docs/results.md, "Mixed hardware"). ``budget`` 1 evaluates whenever asked."""
 
     def __init__(self, budget: float, counters: Counters) -> None:
         self.budget, self.counters = budget, counters

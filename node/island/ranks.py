@@ -173,8 +173,7 @@ class IslandSync:
 
     def receive_config(self) -> tuple[Any, str]:
         """A follower: what ``share_config`` sent."""
-        cfg, peer_id = collectives.broadcast_object(None, LEADER, self.control)
-        return cfg, peer_id
+        return collectives.broadcast_object(None, LEADER, self.control)
 
     def share_state(self, learner: Any) -> None:
         """Rank 0, once it restored or downloaded the island's state: θ, optimizer state and counters to every
