@@ -50,3 +50,23 @@ def test_a_member_refusing_groups_in_a_row_is_an_offender(monkeypatch):
     round_(True)
     assert rejected.count(("group_refusal_offence", "squatter")) == 1
     assert rejected.count(("group_refusal", None)) == 2 * REFUSAL_OFFENCES - 1
+
+
+def test_a_refusal_of_a_retried_group_is_no_strike(monkeypatch):
+    """A retry's group is the decided one less the reducers that failed for this member; honest members that saw
+    different reducers fail retry with different groups and refuse each other's. Those refusals are counted, never
+    struck: only the decided group's (the first attempt's) are."""
+    rejected, outcomes = [], []
+
+    async def stand_in(p2p, servicer, spec, me, tensor, weight, timeout, tamper):
+        if spec.attempt == 0:
+            return AllreduceResult(None, 0.0, [], ["slow"], [])  # a reducer failed for us: retry without it
+        return AllreduceResult(None, 0.0, [], [], ["other"])  # which "other" saw differently: it refuses ours
+
+    monkeypatch.setattr(round_protocol, "allreduce", stand_in)
+    rounds = _protocol(outcomes, rejected)
+    for _ in range(3 * REFUSAL_OFFENCES):
+        result, _ = asyncio.run(rounds.allreduce(0, 1, ["me", "other", "slow"], torch.zeros(4), 1.0, "mean", "none"))
+        assert result is None
+    assert rejected.count(("group_refusal", None)) == 3 * REFUSAL_OFFENCES
+    assert not [r for r in rejected if r[0] == "group_refusal_offence"]
