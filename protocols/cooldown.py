@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 logger = logging.getLogger("atoll")
 
@@ -81,17 +81,26 @@ class Strikes:
             raise ValueError(f"limit must be >= 1, got {limit}")
         self.limit = limit
         self.missed: dict[str, int] = {}
+        self.last: dict[str, Hashable] = {}  # what each peer's last miss was about (``miss``'s ``event``)
 
     def hit(self, peer: str) -> None:
         self.missed.pop(peer, None)
+        self.last.pop(peer, None)
 
-    def miss(self, peer: str) -> bool:
-        """Count one miss; True when it is the ``limit``-th in a row (the count then starts over)."""
+    def miss(self, peer: str, event: Hashable = None) -> bool:
+        """Count one miss; True when it is the ``limit``-th in a row (the count then starts over). A miss about
+        the same ``event`` (not None) as the peer's last one is that miss again, not counted."""
+        if event is not None and self.last.get(peer) == event:
+            return False
         count = self.missed.get(peer, 0) + 1
         if count >= self.limit:
             self.missed.pop(peer, None)
+            self.last.pop(peer, None)
             return True
         if len(self.missed) >= self.MAX_TRACKED and peer not in self.missed:
             self.missed.clear()
+            self.last.clear()
         self.missed[peer] = count
+        if event is not None:
+            self.last[peer] = event
         return False

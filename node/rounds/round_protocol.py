@@ -279,19 +279,20 @@ class RoundProtocol:
         contributors = sorted({m for members in groups if set(members) & set(merged.contributors) for m in members})
         return dataclasses.replace(merged, contributors=contributors, sent=result.sent)
 
-    def _refused(self, refusers: list[str], strike: bool) -> None:
-        """Members that refused our group, counted (``group_refusal``); with ``strike``, ``REFUSAL_OFFENCES``
-        refusals of one peer in a row are an offence (``group_refusal_offence``). One refusal is not: under faults
+    def _refused(self, refusers: list[str], group: str | None) -> None:
+        """Members that refused our group, counted (``group_refusal``); ``REFUSAL_OFFENCES`` refusals of one peer
+        in a row, of different groups, are an offence (``group_refusal_offence``). One refusal is not: under faults
         honest views of a group disagree often enough that cooling every refuser down split the swarm; but a
         registrant that refuses every group it is put in (the second review's squatter) made every round with it
-        skip. Only a refusal of the group as decided strikes (``allreduce``'s first attempt): a retry's group is
-        the decided one less the reducers that failed *for us*, and honest members that saw different reducers
-        fail retry with different groups and refuse each other's. Struck for those, twelve honest daemons under
-        load cooled each other down round after round: an offender's streams are refused, which fails more
-        reducers, which splits more retries."""
+        skip. Only a refusal of a group as decided strikes (``allreduce``'s first attempt; ``group`` its id, None
+        for a retry): a retry's group is the decided one less the reducers that failed *for us*, and honest
+        members that saw different reducers fail retry with different groups and refuse each other's. A
+        synchronous round follows a failed decision again, and a member that refused it refuses it again: one
+        strike. Struck for those, twelve honest daemons under load cooled each other down: an offender is left out
+        of the rounds its striker decides, and its streams to it are refused, which fails more reducers."""
         for peer in refusers:
             self.ctx.reject("group_refusal")
-            if strike and self.refusals.miss(peer):
+            if group is not None and self.refusals.miss(peer, group):
                 self.ctx.reject("group_refusal_offence", peer)
 
     async def allreduce(self, p: int, version: int, members: list[str], tensor: torch.Tensor, weight: float,
@@ -324,7 +325,7 @@ class RoundProtocol:
                 # instead keep the local progress and let consistency catch us up to the heavier side.
                 logger.info("round f%d v%d: members %s disagree about the group; skipping this round", p,
                             version, [r[-8:] for r in result.refused])
-                self._refused(result.refused, strike=attempt == first_attempt)
+                self._refused(result.refused, spec.group_id if attempt == first_attempt else None)
                 return None, alive
             if ctx.peer_id in result.failed:  # our own shard failed: nothing to retry without
                 return None, alive

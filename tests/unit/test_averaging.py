@@ -409,3 +409,15 @@ def test_strikes_count_misses_in_a_row():
     strikes.hit("x")
     assert [strikes.miss("x") for _ in range(3)] == [False, False, True]
     assert strikes.miss("x") is False  # counting starts over after an offence
+
+
+def test_strikes_count_a_repeated_event_once():
+    from atoll.protocols.cooldown import Strikes
+
+    strikes = Strikes(3)
+    assert [strikes.miss("x", "g1") for _ in range(5)] == [False] * 5  # one event, however often
+    assert strikes.miss("x", "g2") is False and strikes.miss("x", "g3") is True  # three events in a row
+    assert strikes.miss("x", "g3") is False  # after an offence the count starts over, its event forgotten
+    strikes.hit("x")
+    assert [strikes.miss("x", "g4"), strikes.miss("x", "g4"), strikes.miss("x")] == [False, False, False]
+    assert strikes.miss("x") is True  # misses without an event always count

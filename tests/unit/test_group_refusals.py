@@ -36,9 +36,12 @@ def test_a_member_refusing_groups_in_a_row_is_an_offender(monkeypatch):
     monkeypatch.setattr(round_protocol, "allreduce", stand_in)
     rounds = _protocol(outcomes, rejected)
 
-    def round_(refuse: bool):
+    versions = iter(range(1, 100))
+
+    def round_(refuse: bool):  # each round at the next version: a group of its own
         outcomes.append(refuse)
-        result, _ = asyncio.run(rounds.allreduce(0, 1, ["me", "squatter"], torch.zeros(4), 1.0, "mean", "none"))
+        result, _ = asyncio.run(rounds.allreduce(0, next(versions), ["me", "squatter"], torch.zeros(4), 1.0, "mean",
+                                                 "none"))
         return result
 
     for _ in range(REFUSAL_OFFENCES - 1):
@@ -70,3 +73,24 @@ def test_a_refusal_of_a_retried_group_is_no_strike(monkeypatch):
         assert result is None
     assert rejected.count(("group_refusal", None)) == 3 * REFUSAL_OFFENCES
     assert not [r for r in rejected if r[0] == "group_refusal_offence"]
+
+
+def test_a_decided_group_refused_again_is_one_strike(monkeypatch):
+    """A synchronous round follows a failed decision again; a member that refused its group refuses it again. That
+    is one refusal of one group, however often it is repeated: one strike, no offence."""
+    rejected = []
+
+    async def stand_in(p2p, servicer, spec, me, tensor, weight, timeout, tamper):
+        return AllreduceResult(None, 0.0, [], [], ["other"])
+
+    monkeypatch.setattr(round_protocol, "allreduce", stand_in)
+    rounds = _protocol([], rejected)
+    for _ in range(3 * REFUSAL_OFFENCES):
+        result, _ = asyncio.run(rounds.allreduce(0, 7, ["me", "other"], torch.zeros(4), 1.0, "mean", "none"))
+        assert result is None
+    assert rejected.count(("group_refusal", None)) == 3 * REFUSAL_OFFENCES
+    assert not [r for r in rejected if r[0] == "group_refusal_offence"]
+    # the same member refusing groups of other rounds: those strike
+    for version in range(8, 8 + REFUSAL_OFFENCES - 1):
+        asyncio.run(rounds.allreduce(0, version, ["me", "other"], torch.zeros(4), 1.0, "mean", "none"))
+    assert rejected.count(("group_refusal_offence", "other")) == 1

@@ -15,5 +15,5 @@ def test_refusals_are_counted_and_not_held_against_the_refuser():
     rounds.ctx = SimpleNamespace(reject=stats.reject)
     rounds.refusals = Strikes(REFUSAL_OFFENCES)
     for _ in range(REFUSAL_OFFENCES - 1):
-        rounds._refused(["m"], strike=True)
+        rounds._refused(["m"], f"group {_}")
     assert stats.rejected_by_kind == {"group_refusal": REFUSAL_OFFENCES - 1} and not cooldown.active("m")
