@@ -36,6 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from scripts.results import command, write_result
 from scripts.swarm import LocalSwarm
 
 COMMON = ["--model", "nano", "--batch-size", "2", "--algorithm", "diloco", "--sync-every", "20",
@@ -121,12 +122,10 @@ def main() -> int:
         print(json.dumps(result), flush=True)
         runs.append(result)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     doc = json.loads(out.read_text()) if out.exists() else {"runs": {}}
-    command = " ".join(["python -m scripts.bench_honest_offences", *sys.argv[1:]])
-    doc["runs"][args.label] = {"commit": commit, "command": command, "settings": {
-        k: v for k, v in vars(args).items() if k not in ("out", "label", "tree")}, "runs": runs}
-    out.write_text(json.dumps(doc, indent=1) + "\n")
+    doc["runs"][args.label] = {"commit": commit, "command": command(), "settings": {
+        k: v for k, v in vars(args).items() if k not in ("out", "label", "tree", "keep")}, "runs": runs}
+    write_result(out, doc, seeds=args.seeds)
     return 0
 
 
