@@ -8,9 +8,9 @@ before the owner's RSA signature, so the signature covers it), and every daemon 
 and on read, any record that lacks a certificate binding the record's owner key to the run key. A record carries only
 the certificate's *proof* (its expiry and the run key's signature, ``Certificate.proof``): a reader who can check it
 knows the run's id and key already, and the member key is the record's owner key, in its subkey (docs/design.md,
-"A record carries its certificate's proof"). The run's
-averaging rounds are formed from those records and its state is served only to peers that published one, so a
-daemon without a token can neither write the run's records, join its rounds, nor download its state.
+"A record carries its certificate's proof"). The run's averaging rounds are formed from those records and its
+state is served only to peers that published one, so a daemon without a token can neither write the run's records,
+join its rounds, nor download its state.
 
 An observer of the DHT learns certificates but not member keys: a copied certificate is useless without the private
 key its owner signs records with.

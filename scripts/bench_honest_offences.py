@@ -30,13 +30,12 @@ import random
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from scripts.results import command, write_result
+from scripts.results import command, git_rev, write_result
 from scripts.swarm import LocalSwarm
 
 COMMON = ["--model", "nano", "--batch-size", "2", "--algorithm", "diloco", "--sync-every", "20",
@@ -108,10 +107,7 @@ def main() -> int:
         return 2
     if args.tree:
         args.tree = str(Path(args.tree).resolve())
-        commit = subprocess.run(["git", "-C", args.tree, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip()
-    else:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_rev(Path(args.tree)) if args.tree else git_rev()
     runs = []
     for seed in args.seeds:
         if args.keep:

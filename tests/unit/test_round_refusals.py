@@ -14,6 +14,6 @@ def test_refusals_are_counted_and_not_held_against_the_refuser():
     rounds = RoundProtocol.__new__(RoundProtocol)  # only the refusal bookkeeping is under test
     rounds.ctx = SimpleNamespace(reject=stats.reject)
     rounds.refusals = Strikes(REFUSAL_OFFENCES)
-    for _ in range(REFUSAL_OFFENCES - 1):
-        rounds._refused(["m"], f"group {_}")
+    for i in range(REFUSAL_OFFENCES - 1):
+        rounds._refused(["m"], f"group {i}")
     assert stats.rejected_by_kind == {"group_refusal": REFUSAL_OFFENCES - 1} and not cooldown.active("m")
