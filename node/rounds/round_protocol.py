@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from hivemind.utils import get_dht_time
@@ -53,6 +54,18 @@ class Outcome(enum.Enum):
     BEHIND = "behind"  # a heavier replica exists: catch up instead
     FAILED = "failed"  # no group, or its all-reduce did not complete: keep the local progress
     DEFERRED = "deferred"  # alone while live peers hold our very replica: no lone merge, the work goes on
+
+
+class Reduced(NamedTuple):
+    """What a group's all-reduce came to (``RoundProtocol.allreduce``): its ``result`` (None if it did not complete),
+    the members still in it after retries (``alive``), and whether a member ``disowned`` the group as decided (a
+    reducer refused its first attempt as a group it does not know: it follows another decision of the round, or
+    moved past it). A disowned decision completes for none of its members: each one's first attempt needs that
+    reducer's shard, and a refusal is not retried."""
+
+    result: AllreduceResult | None
+    alive: list[str]
+    disowned: bool = False
 
 
 @dataclass
@@ -118,7 +131,10 @@ class RoundProtocol:
             decided: list[Decision] = []
             # Synchronous rounds follow a failed decision again: members that completed it moved on, and a new group
             # of those that failed would fork from them (refused by the ones that moved on, they catch up instead).
-            spent = self.spent.of((p, version, digest)) if algo.quorum else set()
+            # Not one a member disowned (``Reduced``): nobody completed it, and followed again it fails again until
+            # it is stale (``DECISION_LIFETIME_FACTOR`` gather timeouts): a swarm back from a restart re-followed,
+            # round after round, a decision listing a founder that had merged that version alone.
+            spent = self.spent.of((p, version, digest))
             if algo.joins_open_rounds and self._announced.get(p) != version:
                 ctx.spawn(self._announce(p, version, digest))
             members = await form_group(
@@ -160,8 +176,9 @@ class RoundProtocol:
             use_ef = run.compression != "none" and run.error_feedback
             target = ctx.error_feedback.target(str(p), delta) if use_ef else delta
             tamper = ctx.faults.tamper(len(members), p, version)
-            result, alive = await self.allreduce(p, version, members, target, weight, mode, run.compression, tamper,
-                                                 base=digest, max_weight=ctx.max_weight)
+            reduced = await self.allreduce(p, version, members, target, weight, mode, run.compression, tamper,
+                                           base=digest, max_weight=ctx.max_weight)
+            result, alive = reduced.result, reduced.alive
             ctx.faults.round_ended(tamper, result is not None)
             if result is not None and self._stalled_since(formed):
                 logger.warning("round f%d v%d: this daemon did not run for a while during the all-reduce (frozen or "
@@ -169,7 +186,7 @@ class RoundProtocol:
                                "instead", p, version)
                 result, behind = None, True
             if result is None:
-                if decided:
+                if decided and (algo.quorum or reduced.disowned):
                     spent.add(decided[-1].id)
                 return RoundOutcome(Outcome.FAILED, version, members, seconds=time.monotonic() - started)
             self.sync_time.update(time.monotonic() - formed)
@@ -270,8 +287,8 @@ class RoundProtocol:
         if siblings is None:
             return result
         run = self.ctx.cfg.run
-        merged, _ = await self.allreduce(p, version, siblings, result.merged, result.weight, "mean", run.compression,
-                                         first_attempt=SIBLING_ATTEMPTS, base=digest, ordered=True)
+        merged = (await self.allreduce(p, version, siblings, result.merged, result.weight, "mean", run.compression,
+                                       first_attempt=SIBLING_ATTEMPTS, base=digest, ordered=True)).result
         if merged is None:
             logger.info("round f%d v%d: could not merge with the round's other %d groups; keeping our group's "
                         "result", p, version, len(groups) - 1)
@@ -297,11 +314,10 @@ class RoundProtocol:
 
     async def allreduce(self, p: int, version: int, members: list[str], tensor: torch.Tensor, weight: float,
                         mode: str, codec: str, tamper: Tamper = HONEST, first_attempt: int = 0,
-                        base: str = "", ordered: bool = False, max_weight: float = 0.0
-                        ) -> tuple[AllreduceResult | None, list[str]]:
-        """The group's all-reduce, retried without reducers that failed; (None, _) when it cannot complete.
-        Attempt numbers are part of the group id, so a caller that starts over passes a fresh ``first_attempt``.
-        ``max_weight``: the most weight one member may declare (``GroupSpec.max_weight``)."""
+                        base: str = "", ordered: bool = False, max_weight: float = 0.0) -> Reduced:
+        """The group's all-reduce, retried without reducers that failed (``Reduced``; its result None when it
+        cannot complete). Attempt numbers are part of the group id, so a caller that starts over passes a fresh
+        ``first_attempt``. ``max_weight``: the most weight one member may declare (``GroupSpec.max_weight``)."""
         ctx = self.ctx
         alive = list(members)
         for attempt in range(first_attempt, first_attempt + MAX_ATTEMPTS):
@@ -310,7 +326,7 @@ class RoundProtocol:
                 # Only members behind NAT: none can open a stream to another, and a replica merged here could be
                 # downloaded from nobody (it would stay apart from the run's). Keep the local progress instead.
                 logger.info("round f%d v%d: no reachable member to reduce; skipping this round", p, version)
-                return None, alive
+                return Reduced(None, alive)
             spec = GroupSpec(ctx.cfg.run_id, p, version, attempt, tuple(alive), tensor.numel(), mode, codec,
                              ctx.cfg.run.codec_block, base, MergeRule(ctx.cfg.run.robust_merge), reducers, ordered,
                              max_weight)
@@ -319,20 +335,21 @@ class RoundProtocol:
             if result.merged is not None:
                 for reducer in reducers:  # each answered: a group it knew
                     self.refusals.hit(reducer)
-                return result, alive
+                return Reduced(result, alive)
             if result.refused:
                 # Live members disagree about the group. Merging without them would fork the replica;
                 # instead keep the local progress and let consistency catch us up to the heavier side.
                 logger.info("round f%d v%d: members %s disagree about the group; skipping this round", p,
                             version, [r[-8:] for r in result.refused])
-                self._refused(result.refused, spec.group_id if attempt == first_attempt else None)
-                return None, alive
+                decided = attempt == first_attempt
+                self._refused(result.refused, spec.group_id if decided else None)
+                return Reduced(None, alive, disowned=decided)
             if ctx.peer_id in result.failed:  # our own shard failed: nothing to retry without
-                return None, alive
+                return Reduced(None, alive)
             alive = [m for m in alive if m not in result.failed]
             logger.info("round f%d v%d attempt %d failed (reducers %s); retrying with %d members", p, version,
                         attempt, [f[-8:] for f in result.failed], len(alive))
-        return None, alive
+        return Reduced(None, alive)
 
     def reducers(self, members: list[str]) -> tuple[str, ...]:
         """The members that can reduce a shard: all but those behind NAT (``--client-mode``: their progress record
@@ -436,8 +453,8 @@ class RoundProtocol:
             ctx.in_round.add(0)
             try:
                 # Gradients travel in fp32: the codec is for outer deltas (ddp is the uncompressed baseline).
-                result, alive = await self.allreduce(0, version, members, grads, weight, "mean", "none",
-                                                     first_attempt=attempt * MAX_ATTEMPTS)
+                result, alive, _ = await self.allreduce(0, version, members, grads, weight, "mean", "none",
+                                                        first_attempt=attempt * MAX_ATTEMPTS)
             finally:
                 ctx.in_round.discard(0)
             if result is not None:
