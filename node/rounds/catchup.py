@@ -118,17 +118,25 @@ class CatchUp:
         ``backed``, the vouched-for ones), the most held first, then the heaviest. Two at least: with one other
         live daemon its claim is "vouched for" by itself, and two daemons forked apart would each take the other's
         (the local swarm's swap: a founder took a joiner's lone fork by weight while the joiner took the founder's
-        by version). Not a claim older than the ancestry a replica keeps: it may be an ancestor of ours."""
+        by version). A claim older than the ancestry a replica keeps may be an ancestor of ours: its holders are
+        behind us on our line, and it is taken only if they will never take ours, held by us alone (``taken_by``):
+        a daemon that ran alone more rounds ahead than its ancestry reaches kept its line and they kept theirs, the
+        swarm split for good (a whole swarm restarted from its checkpoints, its founder back first)."""
         mine = self.ctx.replica.identity(p)
         if not backed or not self.alone(p, training):
             return []
-        oldest = mine[0] - MAX_ANCESTORS + 1
+        oldest = mine[0] - MAX_ANCESTORS + 1 if self.taken_by(training) else -math.inf
         held = Counter(peer.fragment(p) for peer in backed if peer.fragment(p)[0] >= oldest)
         lines = [claim for claim, n in held.items() if n >= 2]
         if not lines:
             return []
         best = max(lines, key=lambda claim: (held[claim], claim[1], claim))
         return [peer for peer in backed if peer.fragment(p) == best]
+
+    def taken_by(self, training: list[ProgressRecord]) -> bool:
+        """Whether a claim only we hold is vouched for in the view of the ``training`` peers (``vouched``: each of
+        them counts the others and us): it is where one voucher is enough (``state_vouchers`` 1, or one live peer)."""
+        return min(self.ctx.cfg.state_vouchers, len(training)) <= 1
 
     def alone(self, p: int, training: list[ProgressRecord]) -> bool:
         """No live peer holds our replica of fragment ``p``, nor one it descends from (a peer just behind us: its

@@ -13,6 +13,7 @@ import torch
 from atoll.node.rounds.catchup import UNBACKED_OFFENCES, CatchUp
 from atoll.node.rounds.donors import vouched
 from atoll.node.rounds.replica import Replica
+from atoll.protocols.state_sync import MAX_ANCESTORS
 from atoll.protocols.cooldown import Cooldown
 from atoll.protocols.stats import TrafficStats
 from support.records import progress_record
@@ -316,7 +317,8 @@ def test_a_lonely_daemon_ahead_in_version_and_weight_takes_the_line_two_live_pee
                              holder("e", 17, 250.0, "theirs")])
     assert [peer.peer_id for peer in cu.heavier_peers(0)] == ["a", "b", "e"]
     # Not a claim one peer holds (two forked daemons would swap replicas), with one live peer (the same), when a
-    # live peer holds ours (we are not alone), nor a claim older than the ancestry we keep (perhaps our ancestor).
+    # live peer holds ours (we are not alone), nor a claim older than the ancestry we keep (perhaps our ancestor)
+    # where its holders take ours (below).
     cu.peers = Table([holder("a", 17, 250.0, "theirs"), holder("b", 17, 250.0, "other"),
                       holder("c", 17, 250.0, "third")])
     assert cu.heavier_peers(0) == []
@@ -324,8 +326,33 @@ def test_a_lonely_daemon_ahead_in_version_and_weight_takes_the_line_two_live_pee
     assert cu.heavier_peers(0) == []
     cu.peers = Table(line + [holder("c", 20, weight, digest)])
     assert cu.heavier_peers(0) == []
+    old = Table([holder("a", 17, 250.0, "old"), holder("b", 17, 250.0, "old")])
+    cu, ctx = catch_up([], vouchers=1)
     ctx.replica = Replica([torch.ones(4)], versions=[60], weights=[300.0])
-    cu.peers = Table([holder("a", 17, 250.0, "old"), holder("b", 17, 250.0, "old")])
+    cu.peers = old
+    assert cu.heavier_peers(0) == []
+
+
+def test_a_daemon_that_ran_alone_past_its_ancestry_takes_the_line_that_never_takes_its_own():
+    """A whole swarm restarted from its checkpoints: the founder came back first, merged alone at once round after
+    round, and ran more versions ahead of the others than the ancestry a replica keeps (v124 against their v52).
+    Their claim might have been an ancestor of its own, so it never took it; its own claim was held by it alone, so
+    they never took it either: the swarm stayed split for the rest of the run. Where its holders will not take ours
+    (two of them, two vouchers needed), the line two live peers hold is taken at any version."""
+    line = [holder("a", 52, 250.0, "theirs"), holder("b", 52, 250.0, "theirs")]
+    cu, ctx = catch_up(line)
+    ctx.replica = Replica([torch.ones(4)], versions=[124], weights=[300.0])
+    assert MAX_ANCESTORS < 124 - 52
+    assert [peer.peer_id for peer in cu.heavier_peers(0)] == ["a", "b"] and cu.behind(0)
+    # A single voucher suffices for them: they take our claim (heavier by version) as they would any, so we keep it.
+    cu, ctx = catch_up(line, vouchers=1)
+    ctx.replica = Replica([torch.ones(4)], versions=[124], weights=[300.0])
+    assert cu.heavier_peers(0) == []
+    # Not alone (a live peer holds our replica): nothing to take.
+    cu, ctx = catch_up([])
+    ctx.replica = Replica([torch.ones(4)], versions=[124], weights=[300.0])
+    _, weight, digest = ctx.replica.identity(0)
+    cu.peers = Table(line + [holder("c", 124, weight, digest)])
     assert cu.heavier_peers(0) == []
 
 
