@@ -1,0 +1,126 @@
+#!/usr/bin/env python3
+"""Whether a whole swarm stopped together comes back as one: twelve honest DiLoCo daemons train, all stop (SIGTERM,
+as for maintenance), and all start again from their checkpoints, the founder first (the others join through it).
+
+    python -m scripts.bench_swarm_restart [--daemons 12] [--before 60] [--after 120] [--seeds 0 1 2]
+        [--tree DIR] [--label NAME] [--keep DIR] [--out docs/results/swarm_restart/bench_swarm_restart.json]
+
+The swarm is ``test_twelve``'s (``scripts/bench_honest_offences.py``'s settings). Back from its checkpoint with
+nobody else training yet, the founder's synchronous rounds close alone at once; the others restore, catch up to it
+and register. Reported per run, for the ``--after`` seconds after the restart: the rounds that merged every daemon
+(``full``: least and mean over the daemons) and when the first came, the founder's rounds alone, the rounds
+skipped because members disagreed about the group, and the lines the swarm ended on (``lines``: the daemons'
+final replicas that are no other daemon's ancestor; 1 is one swarm). ``--tree DIR`` runs the daemons from another
+checkout. ``--keep DIR`` keeps each run's folders (logs, checkpoints) under DIR; it must not hold that run already
+(a daemon would resume from what it finds there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from scripts.bench_honest_offences import COMMON
+from scripts.results import command, git_rev, write_result
+from scripts.swarm import LocalSwarm, peer_id
+
+
+def start_all(swarm: LocalSwarm, names: list[str], prefix: list[str] | None) -> None:
+    swarm.start(names[0], join=False, prefix=prefix)
+    with concurrent.futures.ThreadPoolExecutor(len(names) - 1) as pool:
+        list(pool.map(lambda n: swarm.start(n, prefix=prefix), names[1:]))
+
+
+def disagreements(swarm: LocalSwarm, names: list[str]) -> int:
+    """Rounds the daemons skipped because members disagreed about the group, in their logs so far."""
+    return sum(swarm.daemons[n].log().count("disagree about the group") for n in names)
+
+
+def final_replica(workdir: Path) -> tuple[str, set[str]]:
+    """The digest of fragment 0 in a daemon's newest checkpoint, and its ancestors' digests."""
+    meta = json.loads(sorted(workdir.glob("ckpt-*.json"))[-1].read_text())
+    return meta["digests"][0], set(meta["ancestors"][0])
+
+
+def run(seed: int, args: argparse.Namespace, root: Path) -> dict:
+    names = [f"d{i:02d}" for i in range(args.daemons)]
+    prefix = ["env", "-C", args.tree, f"PYTHONPATH={args.tree}"] if args.tree else None
+    # The seed moves the data's order and so every daemon's timing: the runs differ as live runs do.
+    swarm = LocalSwarm(root, [*COMMON, "--seed", str(seed), "--harness", f"step_delay={args.step_delay}"])
+    try:
+        start_all(swarm, names, prefix)
+        time.sleep(args.before)
+        codes = swarm.stop_all(timeout=60)
+        before = {n: len(swarm.daemons[n].rounds()) for n in names}
+        disagreed_before = disagreements(swarm, names)
+        restarted = time.time()
+        start_all(swarm, names, prefix)
+        time.sleep(args.after)
+        after = {n: swarm.daemons[n].rounds()[before[n]:] for n in names}
+    finally:
+        swarm.stop_all(timeout=60)
+    founder = peer_id(swarm.daemons[names[0]])
+    full = {n: [r for r in after[n] if len(r["members"]) == len(names)] for n in names}
+    firsts = [full[n][0]["time"] - restarted for n in names if full[n]]
+    replicas = [final_replica(swarm.daemons[n].workdir) for n in names]
+    # A replica's ancestry lists its own digest last: a head is a final replica in no other one's ancestry.
+    heads = {digest for digest, _ in replicas
+             if not any(digest in ancestors for other, ancestors in replicas if other != digest)}
+    disagreed = disagreements(swarm, names) - disagreed_before
+    return {"seed": seed, "exit_codes_at_stop": sorted(set(codes.values()), key=str),
+            "full_rounds_min": min(len(f) for f in full.values()),
+            "full_rounds_mean": statistics.mean(len(f) for f in full.values()),
+            "first_full_round_s": round(min(firsts), 1) if firsts else None,
+            "daemons_without_a_full_round": sum(1 for f in full.values() if not f),
+            "founder_rounds_alone": sum(1 for r in after[names[0]] if r["members"] == [founder]),
+            "rounds_disagreed": disagreed, "lines": len(heads)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--daemons", type=int, default=12)
+    parser.add_argument("--before", type=float, default=60.0, help="seconds of training before the stop")
+    parser.add_argument("--after", type=float, default=120.0, help="seconds measured after the restart")
+    parser.add_argument("--step-delay", type=float, default=0.03)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--tree", default="", help="run the daemons from this checkout")
+    parser.add_argument("--label", default="current")
+    parser.add_argument("--keep", default="", help="keep each run's folders (logs, checkpoints) under this folder")
+    parser.add_argument("--out", default="docs/results/swarm_restart/bench_swarm_restart.json")
+    args = parser.parse_args()
+    if args.daemons < 2 or args.before <= 0 or args.after <= 0:
+        print("bench_swarm_restart: need 2 or more daemons and positive --before and --after", file=sys.stderr)
+        return 2
+    keep = [Path(args.keep).resolve() / f"{args.label}-seed{seed}" for seed in args.seeds] if args.keep else []
+    if any(folder.exists() for folder in keep):
+        print(f"bench_swarm_restart: {next(f for f in keep if f.exists())} exists: its daemons would resume from it; "
+              "pass another --keep or --label", file=sys.stderr)
+        return 2
+    if args.tree:
+        args.tree = str(Path(args.tree).resolve())
+    commit = git_rev(Path(args.tree)) if args.tree else git_rev()
+    runs = []
+    for i, seed in enumerate(args.seeds):
+        if keep:
+            result = run(seed, args, keep[i])
+        else:
+            with tempfile.TemporaryDirectory(prefix="swarm-restart-") as root:
+                result = run(seed, args, Path(root))
+        print(json.dumps(result), flush=True)
+        runs.append(result)
+    out = Path(args.out)
+    doc = json.loads(out.read_text()) if out.exists() else {"runs": {}}
+    doc["runs"][args.label] = {"commit": commit, "command": command(), "settings": {
+        k: v for k, v in vars(args).items() if k not in ("out", "label", "tree", "keep")}, "runs": runs}
+    write_result(out, doc, seeds=args.seeds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
