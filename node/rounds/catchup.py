@@ -206,6 +206,11 @@ class CatchUp:
             states, self._candidates = list(self._candidates.values()), {}
             return states
 
+    def candidates_waiting(self) -> bool:
+        """Whether a downloaded state waits for the learner's vetting (``take_candidates``); thread-safe."""
+        with self._lock:
+            return bool(self._candidates)
+
     def settle(self, state: ReplicaState, passed: bool) -> bool:
         """The learner's verdict on a candidate: adopt it if it ``passed`` (queued for ``take_adopted``), else count
         it (not held against the donor: an honest fork can be worse than ours on our held-out data). True if it

@@ -413,8 +413,11 @@ class Rounds:
         if outcome.kind is Outcome.BEHIND:
             logger.info("round f%d v%d abandoned: a heavier replica exists; catching up", p, pending.version)
             if self.algorithm.synchronous:
+                # Not past a replica downloaded for vetting: the loop vets it (``before_step``), and until then the
+                # replica cannot change (a daemon back from an old checkpoint waited out the whole deadline).
                 deadline = time.monotonic() + 2 * self.cfg.heartbeat + 2 * run.round_timeout
-                self._wait(lambda: self.syncer.replica_changed(p, pending.version), deadline)
+                self._wait(lambda: self.syncer.replica_changed(p, pending.version)
+                           or self.syncer.candidates_waiting(), deadline)
             return False
         if outcome.kind is Outcome.FAILED:
             logger.warning("round f%d v%d failed; continuing with local progress", p, pending.version)

@@ -280,6 +280,10 @@ class Syncer:
         (``node/rounds/vetting.py``); each must be answered with ``settle``."""
         return self.catch_up.take_candidates()
 
+    def candidates_waiting(self) -> bool:
+        """Whether a downloaded replica waits for the learner's vetting (``take_candidates``)."""
+        return self.catch_up.candidates_waiting()
+
     def settle(self, state: ReplicaState, passed: bool) -> bool:
         """Adopt a candidate that ``passed`` the learner's check (then ``take_adopted`` returns it); True if adopted."""
         return self.catch_up.settle(state, passed)

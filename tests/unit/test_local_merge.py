@@ -20,7 +20,7 @@ from atoll.node.rounds.local_state import LocalFragmentState
 from atoll.node.metrics import Counters, HeldOut, MetricsLog
 from atoll.node.rounds.replica import Replica
 from atoll.node.rounds.round_protocol import Outcome, RoundOutcome
-from atoll.node.rounds.rounds import CARRY_PERIODS, Rounds
+from atoll.node.rounds.rounds import CARRY_PERIODS, Rounds, _Pending
 from atoll.protocols.state_sync import ReplicaState
 from atoll.protocols.stats import TrafficStats
 
@@ -102,7 +102,7 @@ class LateSyncer:
         self._form()
 
 
-def island(corpus, local_merge="delta", delay=3, fail=(), form=0, snapshot_at="formation"):
+def island(corpus, local_merge="delta", delay=3, fail=(), form=0, snapshot_at="formation", algo="decoupled"):
     run = RunConfig(model="nano", sync_every=H, fragments=P, overlap=1, warmup_steps=3, local_merge=local_merge)
     learner = Learner(run, resolve_device("cpu"), corpus, shard=0, batch_size=2)
     fragments = make_fragments(learner.params, P, H)
@@ -110,7 +110,7 @@ def island(corpus, local_merge="delta", delay=3, fail=(), form=0, snapshot_at="f
     local = [LocalFragmentState(learner.gather(f), (replica.identity(p)[0], replica.identity(p)[2]))
              for p, f in enumerate(fragments)]
     counters, syncer = Counters(), LateSyncer(replica, delay, fail, form)
-    rounds = Rounds(NodeConfig(run=run, snapshot_at=snapshot_at), algorithm("decoupled"), learner, fragments, replica,
+    rounds = Rounds(NodeConfig(run=run, snapshot_at=snapshot_at), algorithm(algo), learner, fragments, replica,
                     local, syncer, counters, MetricsLog(None), HeldOut(1e9, counters), threading.Event())
     return learner, fragments, replica, local, counters, syncer, rounds
 
@@ -296,3 +296,24 @@ def test_back_from_a_stall_the_next_adoption_brings_the_donors_schedule(corpus):
     adopt(replica, learner, syncer, rounds, 0, 3, (replica.identity(0)[2],), schedule_step=90)
     assert replica.schedule_step == 43  # once per stall
     assert counters.tokens_lost == 0
+
+
+def test_a_synchronous_round_behind_stops_waiting_once_a_replica_waits_for_vetting(corpus):
+    """A synchronous round abandoned as behind waits for the replica to change (the catch-up's download), up to two
+    heartbeats and two round timeouts. A replica unlike ours is not adopted by the download: the learner vets it
+    first, at its next step, and the wait held the learner; a daemon back from an old checkpoint sat out the whole
+    deadline. The wait ends once a replica waits for vetting."""
+    learner, fragments, replica, local, counters, syncer, rounds = island(corpus, algo="diloco")
+    waits = []
+    rounds._wait = lambda done, deadline=None: waits.append(done) or True
+    candidates = []
+    syncer.candidates_waiting = lambda: bool(candidates)
+    syncer.replica_changed = lambda p, version: replica.identity(p)[0] != version
+    future = concurrent.futures.Future()
+    version, _, digest = replica.identity(0)
+    future.set_result(RoundOutcome(Outcome.BEHIND, version))
+    assert rounds._finish(0, _Pending(future, 0, version, None, None, (version, digest))) is False
+    (done,) = waits
+    assert not done()  # nothing adopted, nothing to vet: wait
+    candidates.append("a state to vet")
+    assert done()
