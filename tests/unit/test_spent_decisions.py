@@ -1,5 +1,6 @@
 """A round retried at its version does not follow again a decision whose all-reduce failed here
-(``SpentDecisions``), and a daemon a decision left out keeps following it (synchronous rounds depend on it)."""
+(``SpentDecisions``); a synchronous round only one a member disowned. A daemon a decision left out keeps following
+it (synchronous rounds depend on it)."""
 
 import asyncio
 from types import SimpleNamespace
@@ -8,14 +9,14 @@ import torch
 
 from atoll.node.rounds import round_protocol
 from atoll.node.rounds.contribution import Contribution
-from atoll.node.rounds.round_protocol import Outcome, RoundProtocol
+from atoll.node.rounds.round_protocol import Outcome, Reduced, RoundProtocol
 from atoll.protocols.averaging import HONEST
 from atoll.protocols.coordination import Decision, SpentDecisions
 
 
-def _rounds(monkeypatch, decision, allreduce_result, quorum=True):
+def _rounds(monkeypatch, decision, allreduce_result, quorum=True, disowned=False):
     """A RoundProtocol whose ``form_group`` follows ``decision`` (recording the ``spent`` set it was given) and whose
-    all-reduce returns ``allreduce_result``."""
+    all-reduce returns ``allreduce_result`` (``disowned``: a member refused the group as decided)."""
     seen_spent = []
 
     async def form_group(dht, round, me, policy, peers, *, on_decision, spent, **kwargs):
@@ -47,7 +48,7 @@ def _rounds(monkeypatch, decision, allreduce_result, quorum=True):
     rounds.grace = lambda: 0.0
 
     async def allreduce(*args, **kwargs):
-        return allreduce_result, ["a", "b"]
+        return Reduced(allreduce_result, ["a", "b"], disowned)
 
     rounds.allreduce = allreduce
     return rounds, seen_spent, followed
@@ -78,10 +79,22 @@ def test_a_daemon_left_out_of_a_decision_keeps_following_it(monkeypatch):
 
 def test_a_synchronous_round_follows_its_failed_decision_again(monkeypatch):
     """diloco and streaming: the members whose all-reduce completed moved on; a new group of those whose all-reduce
-    failed would fork from them, so the decision is followed again (refused by those that moved on, the others
-    catch up)."""
+    failed would fork from them, so the decision is followed again (the others catch up to those that moved on)."""
     decision = Decision([["a", "b"]], b"b", 100.0)
     rounds, seen_spent, _ = _rounds(monkeypatch, decision, None, quorum=False)
     assert _round(rounds) is Outcome.FAILED
     assert _round(rounds) is Outcome.FAILED
     assert seen_spent == [set(), set()]
+
+
+def test_a_synchronous_round_does_not_follow_again_a_decision_a_member_disowned(monkeypatch):
+    """A swarm of twelve DiLoCo daemons back from a restart: a decision listed the founder, which had merged that
+    version alone by its own decision and refused the group as one it did not know. Followed again, the decision
+    failed again at once, round after round until it was stale, while the founder ran on alone. A member that
+    disowns the decided group leaves it complete for nobody (each member's first attempt needs its shard): it is
+    spent in a synchronous round too, and the round at that version decides anew."""
+    decision = Decision([["a", "b"]], b"a", 100.0)
+    rounds, seen_spent, _ = _rounds(monkeypatch, decision, None, quorum=False, disowned=True)
+    assert _round(rounds) is Outcome.FAILED
+    assert _round(rounds) is Outcome.FAILED
+    assert seen_spent == [set(), {(b"a", 100.0)}]
