@@ -142,7 +142,7 @@ async def _exchange_with(
         stream = await stub.rpc_aggregate(requests())
         header = unpack(await anext(stream), {"ok": bool})
         if not header["ok"]:
-            raise GroupRefused(f"reducer refused: {header.get('error')}")
+            raise GroupRefused(f"reducer refused: {header.get('error')}", past=header.get("past") is True)
         check_fields(header, {"weight": float, "contributors": list, "numel": int, "norm": float, "parts": list})
         if header["numel"] != numel:
             raise WireError("reducer answered with a shard of the wrong size")
@@ -208,7 +208,12 @@ class BrokenStream(ConnectionError):
 
 
 class GroupRefused(WireError):
-    """A live reducer does not know our group: the members disagree about who is in the round."""
+    """A live reducer does not know our group: the members disagree about who is in the round. ``past``: the reducer
+    had moved past the group's round (merged that version by another group), so it will never open ours."""
+
+    def __init__(self, message: str, past: bool = False) -> None:
+        super().__init__(message)
+        self.past = past
 
 
 @dataclass
@@ -226,6 +231,7 @@ class AllreduceResult:
     sent: torch.Tensor | None = None
     shards: list[tuple[int, bytes]] | None = None
     rda_norm: float | None = None
+    moved_past: list[str] = field(default_factory=list)  # of ``refused``: those past the round (``GroupRefused``)
 
 
 class Tamper:
@@ -357,7 +363,7 @@ async def allreduce(
             task.cancel()
             task.add_done_callback(_consume)
         raise
-    failed, refused, shards = list(late), [], {}
+    failed, refused, past, shards = list(late), [], [], {}
     for peer in late:
         logger.warning("round f%d v%d: reducer %s did not answer while the others had: leaving it out",
                        spec.fragment, spec.version, peer[-8:])
@@ -372,11 +378,13 @@ async def allreduce(
             servicer.late.hit(peer)
         if error is not None:
             (refused if isinstance(error, GroupRefused) else failed).append(peer)
+            if isinstance(error, GroupRefused) and error.past:
+                past.append(peer)
             logger.warning("round v%d: shard from reducer %s failed: %r", spec.version, peer[-8:], error)
         else:
             shards[peer] = task.result()
     if failed or refused:
-        return AllreduceResult(None, 0.0, [], failed, refused)
+        return AllreduceResult(None, 0.0, [], failed, refused, moved_past=past)
     ordered = [shards[p] for p in reducers]
     weight, rda_norm = combine_scalars(ordered, spec.mode == "rda")
     merged = merged_delta([s.values for s in ordered], rda_norm)

@@ -72,9 +72,9 @@ class SpentDecisions:
     daemons on one stale decision a dozen times a fragment, even after they had cooled it down. Only a failed
     all-reduce spends a decision: a daemon a decision left out still follows it (it is left out alike), or in a
     synchronous round it would decide a group of its own with peers that moved on. A synchronous round spends only
-    a decision a member disowned (refused as a group it does not know), which nobody completed: after any other
-    failure the members whose all-reduce completed moved on, and a new group of those whose all-reduce failed would
-    fork from them. Bounded: the last ``MAX_ROUNDS`` rounds."""
+    a decision a member disowned (a reducer past the round refused it), which nobody completed, and only when no
+    vouched line is there to catch up to: after any other failure the members whose all-reduce completed moved on,
+    and a new group of those whose all-reduce failed would fork from them. Bounded: the last ``MAX_ROUNDS`` rounds."""
 
     MAX_ROUNDS = 256
 

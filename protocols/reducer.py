@@ -378,13 +378,15 @@ class AveragingServicer(ServicerBase):
                       sender[-8:])
             yield pack_response({"ok": False, "error": "not a member of this run"})
             return
+        past = False  # we moved past this group's round (merged its version by another group)
         try:
             header = unpack(await anext(requests), {"group_id": str, "weight": float, "numel": int, "wait": float,
                                                     "norm": float, "codec": str})
             wait = min(max(header["wait"], 0.0), self.max_wait) if math.isfinite(header["wait"]) else 0.0
             fragment, version = header.get("fragment"), header.get("version")
-            if (self._past is not None and type(fragment) is int and type(version) is int
-                    and self._past(fragment, version)):
+            past = (self._past is not None and type(fragment) is int and type(version) is int
+                    and self._past(fragment, version))
+            if past:
                 wait = 0.0  # two coordinators decided the round with different views: we ran another group of it
             # An offender's requests do not wait for groups we have not opened: it cannot hold waiting slots.
             reduction = await self._await_group(header["group_id"][:64], 0.0 if cooling else wait, sender)
@@ -405,7 +407,8 @@ class AveragingServicer(ServicerBase):
             log = logger.debug if cooling else logger.warning  # a flood from an offender costs no log lines
             log("rejected aggregate part from %s: %s", sender[-8:], e)
             if reduction is None:
-                yield pack_response({"ok": False, "error": str(e)})
+                # ``past``: the sender's group will not complete with us in it, for anyone (``GroupRefused.past``).
+                yield pack_response({"ok": False, "error": str(e), **({"past": True} if past else {})})
                 return
             # A member of the group: its part is treated as missing (the shard is reduced without it, at once), but
             # it still gets the shard's result, so that it ends the round with the same values as everyone else.

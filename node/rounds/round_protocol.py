@@ -58,10 +58,11 @@ class Outcome(enum.Enum):
 
 class Reduced(NamedTuple):
     """What a group's all-reduce came to (``RoundProtocol.allreduce``): its ``result`` (None if it did not complete),
-    the members still in it after retries (``alive``), and whether a member ``disowned`` the group as decided (a
-    reducer refused its first attempt as a group it does not know: it follows another decision of the round, or
-    moved past it). A disowned decision completes for none of its members: each one's first attempt needs that
-    reducer's shard, and a refusal is not retried."""
+    the members still in it after retries (``alive``), and whether a member ``disowned`` the group as decided: a
+    reducer refused its first attempt because it had moved past the round (merged that version by another group:
+    ``GroupRefused.past``). Such a reducer never opens the group, and every member's first attempt needs its
+    shard: the decision completes for nobody. Other refusals do not disown it (a reducer cooling one member down,
+    or out of waiting slots, refuses that member alone while the others complete)."""
 
     result: AllreduceResult | None
     alive: list[str]
@@ -131,9 +132,9 @@ class RoundProtocol:
             decided: list[Decision] = []
             # Synchronous rounds follow a failed decision again: members that completed it moved on, and a new group
             # of those that failed would fork from them (refused by the ones that moved on, they catch up instead).
-            # Not one a member disowned (``Reduced``): nobody completed it, and followed again it fails again until
-            # it is stale (``DECISION_LIFETIME_FACTOR`` gather timeouts): a swarm back from a restart re-followed,
-            # round after round, a decision listing a founder that had merged that version alone.
+            # Not one a member disowned (``Reduced``) when there is no line to catch up to: followed again it fails
+            # again until it is stale (``DECISION_LIFETIME_FACTOR`` gather timeouts): a swarm back from a restart
+            # re-followed, round after round, a decision listing a founder that had merged that version alone.
             spent = self.spent.of((p, version, digest))
             if algo.joins_open_rounds and self._announced.get(p) != version:
                 ctx.spawn(self._announce(p, version, digest))
@@ -186,6 +187,11 @@ class RoundProtocol:
                                "instead", p, version)
                 result, behind = None, True
             if result is None:
+                if decided and reduced.disowned and not algo.quorum and self.catch_up.behind(p):
+                    # Members that moved past the round hold a line others vouch for: catch up to it (our work
+                    # stays in θ) rather than decide the round again without them, a fork of theirs.
+                    behind = True
+                    return RoundOutcome(Outcome.BEHIND, version, members, seconds=time.monotonic() - started)
                 if decided and (algo.quorum or reduced.disowned):
                     spent.add(decided[-1].id)
                 return RoundOutcome(Outcome.FAILED, version, members, seconds=time.monotonic() - started)
@@ -343,7 +349,7 @@ class RoundProtocol:
                             version, [r[-8:] for r in result.refused])
                 decided = attempt == first_attempt
                 self._refused(result.refused, spec.group_id if decided else None)
-                return Reduced(None, alive, disowned=decided)
+                return Reduced(None, alive, disowned=decided and bool(result.moved_past))
             if ctx.peer_id in result.failed:  # our own shard failed: nothing to retry without
                 return Reduced(None, alive)
             alive = [m for m in alive if m not in result.failed]

@@ -13,8 +13,8 @@ import torch
 from atoll.node.rounds.catchup import UNBACKED_OFFENCES, CatchUp
 from atoll.node.rounds.donors import vouched
 from atoll.node.rounds.replica import Replica
-from atoll.protocols.state_sync import MAX_ANCESTORS
 from atoll.protocols.cooldown import Cooldown
+from atoll.protocols.state_sync import MAX_ANCESTORS
 from atoll.protocols.stats import TrafficStats
 from support.records import progress_record
 

@@ -40,8 +40,8 @@ def test_a_member_refusing_groups_in_a_row_is_an_offender(monkeypatch):
 
     def round_(refuse: bool):  # each round at the next version: a group of its own
         outcomes.append(refuse)
-        result, _, _ = asyncio.run(rounds.allreduce(0, next(versions), ["me", "squatter"], torch.zeros(4), 1.0, "mean",
-                                                 "none"))
+        result, _, _ = asyncio.run(rounds.allreduce(0, next(versions), ["me", "squatter"], torch.zeros(4), 1.0,
+                                                    "mean", "none"))
         return result
 
     for _ in range(REFUSAL_OFFENCES - 1):
@@ -88,7 +88,9 @@ def test_a_decided_group_refused_again_is_one_strike(monkeypatch):
     rounds = _protocol([], rejected)
     for _ in range(3 * REFUSAL_OFFENCES):
         result, _, disowned = asyncio.run(rounds.allreduce(0, 7, ["me", "other"], torch.zeros(4), 1.0, "mean", "none"))
-        assert result is None and disowned  # the group as decided refused: completed by nobody
+        # Refused, but not as a round it moved past: it may be refusing us alone (cooling us down, out of waiting
+        # slots) while the others complete the group.
+        assert result is None and not disowned
     assert rejected.count(("group_refusal", None)) == 3 * REFUSAL_OFFENCES
     assert not [r for r in rejected if r[0] == "group_refusal_offence"]
     # the same member refusing groups of other rounds: those strike
@@ -96,3 +98,18 @@ def test_a_decided_group_refused_again_is_one_strike(monkeypatch):
         asyncio.run(rounds.allreduce(0, version, ["me", "other"], torch.zeros(4), 1.0, "mean", "none"))
     assert rejected.count(("group_refusal_offence", "other")) == 1
 
+
+def test_a_decided_group_refused_by_a_reducer_past_its_round_is_disowned(monkeypatch):
+    """A reducer that merged the round's version by another group refuses ours at once and never opens it: the
+    decided group completes for nobody (``Reduced.disowned``). A retry's refusal disowns nothing."""
+
+    async def stand_in(p2p, servicer, spec, me, tensor, weight, timeout, tamper):
+        if spec.attempt == 0 and spec.members == ("me", "other", "slow"):
+            return AllreduceResult(None, 0.0, [], ["slow"], [])
+        return AllreduceResult(None, 0.0, [], [], ["other"], moved_past=["other"])
+
+    monkeypatch.setattr(round_protocol, "allreduce", stand_in)
+    rounds = _protocol([], [])
+    assert asyncio.run(rounds.allreduce(0, 7, ["me", "other"], torch.zeros(4), 1.0, "mean", "none")).disowned
+    assert not asyncio.run(rounds.allreduce(0, 7, ["me", "other", "slow"], torch.zeros(4), 1.0, "mean",
+                                            "none")).disowned

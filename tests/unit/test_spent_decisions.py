@@ -14,7 +14,7 @@ from atoll.protocols.averaging import HONEST
 from atoll.protocols.coordination import Decision, SpentDecisions
 
 
-def _rounds(monkeypatch, decision, allreduce_result, quorum=True, disowned=False):
+def _rounds(monkeypatch, decision, allreduce_result, quorum=True, disowned=False, behind=False):
     """A RoundProtocol whose ``form_group`` follows ``decision`` (recording the ``spent`` set it was given) and whose
     all-reduce returns ``allreduce_result`` (``disowned``: a member refused the group as decided)."""
     seen_spent = []
@@ -34,7 +34,7 @@ def _rounds(monkeypatch, decision, allreduce_result, quorum=True, disowned=False
         in_round=set(), spawn=lambda coro: coro.close(), dht=None, max_weight=0.0, namespace=lambda: "run", peer_id="a",
         subkey=b"a", reject=lambda *a: None, faults=faults, counters=SimpleNamespace(step_time=0.1, rounds_done=0))
     rounds.fragments, rounds.started_at = [SimpleNamespace(has_embedding=False)], 0.0
-    rounds.catch_up = SimpleNamespace(behind=lambda p: False, maybe_catch_up=lambda: None)
+    rounds.catch_up = SimpleNamespace(behind=lambda p: behind, maybe_catch_up=lambda: None)
 
     async def publish():
         return None
@@ -88,13 +88,18 @@ def test_a_synchronous_round_follows_its_failed_decision_again(monkeypatch):
 
 
 def test_a_synchronous_round_does_not_follow_again_a_decision_a_member_disowned(monkeypatch):
-    """A swarm of twelve DiLoCo daemons back from a restart: a decision listed the founder, which had merged that
-    version alone by its own decision and refused the group as one it did not know. Followed again, the decision
-    failed again at once, round after round until it was stale, while the founder ran on alone. A member that
-    disowns the decided group leaves it complete for nobody (each member's first attempt needs its shard): it is
-    spent in a synchronous round too, and the round at that version decides anew."""
+    """A swarm back from a restart: a decision listed the founder, which had merged that version alone by its own
+    decision and refused the group as a round it had moved past. Followed again, the decision failed again at once,
+    round after round until it was stale, while the founder ran on alone. A decision a member disowned completes
+    for nobody: with no vouched line to catch up to, it is spent in a synchronous round too, and the round at that
+    version decides anew. With one (members that moved past it hold a line others vouch for), the daemon catches
+    up instead: a new group without them would fork from them."""
     decision = Decision([["a", "b"]], b"a", 100.0)
     rounds, seen_spent, _ = _rounds(monkeypatch, decision, None, quorum=False, disowned=True)
     assert _round(rounds) is Outcome.FAILED
     assert _round(rounds) is Outcome.FAILED
     assert seen_spent == [set(), {(b"a", 100.0)}]
+    rounds, seen_spent, _ = _rounds(monkeypatch, decision, None, quorum=False, disowned=True, behind=True)
+    assert _round(rounds) is Outcome.BEHIND
+    assert _round(rounds) is Outcome.BEHIND
+    assert seen_spent == [set(), set()]
