@@ -33,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from scripts.results import command, git_rev, write_result
@@ -105,15 +106,28 @@ def main() -> int:
         print("bench_honest_offences: need 2 or more daemons, fewer stopped than daemons, and --stop-for below "
               "--stop-every", file=sys.stderr)
         return 2
+    return run_labelled(args, run, "bench_honest_offences")
+
+def run_labelled(args: argparse.Namespace, run: Callable[[int, argparse.Namespace, Path], dict], prefix: str) -> int:
+    """Run ``run(seed, args, folder)`` for each of ``args.seeds`` (``args.tree``, ``args.keep``, ``args.label``,
+    ``args.out`` as this bench's options say), print each result, and keep them in ``args.out`` under the label
+    beside the others. A folder ``--keep`` already holds for a run is refused (exit 2): its daemons would resume from
+    what they find there. Shared with ``bench_swarm_restart``."""
+    keep = [Path(args.keep).resolve() / f"{args.label}-seed{seed}" for seed in args.seeds] if args.keep else []
+    held = next((folder for folder in keep if folder.exists()), None)
+    if held is not None:
+        print(f"{prefix}: {held} exists: its daemons would resume from it; pass another --keep or --label",
+              file=sys.stderr)
+        return 2
     if args.tree:
         args.tree = str(Path(args.tree).resolve())
     commit = git_rev(Path(args.tree)) if args.tree else git_rev()
     runs = []
-    for seed in args.seeds:
-        if args.keep:
-            result = run(seed, args, Path(args.keep).resolve() / f"{args.label}-seed{seed}")
+    for i, seed in enumerate(args.seeds):
+        if keep:
+            result = run(seed, args, keep[i])
         else:
-            with tempfile.TemporaryDirectory(prefix="honest-offences-") as root:
+            with tempfile.TemporaryDirectory(prefix=f"{prefix}-") as root:
                 result = run(seed, args, Path(root))
         print(json.dumps(result), flush=True)
         runs.append(result)

@@ -26,12 +26,11 @@ import concurrent.futures
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from scripts.bench_honest_offences import COMMON
-from scripts.results import command, git_rev, write_result
+from scripts.bench_honest_offences import COMMON, run_labelled
+from scripts.results import write_result
 from scripts.swarm import LocalSwarm, peer_id
 
 
@@ -135,29 +134,7 @@ def main() -> int:
         return rescore(Path(args.out), Path(args.keep)) if args.keep else _usage("--rescore needs --keep")
     if args.daemons < 2 or args.before <= 0 or args.after <= 0 or args.stagger < 0:
         return _usage("need 2 or more daemons, positive --before and --after, and --stagger of 0 or more")
-    keep = [Path(args.keep).resolve() / f"{args.label}-seed{seed}" for seed in args.seeds] if args.keep else []
-    if any(folder.exists() for folder in keep):
-        return _usage(f"{next(f for f in keep if f.exists())} exists: its daemons would resume from it; pass another "
-                      "--keep or --label")
-    if args.tree:
-        args.tree = str(Path(args.tree).resolve())
-    commit = git_rev(Path(args.tree)) if args.tree else git_rev()
-    runs = []
-    for i, seed in enumerate(args.seeds):
-        if keep:
-            result = run(seed, args, keep[i])
-        else:
-            with tempfile.TemporaryDirectory(prefix="swarm-restart-") as root:
-                result = run(seed, args, Path(root))
-        print(json.dumps(result), flush=True)
-        runs.append(result)
-    out = Path(args.out)
-    doc = json.loads(out.read_text()) if out.exists() else {"runs": {}}
-    doc["runs"][args.label] = {"commit": commit, "command": command(), "settings": {
-        k: v for k, v in vars(args).items() if k not in ("out", "label", "tree", "keep")}, "runs": runs}
-    write_result(out, doc, seeds=args.seeds)
-    return 0
-
+    return run_labelled(args, run, "bench_swarm_restart")
 
 if __name__ == "__main__":
     sys.exit(main())
