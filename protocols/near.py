@@ -17,12 +17,22 @@ must not set the pace of every read and write of the swarm. So each node times i
 is ``HEDGE_AFTER`` s late, and a write returns once ``R - READ_BEAM + 1`` of its ``R`` replicas answered, the
 others finishing in the background. Any ``READ_BEAM`` replicas a read asks then include one that
 answered the write: the two sets of a swarm's ``R`` replicas cannot miss each other.
+
+A larger swarm's walks are bounded too (``bound_calls``). hivemind's walk waits for every node it asked before it
+ends, so in a swarm of 24 nodes one that answered 1.5 s late made every read and write 1.5 s late
+(``scripts/bench_slow_node.py``), and a member controls how late its own node answers, up to the protocol's
+``wait_timeout``. Every find and store hivemind makes goes through ``bounded``: a call to a node known to be slow
+(``Latency.slow``) is answered at once as a node that failed, and sent in the background, one at a time, so that
+the node's time is still measured; any other call is waited for at most ``CALL_DEADLINE`` s (or the hedge, when
+that is longer), and then the walk or store goes on without it (a store to the next nearest node), and the node
+that missed it is passed over for ``PASS_OVER`` s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 from typing import Any
 
 from hivemind.dht.crypto import DHTRecord
@@ -31,6 +41,10 @@ from hivemind.dht.routing import DHTID
 READ_BEAM = 2
 HEDGE_AFTER = 0.2  # s: a read's replica this late is joined by the next one (a healthy answer on loopback is ms)
 HEDGE_FACTOR = 4.0
+CALL_DEADLINE = 1.0  # s: how long a call is waited for at most before a read or write goes on without it (a slow
+# link's answers take a few hundred ms)
+PASS_OVER = 30.0  # s: a node that let a call pass its deadline is not waited for during this long (``bounded``)
+MAX_PASSED_OVER = 4096  # nodes remembered as passed over; past it, those whose time is up are forgotten
 LATENCY_WEIGHT = 0.5  # each call's share of a node's latency estimate (an exponential average)
 _BACKGROUND: set[asyncio.Future] = set()  # work left to finish after its read or write returned: asyncio keeps
 # only weak references to tasks
@@ -52,6 +66,9 @@ class Latency:
         self.seconds: dict[Any, float] = {}
         self.open: dict[Any, list[float]] = {}  # start times of the calls still out, per node
         self.hedges = 0  # nodes asked by reads beyond ``READ_BEAM`` because an answer was late
+        self.passed_over = 0  # calls answered as failed at once: the node was known slow (``bounded``)
+        self.passed_until: dict[Any, float] = {}  # nodes that let a call pass its deadline: until when they are slow
+        self.given_up = 0  # calls not waited for past their deadline (``bounded``)
 
     def observe(self, peer_id: Any, seconds: float) -> None:
         old = self.seconds.get(peer_id)
@@ -71,6 +88,21 @@ class Latency:
         estimates = sorted(self.estimate(p, now) for p in peers)
         return max(HEDGE_AFTER, HEDGE_FACTOR * estimates[len(estimates) // 2]) if estimates else HEDGE_AFTER
 
+    def slow(self, peer_id: Any, now: float) -> bool:
+        """Whether ``peer_id`` is not to be waited for: it let a call pass its deadline less than ``PASS_OVER`` s
+        ago, or it answers later than a hedge over every node timed so far (``hedge_after``). The first is what
+        keeps a node that answers late only now and then (its average falling between) from costing a deadline
+        at every other call."""
+        if now < self.passed_until.get(peer_id, -math.inf):
+            return True
+        return self.estimate(peer_id, now) > self.hedge_after(list(self.seconds), now)
+
+    def missed(self, peer_id: Any, now: float) -> None:
+        """``peer_id`` let a call pass its deadline at ``now``."""
+        if len(self.passed_until) >= MAX_PASSED_OVER:
+            self.passed_until = {p: t for p, t in self.passed_until.items() if t > now}
+        self.passed_until[peer_id] = now + PASS_OVER
+
     async def timed(self, peer_id: Any, call: Any, no_answer: float) -> Any:
         """``call``'s result (None when the node did not answer), its time observed."""
         loop = asyncio.get_running_loop()
@@ -86,6 +118,53 @@ class Latency:
             took = loop.time() - started
             self.observe(peer_id, took if result is not None else max(no_answer, took))
         return result
+
+
+async def bounded(node: Any, peer_id: Any, call: Any) -> Any:
+    """``call``'s result (a coroutine's: hivemind's find or store, to ``peer_id``), or None (no answer) when the node
+    is known slow (``Latency.slow``: the call is then sent in the background if no other call to it is out, so that
+    its time is still measured) or did not answer within ``CALL_DEADLINE`` s (or the hedge, if longer; the call
+    finishes in the background). Every call is timed here, once."""
+    clock, wait_timeout = latency(node), node.protocol.wait_timeout
+    now = asyncio.get_running_loop().time()
+    if clock.slow(peer_id, now):
+        clock.passed_over += 1
+        if peer_id in clock.open:
+            call.close()
+        else:
+            _keep([asyncio.ensure_future(clock.timed(peer_id, call, wait_timeout))])
+        return None
+    task = asyncio.ensure_future(clock.timed(peer_id, call, wait_timeout))
+    done, _ = await asyncio.wait([task], timeout=max(CALL_DEADLINE, clock.hedge_after(list(clock.seconds), now)))
+    if done:
+        return task.result()
+    clock.given_up += 1
+    clock.missed(peer_id, asyncio.get_running_loop().time())
+    _keep([task])
+    return None
+
+
+def bound_calls(node: Any) -> None:
+    """Send every find and store hivemind's code makes on ``node`` through ``bounded``: its walks (reads, and a
+    store's search for the nearest nodes), its stores and its upkeep. A small swarm's reads and writes here keep
+    their own rules (a hedge, a write quorum) and call the node's own finds and stores (``atoll_direct_find``,
+    ``atoll_direct_store``): they wait for no slow node already. Once per node; what it wraps is whatever the
+    node held when first called (a test's stand-in as well)."""
+    if getattr(node, "atoll_bounded", False):
+        return
+    find, store = node._call_find_with_blacklist, node.protocol.call_store
+    node.atoll_direct_find, node.atoll_direct_store = find, store
+
+    async def find_bounded(peer_id: Any, keys: Any) -> Any:
+        if peer_id in node.blacklist:  # not asked at all (hivemind's own rule): no time to measure
+            return None
+        return await bounded(node, peer_id, find(peer_id, keys))
+
+    async def store_bounded(peer_id: Any, *args: Any, **kwargs: Any) -> Any:
+        return await bounded(node, peer_id, store(peer_id, *args, **kwargs))
+
+    node._call_find_with_blacklist, node.protocol.call_store = find_bounded, store_bounded
+    node.atoll_bounded = True
 
 
 def latency(node: Any) -> Latency:
@@ -131,6 +210,7 @@ def read_order(node: Any, key_id: DHTID) -> list[Any]:
 async def get_near(keys: tuple[str, ...], _dht: Any, node: Any) -> dict[str, Any]:
     """The latest value of each of ``keys`` (None where there is none), as hivemind's ``get_many`` returns it: from
     this node and ``READ_BEAM`` of the key's replicas in a small swarm, else from hivemind's full walk."""
+    bound_calls(node)
     ids = {key: DHTID.generate(source=key) for key in keys}
     if not all(_small(node, key_id) for key_id in ids.values()):
         return dict(await node.get_many(keys, sufficient_expiration_time=float("inf")))
@@ -161,7 +241,7 @@ async def _read(node: Any, key_ids: list[DHTID]) -> dict[DHTID, Any]:
             if order[key_id]:
                 calls.setdefault(order[key_id].pop(0), []).append(key_id)
         for peer_id, ids in calls.items():
-            call = node._call_find_with_blacklist(peer_id, ids)
+            call = node.atoll_direct_find(peer_id, ids)
             pending[asyncio.ensure_future(clock.timed(peer_id, call, protocol.wait_timeout))] = ids
         return bool(calls)
 
@@ -195,6 +275,7 @@ async def store_near(key: str, subkey: Any, value: Any, expiration_time: float, 
     (a node refuses a value that expires no later than the one it holds), known once ``write_quorum`` of the key's
     replicas answered; the others are written in the background. Signed by the node's record validator as
     hivemind's store signs it, so every node (this one included) validates it as it would validate hivemind's."""
+    bound_calls(node)
     protocol = node.protocol
     key_id = DHTID.generate(source=key)
     if not _small(node, key_id):
@@ -227,8 +308,8 @@ async def _replicate(node: Any, key_id: DHTID, subkey: Any, record: DHTRecord, q
                     stored += bool(valid and protocol.storage.store(key_id, record.value, record.expiration_time,
                                                                    subkey=subkey))
                 else:
-                    call = protocol.call_store(peer_id, keys=[key_id], values=[record.value],
-                                               expiration_time=[record.expiration_time], subkeys=[subkey])
+                    call = node.atoll_direct_store(peer_id, keys=[key_id], values=[record.value],
+                                                   expiration_time=[record.expiration_time], subkeys=[subkey])
                     pending.add(asyncio.ensure_future(clock.timed(peer_id, call, protocol.wait_timeout)))
             if answered >= needed and not quorum.done():
                 quorum.set_result(stored > 0)

@@ -1,13 +1,14 @@
 """``near`` over real hivemind DHTs on 127.0.0.1: in a small swarm a write goes straight to the nodes without
 the lookup hivemind's store walks first, every other node reads it (signed by the writer's owner key, validated
 by each) from its own storage and ``READ_BEAM`` others, a node that is gone is passed over, and one that does
-not answer holds neither writes nor reads."""
+not answer holds neither writes nor reads, in a small swarm or in hivemind's walks."""
 
 import asyncio
 import functools
 
 from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
 from hivemind.utils import get_dht_time
 
 from atoll.protocols import dht_io, near
@@ -188,6 +189,42 @@ def test_a_node_that_does_not_answer_holds_neither_writes_nor_reads():
             found = asyncio.run(dht_io.get(reader, KEY, timeout=HUNG_S / 4))
             assert found is not None and found.value[subkey].value == {"step": 2}
         assert reader.run_coroutine(_called).count(hung_peer) <= 1
+    finally:
+        for dht, _ in nodes:
+            dht.shutdown()
+
+
+async def _node_id(_dht, node) -> DHTID:
+    return node.node_id
+
+
+def test_a_node_that_does_not_answer_holds_neither_a_walk_nor_a_store_of_a_larger_swarm():
+    # Nodes that know a full bucket (3 here) read and write through hivemind's walks, which wait for every node
+    # they asked: one that never answers held each read and write until it gave up (15 s here).
+    nodes = _swarm(6)
+    try:
+        for dht, _ in nodes:
+            _wait_until_known(dht, len(nodes) - 1)
+        (writer, validator), (reader, _) = nodes[:2]
+        key_id = DHTID.generate(source=KEY)
+        # The node nearest the key: every walk for it asks that one, and every store writes to it.
+        hung = min((dht for dht, _ in nodes[2:]), key=lambda dht: key_id.xor_distance(dht.run_coroutine(_node_id)))
+        hung_peer = str(hung.peer_id)
+        for dht in (writer, reader):
+            dht.run_coroutine(functools.partial(_set_bucket_size, 3))
+            dht.run_coroutine(functools.partial(_hang_calls_to, hung_peer))
+        subkey = validator.local_public_key
+
+        for step in range(3):
+            assert asyncio.run(dht_io.store(writer, KEY, {"step": step}, get_dht_time() + 60 + step, subkey,
+                                            timeout=HUNG_S / 4))
+        assert hung_peer in writer.run_coroutine(_called)  # it was asked, and not waited for
+
+        for _ in range(5):
+            found = asyncio.run(dht_io.get(reader, KEY, timeout=HUNG_S / 4))
+            assert found is not None and found.value[subkey].value == {"step": 2}
+        # Asked once: past its deadline, it is passed over, and no second call is sent while the first is out.
+        assert reader.run_coroutine(_called).count(hung_peer) == 1
     finally:
         for dht, _ in nodes:
             dht.shutdown()

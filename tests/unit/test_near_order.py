@@ -1,7 +1,10 @@
 """``near``'s choice of nodes, without sockets: a write's quorum meets every read, replicas are read fastest
-first (a node with a call long out counts as that slow), and the hedge waits longer when every node is slow."""
+first (a node with a call long out counts as that slow), the hedge waits longer when every node is slow, and no
+call is waited for past its deadline or to a node known slow (``bounded``)."""
 
+import asyncio
 import itertools
+from types import SimpleNamespace
 
 import pytest
 
@@ -45,3 +48,111 @@ def test_the_hedge_waits_for_a_loaded_machine():
     assert latency.hedge_after(peers, now=0.0) == near.HEDGE_AFTER
     latency.seconds = {"a": 1.2, "b": 1.0, "c": 0.8}  # every node slow: a late answer is a multiple of theirs
     assert latency.hedge_after(peers, now=0.0) == pytest.approx(near.HEDGE_FACTOR * 1.0)
+
+
+class _Node:
+    """What ``bounded`` and ``bound_calls`` use of hivemind's ``DHTNode``: calls that answer after a set time."""
+
+    def __init__(self) -> None:
+        self.protocol = SimpleNamespace(wait_timeout=3.0, call_store=self._store)
+        self.blacklist: set[str] = set()
+        self.started: list[str] = []  # the peers each call that began was to
+
+    async def answer(self, peer: str, seconds: float, value: object = "ok") -> object:
+        self.started.append(peer)
+        await asyncio.sleep(seconds)
+        return value
+
+    async def _call_find_with_blacklist(self, peer: str, keys: object) -> object:
+        return await self.answer(peer, 0.0, ("found", keys))
+
+    async def _store(self, peer: str, *args: object, **kwargs: object) -> object:
+        return await self.answer(peer, 0.0, [True])
+
+
+@pytest.fixture
+def short(monkeypatch):
+    """Deadlines of tens of ms, so that late calls are late by a wide margin on a loaded machine."""
+    monkeypatch.setattr(near, "CALL_DEADLINE", 0.05)
+    monkeypatch.setattr(near, "HEDGE_AFTER", 0.05)
+
+
+def test_a_call_past_its_deadline_is_given_up_and_its_node_passed_over(short):
+    node = _Node()
+
+    async def run():
+        clock = near.latency(node)
+        assert await near.bounded(node, "a", node.answer("a", 0.0)) == "ok"
+        assert await near.bounded(node, "b", node.answer("b", 0.5)) is None  # given up at 0.05 s
+        assert clock.given_up == 1 and "b" in clock.open  # the call is still out, in the background
+        second = node.answer("b", 0.0)
+        assert await near.bounded(node, "b", second) is None  # passed over: not sent while the first is out
+        assert node.started.count("b") == 1 and clock.passed_over == 1
+        await asyncio.sleep(0.6)
+        assert clock.seconds["b"] >= 0.5 and "b" not in clock.open  # its answer timed it
+        # Still passed over (it missed a deadline PASS_OVER s ago at most), but sent in the background: timed again.
+        assert await near.bounded(node, "b", node.answer("b", 0.0)) is None
+        await asyncio.sleep(0.01)
+        assert node.started.count("b") == 2 and clock.passed_over == 2
+        assert await near.bounded(node, "a", node.answer("a", 0.0)) == "ok"  # the others are asked as ever
+
+    asyncio.run(run())
+
+
+def test_a_node_slow_on_average_is_passed_over_until_its_time_comes_down(short, monkeypatch):
+    node = _Node()
+    clock = near.latency(node)
+    clock.seconds = {"a": 0.01, "b": 0.01, "c": 0.35}  # c answered, but on average far past the hedge
+
+    async def run():
+        # Each call it is passed over is sent in the background and answers at once, halving its average (0.35,
+        # 0.175, 0.0875, then 0.044: no longer past the hedge of 0.05 s, the others' 4 x 0.01 s being less).
+        for average in (0.35, 0.175, 0.0875):
+            assert clock.seconds["c"] == pytest.approx(average, abs=0.01)
+            assert await near.bounded(node, "c", node.answer("c", 0.0)) is None
+            await asyncio.sleep(0.01)
+        assert node.started == ["c"] * 3 and clock.passed_over == 3
+        assert await near.bounded(node, "c", node.answer("c", 0.0)) == "ok"  # fast again: waited for
+        assert clock.given_up == 0
+
+    asyncio.run(run())
+
+
+def test_a_passed_over_node_is_asked_again_after_pass_over(short, monkeypatch):
+    monkeypatch.setattr(near, "PASS_OVER", 0.2)
+    node = _Node()
+    clock = near.latency(node)
+
+    async def run():
+        clock.missed("a", asyncio.get_running_loop().time())
+        assert clock.slow("a", asyncio.get_running_loop().time())
+        await asyncio.sleep(0.25)
+        assert not clock.slow("a", asyncio.get_running_loop().time())
+        assert await near.bounded(node, "a", node.answer("a", 0.0)) == "ok"
+
+    asyncio.run(run())
+
+
+def test_passed_over_nodes_are_forgotten_once_their_time_is_up(monkeypatch):
+    monkeypatch.setattr(near, "MAX_PASSED_OVER", 4)
+    clock = near.Latency()
+    for i in range(4):
+        clock.missed(f"old{i}", now=0.0)
+    clock.missed("new", now=near.PASS_OVER + 1)  # the four old ones' time is up: forgotten
+    assert set(clock.passed_until) == {"new"}
+
+
+def test_bound_calls_wraps_a_node_s_finds_and_stores_once_and_asks_no_blacklisted_node(short):
+    node = _Node()
+    near.bound_calls(node)
+    near.bound_calls(node)  # once: a second call wraps nothing again
+
+    async def run():
+        assert await node._call_find_with_blacklist("a", ["k"]) == ("found", ["k"])
+        assert await node.protocol.call_store("b", keys=["k"]) == [True]
+        node.blacklist.add("c")
+        assert await node._call_find_with_blacklist("c", ["k"]) is None
+        assert node.started == ["a", "b"]  # c was not asked
+        assert set(near.latency(node).seconds) == {"a", "b"}  # each call timed once, c not at all
+
+    asyncio.run(run())
