@@ -32,11 +32,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import math
 from typing import Any
 
 from hivemind.dht.crypto import DHTRecord
 from hivemind.dht.routing import DHTID
+
+logger = logging.getLogger("atoll")
 
 READ_BEAM = 2
 HEDGE_AFTER = 0.2  # s: a read's replica this late is joined by the next one (a healthy answer on loopback is ms)
@@ -134,12 +137,15 @@ async def bounded(node: Any, peer_id: Any, call: Any) -> Any:
         else:
             _keep([asyncio.ensure_future(clock.timed(peer_id, call, wait_timeout))])
         return None
+    deadline = max(CALL_DEADLINE, clock.hedge_after(list(clock.seconds), now))
     task = asyncio.ensure_future(clock.timed(peer_id, call, wait_timeout))
-    done, _ = await asyncio.wait([task], timeout=max(CALL_DEADLINE, clock.hedge_after(list(clock.seconds), now)))
+    done, _ = await asyncio.wait([task], timeout=deadline)
     if done:
         return task.result()
     clock.given_up += 1
     clock.missed(peer_id, asyncio.get_running_loop().time())
+    logger.info("DHT node %s answered no call within %.1f s: not waited for during %.0f s (%d such calls so far)",
+                str(peer_id)[-8:], deadline, PASS_OVER, clock.given_up)
     _keep([task])
     return None
 
