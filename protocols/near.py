@@ -139,7 +139,11 @@ async def bounded(node: Any, peer_id: Any, call: Any) -> Any:
         return None
     deadline = max(CALL_DEADLINE, clock.hedge_after(list(clock.seconds), now))
     task = asyncio.ensure_future(clock.timed(peer_id, call, wait_timeout))
-    done, _ = await asyncio.wait([task], timeout=deadline)
+    try:
+        done, _ = await asyncio.wait([task], timeout=deadline)
+    except asyncio.CancelledError:  # the walk ended without this answer: it still times the node
+        _keep([task])
+        raise
     if done:
         return task.result()
     clock.given_up += 1
