@@ -48,16 +48,21 @@ CALL_DEADLINE = 1.0  # s: how long a call is waited for at most before a read or
 # link's answers take a few hundred ms)
 PASS_OVER = 30.0  # s: a node that let a call pass its deadline is not waited for during this long (``bounded``)
 MAX_PASSED_OVER = 4096  # nodes remembered as passed over; past it, those whose time is up are forgotten
+RECENT = 300.0  # s: the nodes timed this recently make the median of ``bounded``'s hedge (not those long gone)
+MAX_TIMED = 4096  # nodes whose times are kept; past it, those not timed for ``RECENT`` s are forgotten
+LOOP_LATE = 0.5  # a deadline's timer this much later than the deadline (its share): this node's own loop was held
 LATENCY_WEIGHT = 0.5  # each call's share of a node's latency estimate (an exponential average)
 _BACKGROUND: set[asyncio.Future] = set()  # work left to finish after its read or write returned: asyncio keeps
 # only weak references to tasks
 
 
 def _keep(tasks: Any) -> None:
-    """Hold ``tasks`` until they finish (see ``_BACKGROUND``)."""
+    """Hold ``tasks`` until they finish (see ``_BACKGROUND``); nobody awaits them, so their exceptions are read here
+    (asyncio would log each as never retrieved)."""
     for task in tasks:
         _BACKGROUND.add(task)
         task.add_done_callback(_BACKGROUND.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
 class Latency:
@@ -67,15 +72,24 @@ class Latency:
 
     def __init__(self) -> None:
         self.seconds: dict[Any, float] = {}
+        self.timed_at: dict[Any, float] = {}  # when each node's last call ended (the loop's clock)
         self.open: dict[Any, list[float]] = {}  # start times of the calls still out, per node
         self.hedges = 0  # nodes asked by reads beyond ``READ_BEAM`` because an answer was late
         self.passed_over = 0  # calls answered as failed at once: the node was known slow (``bounded``)
         self.passed_until: dict[Any, float] = {}  # nodes that let a call pass its deadline: until when they are slow
         self.given_up = 0  # calls not waited for past their deadline (``bounded``)
 
-    def observe(self, peer_id: Any, seconds: float) -> None:
+    def observe(self, peer_id: Any, seconds: float, now: float = 0.0) -> None:
         old = self.seconds.get(peer_id)
         self.seconds[peer_id] = seconds if old is None else old + LATENCY_WEIGHT * (seconds - old)
+        self.timed_at[peer_id] = now
+        if len(self.seconds) > MAX_TIMED:
+            for gone in [p for p, t in self.timed_at.items() if t < now - RECENT]:
+                del self.seconds[gone], self.timed_at[gone]
+
+    def recent(self, now: float) -> list[Any]:
+        """The nodes timed within ``RECENT`` s: their median is a hedge's measure of this swarm now."""
+        return [p for p, t in self.timed_at.items() if t >= now - RECENT]
 
     def estimate(self, peer_id: Any, now: float) -> float:
         waited = max((now - t for t in self.open.get(peer_id, ())), default=0.0)
@@ -98,7 +112,7 @@ class Latency:
         at every other call."""
         if now < self.passed_until.get(peer_id, -math.inf):
             return True
-        return self.estimate(peer_id, now) > self.hedge_after(list(self.seconds), now)
+        return self.estimate(peer_id, now) > self.hedge_after(self.recent(now), now)
 
     def missed(self, peer_id: Any, now: float) -> None:
         """``peer_id`` let a call pass its deadline at ``now``."""
@@ -118,8 +132,9 @@ class Latency:
             opened.remove(started)
             if not opened:
                 del self.open[peer_id]
-            took = loop.time() - started
-            self.observe(peer_id, took if result is not None else max(no_answer, took))
+            ended = loop.time()
+            took = ended - started
+            self.observe(peer_id, took if result is not None else max(no_answer, took), ended)
         return result
 
 
@@ -137,7 +152,7 @@ async def bounded(node: Any, peer_id: Any, call: Any) -> Any:
         else:
             _keep([asyncio.ensure_future(clock.timed(peer_id, call, wait_timeout))])
         return None
-    deadline = max(CALL_DEADLINE, clock.hedge_after(list(clock.seconds), now))
+    deadline = max(CALL_DEADLINE, clock.hedge_after(clock.recent(now), now))
     task = asyncio.ensure_future(clock.timed(peer_id, call, wait_timeout))
     try:
         done, _ = await asyncio.wait([task], timeout=deadline)
@@ -146,6 +161,15 @@ async def bounded(node: Any, peer_id: Any, call: Any) -> Any:
         raise
     if done:
         return task.result()
+    late = asyncio.get_running_loop().time() - now - deadline
+    if late > LOOP_LATE * deadline:
+        # This node's own loop was held past the deadline (a long validation, the GIL): the answer may be here,
+        # not yet read. It gets a moment more, and the node is not blamed either way.
+        done, _ = await asyncio.wait([task], timeout=HEDGE_AFTER)
+        if done:
+            return task.result()
+        _keep([task])
+        return None
     clock.given_up += 1
     clock.missed(peer_id, asyncio.get_running_loop().time())
     logger.info("DHT node %s answered no call within %.1f s: not waited for during %.0f s (%d such calls so far)",
