@@ -24,6 +24,11 @@ time in inner steps since each daemon's training began, mean over daemons; and o
 this machine's merges count against every configuration), tokens lost (trained and never merged), and the slow
 daemons' share of the tokens that reached a merge. Writes docs/results/mixed/bench_mixed.json and .png.
 
+``--rate MBIT --rtt MS``: the same swarms over the emulated WAN (``scripts/wan.py``, as ``bench_wan``: four regions,
+one daemon each, every region's access link capped at ``--rate`` both ways, ``--rtt`` between any two regions),
+where a round is in flight for longer, so that waiting for the slow daemons costs the fast ones more staleness
+than on loopback. Needs root (network namespaces).
+
 ``--devices``: the mixed-device variant, in the xla environment (``make xla-venv``; torch_xla's runtime on the
 CPU). Three daemons, synchronous DiLoCo for ``--steps`` steps each, data pinned per seed and position: all three
 on the CPU (fp32), against one of them on xla (bf16 autocast) beside two on the CPU; the held-out loss of the
@@ -36,12 +41,14 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
 
+from scripts import wan
 from scripts.bars import each
 from scripts.benchkit import BATCH, evaluate_swarm, summaries
 from scripts.swarm import LocalSwarm
@@ -49,6 +56,7 @@ from scripts.swarm import LocalSwarm
 from atoll.node.config import RunConfig
 from scripts.results import pyplot, save_figure, write_result
 from scripts.stats import fmt, interval
+from scripts.wan_runs import REGIONS
 
 DAEMONS = 4
 SLOW = ("d2", "d3")
@@ -107,7 +115,7 @@ def at_tokens(curve: list[tuple[float, float]], tokens: float) -> float | None:
     return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
 
 
-def run_once(root: Path, label: str, seed: int, args: argparse.Namespace) -> dict:
+def run_once(root: Path, label: str, seed: int, args: argparse.Namespace, w: wan.Wan | None = None) -> dict:
     algorithm, extra, mixed = CONFIGS[label]
     common = ["--model", args.model, "--algorithm", algorithm, "--sync-every", str(args.sync_every),
               "--batch-size", str(BATCH), "--gather-timeout", "20", "--round-timeout", "20", "--threads", "1",
@@ -123,7 +131,9 @@ def run_once(root: Path, label: str, seed: int, args: argparse.Namespace) -> dic
                        f"data_shard={seed * DAEMONS + i}"]
             # d0 evaluates at each of its fragment-0 merges: the curve the configurations are compared on.
             own = ["--eval-budget", "1"] if i == 0 else []
-            swarm.start(name, [*(x for h in harness for x in ("--harness", h)), *own], join=i > 0)
+            where = {} if w is None else {"prefix": ["ip", "netns", "exec", w.ns(REGIONS[i])],
+                                          "host": w.addr(REGIONS[i])}
+            swarm.start(name, [*(x for h in harness for x in ("--harness", h)), *own], join=i > 0, **where)
         time.sleep(args.seconds)
         swarm.stop_all(timeout=120)
     run = RunConfig(model=args.model, algorithm=algorithm, sync_every=args.sync_every)
@@ -207,6 +217,26 @@ def compare(got: dict[str, dict]) -> None:
                 r["equal_tokens"], r["held_out_at_equal_tokens_ratio"] = tokens, mine / reference
 
 
+def measure(args: argparse.Namespace, runs: list[dict[str, dict]], w: wan.Wan | None) -> None:
+    """Every configuration once per seed (in an order that rotates), compared with the seed's uniform swarm."""
+    for n, seed in enumerate(each(args.seeds, "seeds")):
+        order = args.configs[n % len(args.configs):] + args.configs[:n % len(args.configs)]
+        got = {}
+        for label in order:
+            print(f"seed {seed}: {label} for {args.seconds:.0f} s ...", flush=True)
+            root = Path("runs/bench_mixed") / label.replace(" ", "_").replace(",", "").replace("=", "")
+            got[label] = run_once(root, label, seed, args, w)
+        compare(got)
+        for label in args.configs:
+            r = got[label]
+            print(f"  {label:22s} held-out end {r['held_out_loss_end']:.4f} (x{r['held_out_end_ratio']:.3f}), at equal "
+                  f"tokens x{r['held_out_at_equal_tokens_ratio'] or float('nan'):.3f}; goodput {r['goodput']:.3f} "
+                  f"(x{r['goodput_ratio']:.3f}); "
+                  f"tokens lost {r['tokens_lost_share']:.3f}; slow share {r['slow_share_of_merged']:.3f} "
+                  f"(pace x{r['slow_pace_over_fast']:.3f})", flush=True)
+        runs.append(got)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=60)
@@ -219,29 +249,23 @@ def main() -> int:
     parser.add_argument("--out", default="docs/results/mixed")
     parser.add_argument("--devices", action="store_true", help="the mixed-device variant (the xla environment)")
     parser.add_argument("--steps", type=int, default=200, help="--devices: steps per daemon")
+    parser.add_argument("--rate", type=float, default=None, help="over the emulated WAN: Mbit/s each way, every region")
+    parser.add_argument("--rtt", type=float, default=0.0, help="over the emulated WAN: ms between any two regions")
     args = parser.parse_args()
+    if args.rate is not None and (args.rate <= 0 or args.rtt < 0):
+        parser.error("--rate must be positive and --rtt not negative")
     if args.devices:
         return measure_devices(args)
     if "uniform" not in args.configs:
         parser.error("--configs must include uniform (the reference)")
     started = time.time()
     runs: list[dict[str, dict]] = []
-    for n, seed in enumerate(each(args.seeds, "seeds")):
-        order = args.configs[n % len(args.configs):] + args.configs[:n % len(args.configs)]
-        got = {}
-        for label in order:
-            print(f"seed {seed}: {label} for {args.seconds:.0f} s ...", flush=True)
-            root = Path("runs/bench_mixed") / label.replace(" ", "_").replace(",", "").replace("=", "")
-            got[label] = run_once(root, label, seed, args)
-        compare(got)
-        for label in args.configs:
-            r = got[label]
-            print(f"  {label:22s} held-out end {r['held_out_loss_end']:.4f} (x{r['held_out_end_ratio']:.3f}), at equal "
-                  f"tokens x{r['held_out_at_equal_tokens_ratio'] or float('nan'):.3f}; goodput {r['goodput']:.3f} "
-                  f"(x{r['goodput_ratio']:.3f}); "
-                  f"tokens lost {r['tokens_lost_share']:.3f}; slow share {r['slow_share_of_merged']:.3f} "
-                  f"(pace x{r['slow_pace_over_fast']:.3f})", flush=True)
-        runs.append(got)
+    with contextlib.ExitStack() as stack:
+        w = None
+        if args.rate is not None:
+            regions = [wan.Region(r, rate_mbit=args.rate, delay_ms=args.rtt / 4) for r in REGIONS]
+            w = stack.enter_context(wan.Wan(regions, tag="bm"))
+        measure(args, runs, w)
     results = []
     for label in args.configs:
         row: dict = {"config": label, "algorithm": CONFIGS[label][0], "flags": CONFIGS[label][1],
@@ -259,7 +283,8 @@ def main() -> int:
            "daemons": DAEMONS, "slow": list(SLOW), "seconds": args.seconds, "seeds": args.seeds,
            "sync_every": args.sync_every, "fast_step_delay": FAST_DELAY,
            "slow_step_delay": slow_delay(args.compute_estimate), "jitter": JITTER,
-           "minutes": (time.time() - started) / 60, "results": results, "runs": runs}
+           "minutes": (time.time() - started) / 60, "wan": None if args.rate is None else
+           {"rate_mbit": args.rate, "rtt_ms": args.rtt, "regions": list(REGIONS)}, "results": results, "runs": runs}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_result(out / "bench_mixed.json", doc)
