@@ -309,8 +309,10 @@ def plot(doc: dict, path: Path) -> None:
         ax.set_xticks(x, labels, fontsize=7)
         ax.set_ylabel(ylabel, fontsize=8)
     axes[0].set_ylim(0.9, 1.1)
+    link = doc.get("wan")
+    over = f", over a WAN of {link['rate_mbit']:g} Mbit/s, RTT {link['rtt_ms']:g} ms" if link else ""
     fig.suptitle(f"{doc['daemons']} daemons ({', '.join(doc['slow'])} {SLOWER:.0%} slower, ±{doc['jitter']:.0%} per "
-                 f"step), {doc['model']}, {doc['seconds']:.0f} s, H={doc['sync_every']}, seeds "
+                 f"step), {doc['model']}, {doc['seconds']:.0f} s, H={doc['sync_every']}{over}, seeds "
                  f"{' '.join(map(str, doc['seeds']))} (mean, 95% interval)", fontsize=10)
     fig.tight_layout()
     save_figure(fig, path)
