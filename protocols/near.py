@@ -62,7 +62,12 @@ def _keep(tasks: Any) -> None:
     for task in tasks:
         _BACKGROUND.add(task)
         task.add_done_callback(_BACKGROUND.discard)
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        task.add_done_callback(_read_exception)
+
+
+def _read_exception(task: asyncio.Future) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.debug("a DHT call left to finish in the background failed: %r", task.exception())
 
 
 class Latency:
@@ -112,7 +117,11 @@ class Latency:
         at every other call."""
         if now < self.passed_until.get(peer_id, -math.inf):
             return True
-        return self.estimate(peer_id, now) > self.hedge_after(self.recent(now), now)
+        # A node not timed lately is judged afresh, as one never timed is: against a hedge of the nodes timed
+        # lately, an average from long ago (a slower link then, or this node idle since) would pass it over.
+        average = self.seconds.get(peer_id, 0.0) if self.timed_at.get(peer_id, now) >= now - RECENT else 0.0
+        waited = max((now - t for t in self.open.get(peer_id, ())), default=0.0)
+        return max(average, waited) > self.hedge_after(self.recent(now), now)
 
     def missed(self, peer_id: Any, now: float) -> None:
         """``peer_id`` let a call pass its deadline at ``now``."""
@@ -165,7 +174,11 @@ async def bounded(node: Any, peer_id: Any, call: Any) -> Any:
     if late > LOOP_LATE * deadline:
         # This node's own loop was held past the deadline (a long validation, the GIL): the answer may be here,
         # not yet read. It gets a moment more, and the node is not blamed either way.
-        done, _ = await asyncio.wait([task], timeout=HEDGE_AFTER)
+        try:
+            done, _ = await asyncio.wait([task], timeout=HEDGE_AFTER)
+        except asyncio.CancelledError:
+            _keep([task])
+            raise
         if done:
             return task.result()
         _keep([task])

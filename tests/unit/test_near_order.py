@@ -148,7 +148,22 @@ def test_the_hedge_s_median_is_of_the_nodes_timed_lately():
         clock.observe(peer, 0.01, now=1000.0)
     assert set(clock.recent(now=1000.0)) == {"a", "b"}
     assert clock.hedge_after(clock.recent(1000.0), 1000.0) == near.HEDGE_AFTER  # not 4 x 3 s
-    assert clock.slow("g1", now=1000.0)
+    assert not clock.slow("g1", now=1000.0)  # timed long ago: judged afresh, as a node never timed
+
+
+def test_after_an_idle_spell_no_node_is_slow_for_its_old_average():
+    # Thirty nodes of a slower link timed 0.3 s each, then nothing for longer than RECENT: none is passed over
+    # (against a hedge of nodes timed lately, of which there are none, 0.3 s would be past it).
+    clock = near.Latency()
+    for i in range(30):
+        clock.observe(f"p{i}", 0.3, now=0.0)
+    assert not any(clock.slow(f"p{i}", now=10.0) for i in range(30))  # 4 x 0.3 s: none late
+    later = near.RECENT + 1
+    for fast in ("f1", "f2", "f3"):
+        clock.observe(fast, 0.02, now=later)
+    assert not any(clock.slow(f"p{i}", now=later) for i in range(30))
+    clock.observe("p0", 0.3, now=later)  # timed again now: slow beside the three fast nodes (hedge 0.2 s)
+    assert clock.slow("p0", now=later) and not clock.slow("p1", now=later)
 
 
 def test_a_passed_over_node_is_asked_again_after_pass_over(short, monkeypatch):
