@@ -96,9 +96,12 @@ class Latency:
         """The nodes timed within ``RECENT`` s: their median is a hedge's measure of this swarm now."""
         return [p for p, t in self.timed_at.items() if t >= now - RECENT]
 
+    def waited(self, peer_id: Any, now: float) -> float:
+        """How long the oldest call to ``peer_id`` still out has been waited for (0: none)."""
+        return max((now - t for t in self.open.get(peer_id, ())), default=0.0)
+
     def estimate(self, peer_id: Any, now: float) -> float:
-        waited = max((now - t for t in self.open.get(peer_id, ())), default=0.0)
-        return max(self.seconds.get(peer_id, 0.0), waited)
+        return max(self.seconds.get(peer_id, 0.0), self.waited(peer_id, now))
 
     def fastest_first(self, peers: list[Any], now: float) -> list[Any]:
         """``peers`` by their latency, in the order they came (nearest first) between equals."""
@@ -112,16 +115,15 @@ class Latency:
 
     def slow(self, peer_id: Any, now: float) -> bool:
         """Whether ``peer_id`` is not to be waited for: it let a call pass its deadline less than ``PASS_OVER`` s
-        ago, or it answers later than a hedge over every node timed so far (``hedge_after``). The first is what
-        keeps a node that answers late only now and then (its average falling between) from costing a deadline
-        at every other call."""
+        ago, or it answers later than a hedge over the nodes timed lately (``hedge_after``, ``recent``). The first
+        is what keeps a node that answers late only now and then (its average falling between) from costing a
+        deadline at every other call."""
         if now < self.passed_until.get(peer_id, -math.inf):
             return True
         # A node not timed lately is judged afresh, as one never timed is: against a hedge of the nodes timed
         # lately, an average from long ago (a slower link then, or this node idle since) would pass it over.
         average = self.seconds.get(peer_id, 0.0) if self.timed_at.get(peer_id, now) >= now - RECENT else 0.0
-        waited = max((now - t for t in self.open.get(peer_id, ())), default=0.0)
-        return max(average, waited) > self.hedge_after(self.recent(now), now)
+        return max(average, self.waited(peer_id, now)) > self.hedge_after(self.recent(now), now)
 
     def missed(self, peer_id: Any, now: float) -> None:
         """``peer_id`` let a call pass its deadline at ``now``."""
@@ -147,6 +149,17 @@ class Latency:
         return result
 
 
+async def _answered(task: asyncio.Future, timeout: float) -> bool:
+    """Whether ``task`` finished within ``timeout`` s; if the caller is cancelled meanwhile (its walk ended), the
+    task runs on in the background: it still times its node."""
+    try:
+        done, _ = await asyncio.wait([task], timeout=timeout)
+    except asyncio.CancelledError:
+        _keep([task])
+        raise
+    return bool(done)
+
+
 async def bounded(node: Any, peer_id: Any, call: Any) -> Any:
     """``call``'s result (a coroutine's: hivemind's find or store, to ``peer_id``), or None (no answer) when the node
     is known slow (``Latency.slow``: the call is then sent in the background if no other call to it is out, so that
@@ -163,23 +176,13 @@ async def bounded(node: Any, peer_id: Any, call: Any) -> Any:
         return None
     deadline = max(CALL_DEADLINE, clock.hedge_after(clock.recent(now), now))
     task = asyncio.ensure_future(clock.timed(peer_id, call, wait_timeout))
-    try:
-        done, _ = await asyncio.wait([task], timeout=deadline)
-    except asyncio.CancelledError:  # the walk ended without this answer: it still times the node
-        _keep([task])
-        raise
-    if done:
+    if await _answered(task, deadline):
         return task.result()
     late = asyncio.get_running_loop().time() - now - deadline
     if late > LOOP_LATE * deadline:
         # This node's own loop was held past the deadline (a long validation, the GIL): the answer may be here,
         # not yet read. It gets a moment more, and the node is not blamed either way.
-        try:
-            done, _ = await asyncio.wait([task], timeout=HEDGE_AFTER)
-        except asyncio.CancelledError:
-            _keep([task])
-            raise
-        if done:
+        if await _answered(task, HEDGE_AFTER):
             return task.result()
         _keep([task])
         return None

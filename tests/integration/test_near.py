@@ -167,6 +167,19 @@ async def _called(_dht, node) -> list[str]:
     return node.called
 
 
+def _write_then_read_past(writer: DHT, reader: DHT, subkey: bytes, hung_peer: str) -> int:
+    """Three writes and five reads of ``KEY`` past the hung node, each within a quarter of its hang; the hung node
+    was asked by the writer. Returns how many calls the reader made to it."""
+    for step in range(3):
+        assert asyncio.run(dht_io.store(writer, KEY, {"step": step}, get_dht_time() + 60 + step, subkey,
+                                        timeout=HUNG_S / 4))
+    assert hung_peer in writer.run_coroutine(_called)  # it was asked, and not waited for
+    for _ in range(5):
+        found = asyncio.run(dht_io.get(reader, KEY, timeout=HUNG_S / 4))
+        assert found is not None and found.value[subkey].value == {"step": 2}
+    return reader.run_coroutine(_called).count(hung_peer)
+
+
 def test_a_node_that_does_not_answer_holds_neither_writes_nor_reads():
     nodes = _swarm(4)
     try:
@@ -176,19 +189,9 @@ def test_a_node_that_does_not_answer_holds_neither_writes_nor_reads():
         hung_peer = str(hung.peer_id)
         for dht in (writer, reader):
             dht.run_coroutine(functools.partial(_hang_calls_to, hung_peer))
-        subkey = validator.local_public_key
-
         # Four replicas: the write returns once three answered (itself and two others), without the hung one.
-        for step in range(3):
-            assert asyncio.run(dht_io.store(writer, KEY, {"step": step}, get_dht_time() + 60 + step, subkey,
-                                            timeout=HUNG_S / 4))
-        assert hung_peer in writer.run_coroutine(_called)  # it was asked, and not waited for
-
         # Reads answer from the others; once it is late, the hung node is asked last, so no more.
-        for _ in range(5):
-            found = asyncio.run(dht_io.get(reader, KEY, timeout=HUNG_S / 4))
-            assert found is not None and found.value[subkey].value == {"step": 2}
-        assert reader.run_coroutine(_called).count(hung_peer) <= 1
+        assert _write_then_read_past(writer, reader, validator.local_public_key, hung_peer) <= 1
     finally:
         for dht, _ in nodes:
             dht.shutdown()
@@ -213,18 +216,8 @@ def test_a_node_that_does_not_answer_holds_neither_a_walk_nor_a_store_of_a_large
         for dht in (writer, reader):
             dht.run_coroutine(functools.partial(_set_bucket_size, 3))
             dht.run_coroutine(functools.partial(_hang_calls_to, hung_peer))
-        subkey = validator.local_public_key
-
-        for step in range(3):
-            assert asyncio.run(dht_io.store(writer, KEY, {"step": step}, get_dht_time() + 60 + step, subkey,
-                                            timeout=HUNG_S / 4))
-        assert hung_peer in writer.run_coroutine(_called)  # it was asked, and not waited for
-
-        for _ in range(5):
-            found = asyncio.run(dht_io.get(reader, KEY, timeout=HUNG_S / 4))
-            assert found is not None and found.value[subkey].value == {"step": 2}
         # Asked once: past its deadline, it is passed over, and no second call is sent while the first is out.
-        assert reader.run_coroutine(_called).count(hung_peer) == 1
+        assert _write_then_read_past(writer, reader, validator.local_public_key, hung_peer) == 1
     finally:
         for dht, _ in nodes:
             dht.shutdown()
