@@ -192,7 +192,8 @@ def revoke(run_key: str, run_id: str, initial_peers: list[str], tokens: list[str
     from hivemind.utils import get_dht_time
 
     from atoll.protocols import dht_io
-    from atoll.protocols.auth import AuthError, Certificate, RunKey, fingerprint, is_peer_id, peer_id_of
+    from atoll.protocols.auth import AuthError, Certificate, RunKey, fingerprint
+    from atoll.protocols.identity import is_peer_id, peer_id_of
     from atoll.protocols.revocation import REVOCATION_TTL, RevocationList, newest_revocation
     from atoll.protocols.record_validator import make_validators
     from atoll.protocols.records import revoked_key, unwrap_subkeys
@@ -213,10 +214,14 @@ def revoke(run_key: str, run_id: str, initial_peers: list[str], tokens: list[str
         if cert.run_public_key != key.public_bytes or cert.run_id != run_id:
             raise ConfigError(f"token: {path!r} is for run {cert.run_id!r} of run key "
                               f"{fingerprint(cert.run_public_key)}, not run {run_id!r} of this run key")
-        revoke_ids.append(peer_id_of(cert.member_key))
+        peer = peer_id_of(cert.member_key)
+        if peer is None:
+            raise ConfigError(f"token: {path!r} holds a member key of an older atoll (RSA), which no daemon of this "
+                              "version accepts; name its member by --peer-id if it must be revoked")
+        revoke_ids.append(peer)
     for peer in peer_ids:
         if not is_peer_id(peer):
-            raise ConfigError(f"peer_id: {peer!r} is not a peer id (like QmXyz..., 46 characters)")
+            raise ConfigError(f"peer_id: {peer!r} is not a peer id (like 12D3KooWXyz..., 52 characters)")
         revoke_ids.append(peer)
     if not revoke_ids:
         raise ConfigError("revoke: name the members to revoke with --token FILE or --peer-id ID")

@@ -1,10 +1,10 @@
 """Private runs: a run key, signed membership certificates (join tokens), and the DHT validator that enforces them.
 
 The daemon that starts a private run creates a **run key** (Ed25519). Any holder of the run key issues **join tokens**.
-A join token is a file holding a fresh RSA key (the member key, which signs the member's DHT records through hivemind's
-``RSASignatureValidator``) and a **certificate**: the run key's signature over (run id, run public key, member public
+A join token is a file holding a fresh Ed25519 key (the member key, which signs the member's DHT records:
+``identity.RecordSigner``) and a **certificate**: the run key's signature over (run id, run public key, member public
 key, expiry). Only the certificate travels: every DHT record a member writes carries it (``[member:...]`` appended
-before the owner's RSA signature, so the signature covers it), and every daemon of a private run refuses, on store
+before the owner's signature, so the signature covers it), and every daemon of a private run refuses, on store
 and on read, any record that lacks a certificate binding the record's owner key to the run key. A record carries only
 the certificate's *proof* (its expiry and the run key's signature, ``Certificate.proof``): a reader who can check it
 knows the run's id and key already, and the member key is the record's owner key, in its subkey (docs/design.md,
@@ -16,7 +16,7 @@ An observer of the DHT learns certificates but not member keys: a copied certifi
 key its owner signs records with.
 
 **One identity per token.** A member's libp2p identity is its member key (``identity_file``), so its peer id is the
-hash of the key its records are signed with (``peer_id_of``); every reader checks that a record's claimed peer id is
+key its records are signed with (``identity.peer_id_of``); every reader checks that a record's claimed peer id is
 its signer's, and a record's subkey must be exactly one owner marker, so one token is one peer, one record per key.
 
 **Revocation.** A holder of the run key signs a ``RevocationList`` (the peer ids of revoked members, a serial that
@@ -28,7 +28,6 @@ A token is also invalid once it expires (``expires_at``, 0 = never).
 from __future__ import annotations
 
 import base64
-import functools
 import hashlib
 import json
 import logging
@@ -42,18 +41,16 @@ import msgpack
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
-from hivemind.utils.crypto import RSAPrivateKey
-from hivemind.utils.serializer import MSGPackSerializer
+
+from .identity import MemberKey, owner_of_subkey
 
 CERT_VERSION = 1
-MAX_CERT_BYTES = 2048  # an RSA-2048 member key in OpenSSH form is ~380 bytes; the certificate ~500
-TOKEN_FORMAT = "atoll-join-token-1"
+MAX_CERT_BYTES = 2048  # a member key (its peer id) is 52 bytes; the certificate about 190
+TOKEN_FORMAT = "atoll-join-token-2"  # 1: an RSA member key, before they were Ed25519
 _OWNER_RE = re.compile(rb"\[owner:(.+?)\]")
 _MEMBER_RE = re.compile(rb"\[member:([A-Za-z0-9+/=]+)\]$")
 _MEMBER_FORMAT = b"[member:%s]"
 MAX_PROOF_BYTES = 96  # msgpack of [a float, 64 bytes]: 76
-_OWNER_SUBKEY_RE = re.compile(rb"\[owner:(ssh-rsa [A-Za-z0-9+/]+={0,2})\]")
-_PEER_ID_RE = re.compile(r"[1-9A-HJ-NP-Za-km-z]{40,60}")  # base58 of a sha2-256 multihash (46 characters)
 logger = logging.getLogger("atoll")
 
 
@@ -72,85 +69,6 @@ def signed_by(run_public_key: bytes, payload: bytes, signature: bytes | None) ->
         return False
 
 
-def owner_of_subkey(subkey: bytes | None) -> bytes | None:
-    """The owner key (OpenSSH RSA) of a DHT record whose serialized subkey is exactly one ``[owner:KEY]`` marker, in
-    hivemind's canonical encoding; None for anything else (no subkey, extra bytes before or after the marker, two
-    markers, another encoding). hivemind's ``RSASignatureValidator`` checks only that the owner signed: without this,
-    one key could write any number of records under one key (``[owner:K]fake1``, ``[owner:K]fake2``, ...)."""
-    if not isinstance(subkey, bytes) or len(subkey) > 4096:
-        return None
-    try:
-        raw = MSGPackSerializer.loads(subkey)
-    except Exception:  # noqa: BLE001 (any undecodable subkey is simply not an owner marker)
-        return None
-    if not isinstance(raw, bytes) or MSGPackSerializer.dumps(raw) != subkey:
-        return None
-    return owner_of_raw_subkey(raw)
-
-
-def owner_of_raw_subkey(raw: object) -> bytes | None:
-    """``owner_of_subkey`` for a subkey as the DHT returns it to its caller (deserialized)."""
-    match = _OWNER_SUBKEY_RE.fullmatch(raw) if isinstance(raw, bytes) else None
-    return match.group(1) if match else None
-
-
-@functools.lru_cache(maxsize=4096)
-def peer_id_of(owner_key: bytes) -> str | None:
-    """The libp2p peer id (base58) of a daemon whose identity is the RSA key ``owner_key`` (OpenSSH form): the
-    sha2-256 multihash of the key's protobuf ``PublicKey`` (libp2p's rule, as hivemind's ``PeerID.from_identity``
-    applies it). None if ``owner_key`` is not an RSA public key."""
-    from cryptography.exceptions import UnsupportedAlgorithm
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import rsa
-    import multihash
-    from hivemind.p2p import PeerID
-    from hivemind.proto import crypto_pb2
-
-    try:
-        key = serialization.load_ssh_public_key(owner_key)
-    except (ValueError, TypeError, UnsupportedAlgorithm):
-        return None
-    if not isinstance(key, rsa.RSAPublicKey):
-        return None
-    der = key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
-    return PeerID(multihash.encode(hashlib.sha256(encoded).digest(), multihash.coerce_code("sha2-256"))).to_base58()
-
-
-def is_peer_id(text: object) -> bool:
-    """Whether ``text`` looks like a base58 libp2p peer id of an RSA key (a sha2-256 multihash)."""
-    if not isinstance(text, str) or not _PEER_ID_RE.fullmatch(text):
-        return False
-    import base58
-
-    raw = base58.b58decode(text)
-    return len(raw) == 34 and raw[:2] == b"\x12\x20"
-
-
-def identity_bytes(key: RSAPrivateKey) -> bytes:
-    """``key`` as a libp2p identity file (protobuf ``PrivateKey``, type RSA): what ``P2P.create(identity_path=...)``
-    and hivemind's ``generate_identity`` read and write."""
-    from hivemind.proto import crypto_pb2
-
-    return crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=key.to_bytes()).SerializeToString()
-
-
-def key_of_identity(data: bytes) -> RSAPrivateKey:
-    """The RSA key of a libp2p identity file; ``AuthError`` if it is not an RSA identity."""
-    from hivemind.proto import crypto_pb2
-
-    try:
-        proto = crypto_pb2.PrivateKey.FromString(data)
-        if proto.key_type != crypto_pb2.KeyType.RSA:
-            raise ValueError("not an RSA key")
-        key = RSAPrivateKey.__new__(RSAPrivateKey)
-        key.__setstate__({"_private_key": proto.data})
-        key.get_public_key()
-    except Exception as e:  # noqa: BLE001 (protobuf and cryptography raise several kinds)
-        raise AuthError(f"not a libp2p RSA identity ({e.__class__.__name__})") from None
-    return key
-
-
 def fingerprint(run_public_key: bytes) -> str:
     """Short, stable name of a run key (shown in logs and published in the run's config record)."""
     return hashlib.sha256(run_public_key).hexdigest()[:16]
@@ -158,7 +76,8 @@ def fingerprint(run_public_key: bytes) -> str:
 
 @dataclass(frozen=True)
 class Certificate:
-    """The run key's statement that ``member_key`` (an OpenSSH RSA public key) belongs to run ``run_id``."""
+    """The run key's statement that ``member_key`` (a member key's peer id, ``identity.MemberKey.owner``) belongs to
+    run ``run_id``."""
 
     run_id: str
     run_public_key: bytes  # raw Ed25519, 32 bytes
@@ -279,16 +198,16 @@ class RunKey:
         return Certificate(run_id, self.public_bytes, member_key, float(expires_at), self._key.sign(cert.payload()))
 
     def issue_token(self, run_id: str, expires_at: float = 0.0) -> JoinToken:
-        """A new member: a fresh RSA member key and its certificate."""
-        member = RSAPrivateKey()
-        return JoinToken(member, self.certify(run_id, member.get_public_key().to_bytes(), expires_at))
+        """A new member: a fresh member key and its certificate."""
+        member = MemberKey.generate()
+        return JoinToken(member, self.certify(run_id, member.owner, expires_at))
 
 
 @dataclass(frozen=True)
 class JoinToken:
     """What a member daemon needs: its private member key and the run key's certificate for it."""
 
-    member_key: RSAPrivateKey
+    member_key: MemberKey
     certificate: Certificate
 
     @property
@@ -311,11 +230,12 @@ class JoinToken:
         """Read and check a token file: ``AuthError`` if it is missing, malformed, not self-consistent or expired."""
         try:
             doc = json.loads(Path(path).read_text())
+            if isinstance(doc, dict) and doc.get("format") == "atoll-join-token-1":
+                raise ValueError("issued by an older atoll (an RSA member key): ask the run's owner for a new one")
             if not isinstance(doc, dict) or doc.get("format") != TOKEN_FORMAT:
                 raise ValueError(f"not an atoll join token (format {TOKEN_FORMAT!r} expected)")
             cert = Certificate.from_bytes(base64.b64decode(doc["certificate"], validate=True))
-            member = RSAPrivateKey.__new__(RSAPrivateKey)  # hivemind's wrapper has no constructor from bytes
-            member.__setstate__({"_private_key": base64.b64decode(doc["member_key"], validate=True)})
+            member = MemberKey.from_bytes(base64.b64decode(doc["member_key"], validate=True))
         except FileNotFoundError:
             raise AuthError(f"join token {str(path)!r} does not exist") from None
         except AuthError as e:
@@ -323,7 +243,7 @@ class JoinToken:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise AuthError(f"join token {str(path)!r} is unreadable ({e})") from None
         token = cls(member, cert)
-        if member.get_public_key().to_bytes() != cert.member_key:
+        if member.owner != cert.member_key:
             raise AuthError(f"join token {str(path)!r}: its certificate is for another member key")
         try:
             cert.verify(cert.run_id, cert.run_public_key)
@@ -352,7 +272,7 @@ class MembershipValidator(RecordValidatorBase):
     of a certificate for that key (``Certificate.proof``), signed by the run key, for this run, not expired.
     Verified proofs are cached with their owner key.
 
-    Priority 5: signing appends the certificate before ``RSASignatureValidator`` (priority 10) signs the value, and
+    Priority 5: signing appends the certificate before ``identity.RecordSigner`` (priority 10) signs the value, and
     validation checks it after that signature was checked and stripped.
     """
 

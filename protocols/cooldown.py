@@ -1,7 +1,7 @@
 """Peer cooldown: who sent this daemon something it rejected, and until when it is left out.
 
 Offenders are named by something the network authenticates: a peer id that libp2p verified for the stream the
-bad message came on (an averaging part, a state download), or the RSA public key a DHT record is signed with
+bad message came on (an averaging part, a state download), or the member key a DHT record is signed with
 (a record's own ``peer_id`` field is only a claim, so a malformed record cools down its signing key, never
 the peer id it names: nobody can get an honest peer left out by forging records in its name).
 

@@ -12,13 +12,14 @@ from typing import Any, Callable, Optional, Sequence
 
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
-from hivemind.dht.schema import RSASignatureValidator, SchemaValidator
+from hivemind.dht.schema import SchemaValidator
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
 import msgpack
 
 from . import validated
-from .auth import JoinToken, MembershipValidator, owner_of_subkey, peer_id_of
+from .auth import JoinToken, MembershipValidator
+from .identity import RecordSigner, owner_of_subkey, peer_id_of
 from .revocation import RevocationList
 from .summary import parse_summary, summary_key
 
@@ -37,9 +38,9 @@ def make_validators(run_id: str, token: Optional[JoinToken] = None, revocation: 
     (``RunRecordValidator``).
     """
     if token is None:
-        return [RSASignatureValidator(), MembershipValidator(run_id), RunRecordValidator(run_id, namespaces=namespaces),
+        return [RecordSigner(), MembershipValidator(run_id), RunRecordValidator(run_id, namespaces=namespaces),
                 SchemaValidator(RunSchema, prefix=run_id)]
-    return [RSASignatureValidator(token.member_key),
+    return [RecordSigner(token.member_key),
             MembershipValidator(run_id, token.run_public_key, token.certificate.to_bytes()),
             RunRecordValidator(run_id, token.run_public_key, revocation, namespaces=namespaces),
             SchemaValidator(RunSchema, prefix=run_id)]
@@ -88,7 +89,7 @@ class RunRecordValidator(RecordValidatorBase):
     """atoll's rules for every record of the DHT, checked by each node when it stores a record and when it reads
     one (hivemind calls ``validate`` for both), after the signature and the certificate were checked and stripped.
 
-    - The subkey is exactly one owner marker (``auth.owner_of_subkey``): one record per owner key and key.
+    - The subkey is exactly one owner marker (``identity.owner_of_subkey``): one record per owner key and key.
     - The value is at most ``MAX_VALUE_BYTES`` of its kind and expires at most ``MAX_EXPIRY`` of its kind from now.
     - The value has its kind's shape. The kind of the run's static keys (progress shards, config, summaries,
       head, revocations; head and progress also under the ``namespaces`` given) is known from the key's DHTID. Round
@@ -99,7 +100,7 @@ class RunRecordValidator(RecordValidatorBase):
     - A progress record lies in its peer's shard (``progress_shard``), or under ``ALL_SHARDS``'s key: nobody can
       crowd another shard's key.
     - In a private run (``run_public_key``): a record claiming a peer id (progress, head, registration, open round)
-      claims its signer's (``auth.peer_id_of``: a member's libp2p identity is its member key); its signer is not on
+      claims its signer's (``identity.peer_id_of``: a member's libp2p identity is its member key); its signer is not on
       the revocation list; a revocation list is signed by the run key. Every valid list with a higher serial that
       passes through this validator (stored here, or read from another node) replaces the one it applies.
 
@@ -207,6 +208,8 @@ async def sync_run_validator(revocation: Optional[RevocationList], _dht: Any, no
     ``MembershipValidator``."""
     counts: dict[str, int] = {}
     for validator in getattr(node.protocol.record_validator, "_validators", ()):
+        if isinstance(validator, RecordSigner) and validator.refused:
+            counts["dht_signature"] = counts.get("dht_signature", 0) + validator.refused
         if isinstance(validator, RunRecordValidator) and revocation is not None:
             validator.apply(revocation)
         if isinstance(validator, (RunRecordValidator, MembershipValidator)):

@@ -1,7 +1,7 @@
 """DHT records of a run: its configuration, per-daemon progress, the run's summaries, and round registrations.
 
-Every record lives under a key prefixed with the run id and a subkey that is exactly its owner's RSA public key
-(``[owner:...]``), so hivemind's ``RSASignatureValidator`` lets only the owner write it, and one owner writes one
+Every record lives under a key prefixed with the run id and a subkey that is exactly its owner's member key (its
+peer id, ``[owner:...]``), so ``identity.RecordSigner`` lets only the owner write it, and one owner writes one
 record per key. Every DHT node running atoll's validators checks each record when it stores it and when it reads
 it (``RunRecordValidator``): the owner subkey, a size cap and an expiry cap per kind of key, the value's schema
 (progress, summary, config and head records by pydantic, round registrations, group decisions, open-round

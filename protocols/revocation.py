@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import msgpack
 
-from .auth import RunKey, is_peer_id, signed_by
+from .auth import RunKey, signed_by
+from .identity import is_peer_id
 from .records import MAX_EXPIRY
 
 REVOCATION_TTL = MAX_EXPIRY["revoked"] - 60.0  # a revocation outlives the daemons that know it (and is kept on disk)

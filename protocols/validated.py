@@ -1,7 +1,7 @@
 """Records a DHT node has validated recently, so that it does not check the same bytes again on every read.
 
 Every read of a key with subkeys returns its whole dictionary from each node asked, and the reader checks each
-record: the RSA signature, the member's certificate, the value's shape by two parsers. A daemon reads the
+record: the owner's signature, the member's certificate, the value's shape by two parsers. A daemon reads the
 progress key every heartbeat and the keys of a forming round every 0.2 s, and most of the records it gets back
 are the very bytes it checked a moment ago (from another node, or at the previous poll): in a swarm of 8 daemons
 those checks were about 60% of each DHT process's CPU (docs/results.md).

@@ -29,12 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from hivemind import DHT
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
-from hivemind.utils.crypto import RSAPrivateKey
 
+from atoll.protocols.identity import RecordSigner
 from scripts.bars import each
 from scripts.dht_fill import HOLD_CHUNK, hold, progress_value
 from scripts.results import write_result
@@ -147,7 +146,7 @@ def main() -> int:
     args = ap.parse_args()
     owners = []
     for i in range(max(args.records)):
-        signer = RSASignatureValidator(RSAPrivateKey())  # not the process-wide key: one owner subkey each
+        signer = RecordSigner()  # a key of its own: one owner subkey each
         owners.append((CompositeValidator([signer, *make_validators(RUN)[1:]]), signer.local_public_key,
                        f"QmBenchPeer{i:05d}"))
     runs = []

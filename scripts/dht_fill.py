@@ -11,7 +11,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from atoll.protocols.auth import RunKey, peer_id_of
+from atoll.protocols.auth import RunKey
 from atoll.protocols.record_validator import make_validators
 from atoll.protocols.records import MAX_EXPIRY, progress_key, progress_shard
 
@@ -35,7 +35,7 @@ def members(run_key: RunKey, count: int) -> list[tuple[list, str]]:
     out = []
     for _ in range(count):
         token = run_key.issue_token(RUN)
-        out.append((make_validators(RUN, token), peer_id_of(token.member_key.get_public_key().to_bytes())))
+        out.append((make_validators(RUN, token), token.member_key.peer_id))
     return out
 
 

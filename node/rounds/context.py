@@ -27,7 +27,7 @@ class SyncContext:
     algorithm: Algorithm
     dht: DHT
     peer_id: str
-    subkey: bytes  # our RSA public key: the DHT lets only us write records under it
+    subkey: bytes  # our owner marker (member key): the DHT lets only us write records under it
     replica: Replica
     counters: Counters
     faults: Faults

@@ -23,10 +23,9 @@ from hivemind.utils import get_dht_time
 from atoll.protocols import dht_guard, dht_io
 from atoll.protocols.dht_setup import DHT_NODE_OPTIONS, apply_p2pd_environment, start_with_retries
 from atoll.protocols.local_dht import LocalDHT
-from atoll.protocols.auth import (AuthError, JoinToken, RunKey, fingerprint, identity_bytes, key_of_identity,
-                                  peer_id_of, signed_by)
+from atoll.protocols.auth import AuthError, JoinToken, RunKey, fingerprint, signed_by
+from atoll.protocols.identity import IdentityError, MemberKey
 from atoll.protocols.revocation import RevocationList
-from hivemind.utils.crypto import RSAPrivateKey
 import msgpack
 from atoll.protocols.record_validator import make_validators
 from atoll.protocols.records import RunConfigRecord, config_key, config_payload, parse_run_config, unwrap_subkeys
@@ -96,29 +95,29 @@ def membership(cfg: NodeConfig) -> JoinToken | None:
         logger.info("created the run key %s at %s; admit daemons with: atoll token --run-key %s --run-id %s "
                     "--out member.token", fingerprint(key.public_bytes), path, path, cfg.run_id)
     identity = _load_or_create_identity(cfg.identity_path)
-    return JoinToken(identity, key.certify(cfg.run_id, identity.get_public_key().to_bytes()))
+    return JoinToken(identity, key.certify(cfg.run_id, identity.owner))
 
 
-def _load_or_create_identity(path: str | None) -> RSAPrivateKey:
-    """The RSA key of the libp2p identity file at ``path``, created there if missing (a new key if ``path`` is
+def _load_or_create_identity(path: str | None) -> MemberKey:
+    """The member key of the libp2p identity file at ``path``, created there if missing (a new key if ``path`` is
     None): the run key's holder certifies it, so its peer id stays the one its identity file gives it."""
     if path is None:
-        return RSAPrivateKey()
+        return MemberKey.generate()
     if os.path.exists(path):
         try:
             with open(path, "rb") as f:
-                return key_of_identity(f.read())
-        except (OSError, AuthError) as e:
+                return MemberKey.from_identity(f.read())
+        except (OSError, IdentityError) as e:
             raise ConfigError(f"identity: {path!r}: {e}") from None
-    key = RSAPrivateKey()
+    key = MemberKey.generate()
     _write_identity(path, key)
     return key
 
 
-def _write_identity(path: str, key: RSAPrivateKey) -> None:
+def _write_identity(path: str, key: MemberKey) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
     with os.fdopen(fd, "wb") as f:
-        f.write(identity_bytes(key))
+        f.write(key.identity_bytes())
 
 
 def identity_file(cfg: NodeConfig, token: JoinToken | None) -> tuple[str | None, bool]:
@@ -126,19 +125,19 @@ def identity_file(cfg: NodeConfig, token: JoinToken | None) -> tuple[str | None,
 
     An open run: ``cfg.identity_path`` (as given, or ``<checkpoint-dir>/identity.key``; created by hivemind).
     A private run: the member key, so that the peer id is the hash of the key that signs the member's records
-    (``auth.peer_id_of``), which every reader checks. An identity file that exists must hold that key: one given
+    (``identity.peer_id_of``), which every reader checks. An identity file that exists must hold that key: one given
     with ``--identity`` that holds another is refused (one line); the default one, left by an older daemon, is
     ignored (the member key is written to a temporary file instead). A missing one is created with the member key.
     """
     path = cfg.identity_path
     if token is None:
         return path, False
-    member = token.member_key.get_public_key().to_bytes()
+    member = token.member_key.owner
     if path is not None and os.path.exists(path):
         try:
             with open(path, "rb") as f:
-                held = key_of_identity(f.read()).get_public_key().to_bytes()
-        except (OSError, AuthError) as e:
+                held = MemberKey.from_identity(f.read()).owner
+        except (OSError, IdentityError) as e:
             held, problem = None, str(e)
         else:
             problem = "it holds another key than the join token's member key"
@@ -153,7 +152,7 @@ def identity_file(cfg: NodeConfig, token: JoinToken | None) -> tuple[str | None,
         return path, False
     fd, tmp = tempfile.mkstemp(prefix=".identity-", dir=cfg.checkpoint_dir)
     with os.fdopen(fd, "wb") as f:  # mkstemp: mode 0600
-        f.write(identity_bytes(token.member_key))
+        f.write(token.member_key.identity_bytes())
     return tmp, True
 
 
@@ -182,7 +181,7 @@ def start_member_dht(cfg: NodeConfig, namespaces: Sequence[str] = ()) -> tuple[D
 
 def check_identity(dht: DHT, token: JoinToken | None) -> None:
     """A private run's peer id must be the member key's (every reader refuses records claiming another)."""
-    expected = peer_id_of(token.member_key.get_public_key().to_bytes()) if token is not None else None
+    expected = token.member_key.peer_id if token is not None else None
     if expected is not None and str(dht.peer_id) != expected:
         raise RuntimeError(f"the DHT's peer id {dht.peer_id} is not the member key's {expected}")
 

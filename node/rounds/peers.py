@@ -25,7 +25,7 @@ from typing import Any
 from hivemind.utils import get_dht_time
 
 from atoll.protocols import dht_io
-from atoll.protocols.auth import owner_of_raw_subkey, peer_id_of
+from atoll.protocols.identity import owner_of_raw_subkey, peer_id_of
 from atoll.protocols.revocation import REVOCATION_TTL, newest_revocation
 from atoll.protocols.record_validator import sync_run_validator
 from atoll.protocols.records import (ALL_SHARDS, MAX_CLOCK_SKEW, MAX_EXPIRY, PROGRESS_SHARDS, READ_BUDGET,

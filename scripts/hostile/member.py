@@ -55,7 +55,7 @@ from atoll.models.gpt import GPT
 from atoll.models.outer import tensor_hash
 from atoll.node.rounds.catchup import MAX_NORM_RATIO
 from atoll.protocols import dht_io, reducer, state_serve, state_sync
-from atoll.protocols.auth import JoinToken, identity_bytes
+from atoll.protocols.auth import JoinToken
 from atoll.protocols.matchmaking import group_key
 from atoll.protocols.record_validator import make_validators
 from atoll.protocols.records import (ALL_SHARDS, ProgressRecord, config_key, open_rounds_key, parse_progress,
@@ -110,7 +110,7 @@ class HostileMember:
         with tempfile.TemporaryDirectory() as folder:
             identity = os.path.join(folder, "identity.key")
             with open(identity, "wb") as f:
-                f.write(identity_bytes(self.token.member_key))
+                f.write(self.token.member_key.identity_bytes())
             self.dht = DHT(initial_peers=self.initial_peers, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                            record_validators=validators, identity_path=identity)
         self.peer_id = str(self.dht.peer_id)

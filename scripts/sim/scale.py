@@ -12,7 +12,7 @@ What stands in:
 - the DHT (``SimDHT``): one in-process store with hivemind's semantics for subkeys and expirations; every call
   takes ``latency`` seconds and is counted per island (calls, entries and bytes returned by kind of key, as
   ``dht_io.key_kind`` names them) and per key (the load on the nodes that store it). Bytes are each record's
-  msgpack size plus its owner subkey and an RSA signature, as hivemind stores them;
+  msgpack size plus its owner subkey and signature, as the DHT stores them;
 - the learner: an island trains ``sync_every`` steps of ``step_time`` (times its speed factor) between rounds;
 - the all-reduce: the members that reach it within ``allreduce_s`` of the first merge; every one of them ends
   on one new replica (version + 1, the members' weights added, a digest of the base and the members);
@@ -53,8 +53,8 @@ from atoll.protocols.records import PROGRESS_SHARDS, Status, heavier, open_round
 from atoll.protocols.stats import TrafficStats
 from atoll.protocols.summary import merge, parse_summary, summary_key
 
-SIGNATURE_BYTES = 256  # hivemind's RSASignatureValidator appends a 2048-bit signature to every value
-SUBKEY_BYTES = 400  # an owner subkey: ``[owner:<the member's RSA public key>]``
+SIGNATURE_BYTES = 100  # ``[signature:<an Ed25519 signature in base64>]`` (identity.RecordSigner); 256 before
+SUBKEY_BYTES = 62  # an owner subkey: ``[owner:<the member's peer id>]``, msgpack bytes; 400 with RSA member keys
 TOKENS_PER_STEP = 4096
 MEMO_ENTRIES = 200_000  # parsed values kept (each holds its value: its id is not reused while cached)
 

@@ -24,14 +24,14 @@ from pathlib import Path
 
 import pytest
 from hivemind import DHT
-from hivemind.utils.crypto import RSAPrivateKey
 from scripts.hostile import outsider
 from scripts.swarm import LocalSwarm
 from support.swarms import peer_id, wait_for
 
 from atoll.node.rounds.join import choose_config
 from atoll.protocols import dht_io
-from atoll.protocols.auth import JoinToken, RunKey, identity_bytes
+from atoll.protocols.auth import JoinToken, RunKey
+from atoll.protocols.identity import MemberKey
 from atoll.protocols.p2p_guard import MAX_STRANGER_STREAMS, MAX_STREAMS_PER_PEER
 from atoll.protocols.record_validator import make_validators
 from atoll.protocols.records import config_key, unwrap_subkeys
@@ -167,7 +167,7 @@ def credentials(tmp_path_factory):
     folder = tmp_path_factory.mktemp("credentials")
     key, _ = RunKey.load_or_create(folder / "run.key")
     # a's identity, made before the two swarms start at once (each would create it at its start otherwise).
-    (folder / "a.key").write_bytes(identity_bytes(RSAPrivateKey()))
+    (folder / "a.key").write_bytes(MemberKey.generate().identity_bytes())
     for name in HONEST[1:]:
         key.issue_token("atoll").save(folder / f"{name}.token")
     return folder

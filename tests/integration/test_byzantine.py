@@ -18,10 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from hivemind import DHT
-from hivemind.utils.crypto import RSAPrivateKey
 from scripts.swarm import LocalSwarm
 
-from atoll.protocols.auth import identity_bytes
+from atoll.protocols.identity import MemberKey
 from atoll.protocols.record_validator import make_validators
 from support.swarms import assert_replicas_agree
 
@@ -82,7 +81,7 @@ def identities(tmp_path_factory):
     must give each honest daemon the same peer id (the same data shard)."""
     folder = tmp_path_factory.mktemp("identities")
     for name in (*HONEST, "x"):
-        (folder / f"{name}.key").write_bytes(identity_bytes(RSAPrivateKey()))
+        (folder / f"{name}.key").write_bytes(MemberKey.generate().identity_bytes())
     return folder
 
 

@@ -8,13 +8,13 @@ import time
 
 import pytest
 from hivemind import DHT
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 from scripts.swarm import LocalSwarm, StatusReader
 from support.swarms import assert_replicas_agree, peer_id, wait_for
 
+from atoll.protocols.identity import RecordSigner
 from atoll.protocols.reducer import AveragingServicer
 from atoll.protocols.matchmaking import group_key
 from atoll.protocols.records import open_rounds_key, progress_keys, round_key
@@ -69,7 +69,7 @@ async def download(p2p, target: PeerID, rng: random.Random) -> None:
         pass
 
 
-async def flood(dht: DHT, targets: list[PeerID], signer: RSASignatureValidator,
+async def flood(dht: DHT, targets: list[PeerID], signer: RecordSigner,
                 current: tuple[int, int, str]) -> dict[str, int]:
     rng = random.Random(0)
     p2p = await dht.replicate_p2p()
@@ -114,7 +114,7 @@ def test_daemons_survive_a_flood_of_malformed_rpcs_and_records(tmp_path):
         b = swarm.start("b")
         ids = {peer_id(a), peer_id(b)}
         wait_for(lambda: any(set(r["contributors"]) == ids for r in a.rounds()), 180, "a round with both daemons")
-        signer = RSASignatureValidator()
+        signer = RecordSigner()
         hostile = DHT(initial_peers=swarm.bootstrap, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                       record_validators=[signer])
         try:

@@ -7,10 +7,10 @@ import asyncio
 import functools
 
 from hivemind import DHT
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
 from hivemind.utils import get_dht_time
 
+from atoll.protocols.identity import RecordSigner
 from atoll.protocols import dht_io, near
 
 KEY = "near_test_progress"
@@ -38,10 +38,10 @@ async def _hedges(_dht, node) -> int:
     return near.latency(node).hedges
 
 
-def _swarm(n: int) -> list[tuple[DHT, RSASignatureValidator]]:
+def _swarm(n: int) -> list[tuple[DHT, RecordSigner]]:
     nodes = []
     for _ in range(n):
-        validator = RSASignatureValidator()
+        validator = RecordSigner()
         peers = nodes[0][0].get_visible_maddrs() if nodes else []
         dht = DHT(initial_peers=peers, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                   record_validators=[validator])

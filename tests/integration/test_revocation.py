@@ -13,7 +13,7 @@ from scripts.swarm import LocalSwarm, StatusReader
 from support.records import forged_progress
 from support.swarms import peer_id, wait_for
 
-from atoll.protocols.auth import JoinToken, peer_id_of
+from atoll.protocols.auth import JoinToken
 from atoll.protocols.record_validator import make_validators
 from atoll.protocols.records import progress_key, progress_shard
 
@@ -39,7 +39,7 @@ def swarm(tmp_path_factory):
 def test_peer_ids_are_member_keys(swarm):
     for name in "bc":
         token = JoinToken.load(swarm.root / name / "join.token")
-        assert peer_id(swarm.daemons[name]) == peer_id_of(token.member_key.get_public_key().to_bytes())
+        assert peer_id(swarm.daemons[name]) == token.member_key.peer_id
 
 
 def test_a_member_cannot_store_records_for_fake_peers(swarm, tmp_path):
@@ -57,7 +57,7 @@ def test_a_member_cannot_store_records_for_fake_peers(swarm, tmp_path):
             for subkey, ttl in ((owner + b"%d" % i, 60), (owner, 60), (owner, 10 * 365 * 24 * 3600)):
                 assert not dht.store(progress_key("atoll", progress_shard(fake)), forged_progress(fake, 1),
                                      get_dht_time() + ttl, subkey=subkey)
-        mine = peer_id_of(mallory.member_key.get_public_key().to_bytes())
+        mine = mallory.member_key.peer_id
         assert not dht.store(progress_key("atoll", progress_shard(mine)), forged_progress(mine, 1),
                              get_dht_time() + 10 * 365 * 24 * 3600, subkey=owner)  # its own peer id, for ten years
     finally:

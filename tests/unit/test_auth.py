@@ -8,13 +8,12 @@ import stat
 import time
 
 import pytest
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.validation import CompositeValidator, DHTRecord
-from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.serializer import MSGPackSerializer
 
 from atoll.node.cli import main
 from atoll.protocols.auth import AuthError, Certificate, JoinToken, MembershipValidator, RunKey, fingerprint
+from atoll.protocols.identity import MemberKey, RecordSigner
 from atoll.protocols.record_validator import make_validators
 
 
@@ -32,7 +31,7 @@ def test_certificate_round_trips_and_verifies(run_key, token):
     cert = Certificate.from_bytes(token.certificate.to_bytes())
     assert cert == token.certificate
     cert.verify("run1", run_key.public_bytes)
-    assert cert.member_key == token.member_key.get_public_key().to_bytes()
+    assert cert.member_key == token.member_key.owner
 
 
 def test_certificate_for_another_run_or_key_or_tampered_is_refused(run_key, token):
@@ -42,7 +41,7 @@ def test_certificate_for_another_run_or_key_or_tampered_is_refused(run_key, toke
     other = RunKey.generate()
     with pytest.raises(AuthError, match="is for run key"):
         cert.verify("run1", other.public_bytes)
-    forged = dataclasses.replace(cert, member_key=RSAPrivateKey().get_public_key().to_bytes())
+    forged = dataclasses.replace(cert, member_key=MemberKey.generate().owner)
     with pytest.raises(AuthError, match="signature is invalid"):
         forged.verify("run1", run_key.public_bytes)
     # A certificate an outsider signs with its own key and labels with the run's public key does not verify.
@@ -53,7 +52,7 @@ def test_certificate_for_another_run_or_key_or_tampered_is_refused(run_key, toke
 
 
 def test_certificate_expiry(run_key):
-    cert = run_key.certify("run1", b"ssh-rsa AAAA", expires_at=1000.0)
+    cert = run_key.certify("run1", MemberKey.generate().owner, expires_at=1000.0)
     cert.verify("run1", run_key.public_bytes, now=999.0)
     with pytest.raises(AuthError, match="expired"):
         cert.verify("run1", run_key.public_bytes, now=1001.0)
@@ -113,11 +112,11 @@ def test_a_certificates_proof_stands_for_it_given_the_run_and_the_owner_key(run_
     owner key they are the certificate again. Any other owner key, run, or a changed expiry fails to verify."""
     cert = token.certificate
     proof = cert.proof()
-    assert len(proof) <= 96 < len(cert.to_bytes()) // 4
+    assert len(proof) <= 96 < len(cert.to_bytes())  # the member key (52 bytes) and the run's id and key stay out
     again = Certificate.from_proof(proof, "run1", run_key.public_bytes, cert.member_key)
     assert again == cert
     again.verify("run1", run_key.public_bytes)
-    other_member = RSAPrivateKey().get_public_key().to_bytes()
+    other_member = MemberKey.generate().owner
     with pytest.raises(AuthError, match="signature is invalid"):
         Certificate.from_proof(proof, "run1", run_key.public_bytes, other_member).verify("run1", run_key.public_bytes)
     with pytest.raises(AuthError, match="signature is invalid"):
@@ -174,9 +173,9 @@ def test_a_copied_certificate_does_not_admit_its_copier(run_key, token):
     """An outsider that read a member's certificate off the DHT appends it to a record signed with its own key."""
     ours = make_validators("run1", run_key.issue_token("run1"))
     stolen = MembershipValidator("run1", token.run_public_key, token.certificate.to_bytes())
-    thief_key = RSAPrivateKey()
-    thief = [RSASignatureValidator(thief_key), stolen]
-    subkey = RSASignatureValidator(thief_key).local_public_key
+    thief_key = MemberKey.generate()
+    thief = [RecordSigner(thief_key), stolen]
+    subkey = RecordSigner(thief_key).local_public_key
     assert not _accepts(ours, _signed(thief, b"key", subkey, VALUE))
     # And it cannot sign under the member's owner key, whose private half it lacks: a re-signed value fails.
     member = make_validators("run1", token)

@@ -17,7 +17,8 @@ from atoll.node.cli import main
 from atoll.node.config import ConfigError, NodeConfig
 from atoll.node.faults import Faults
 from atoll.node.rounds.join import identity_file, load_revocation, save_revocation
-from atoll.protocols.auth import RunKey, identity_bytes, is_peer_id, owner_of_subkey, peer_id_of
+from atoll.protocols.auth import RunKey
+from atoll.protocols.identity import is_peer_id, owner_of_subkey, peer_id_of
 from atoll.protocols.revocation import RevocationList, newest_revocation
 from atoll.protocols.record_validator import RunRecordValidator, _validate_dictionary_per_subkey, make_validators
 from atoll.protocols.records import (MAX_FRAGMENTS, MAX_REJECTION_KINDS, config_key, head_key, open_rounds_key,
@@ -39,10 +40,10 @@ def run_key():
 
 @pytest.fixture(scope="module")
 def member(run_key):
-    """A member's validators and its peer id (the hash of its member key)."""
+    """A member's validators and its peer id (its member key)."""
     token = run_key.issue_token(RUN)
     validators = make_validators(RUN, token)
-    return validators, peer_id_of(token.member_key.get_public_key().to_bytes())
+    return validators, token.member_key.peer_id
 
 
 @pytest.fixture
@@ -105,14 +106,16 @@ def test_open_runs_check_the_subkey_too_but_owner_keys_are_free():
 # ---- the peer id a record claims is its signer's ----------------------------------------------------------------
 def test_identity_file_of_a_member_key_gives_the_peer_id_readers_check(run_key):
     token = run_key.issue_token(RUN)
-    pid = peer_id_of(token.member_key.get_public_key().to_bytes())
-    assert str(PeerID.from_identity(identity_bytes(token.member_key))) == pid and is_peer_id(pid)
+    pid = token.member_key.peer_id
+    assert str(PeerID.from_identity(token.member_key.identity_bytes())) == pid and is_peer_id(pid)
     assert peer_id_of(b"ssh-ed25519 AAAA") is None and not is_peer_id("Qm" + "x" * 44)
+    assert peer_id_of(b"ssh-rsa AAAA") is None and not is_peer_id("12D3KooW" + "x" * 44)
+    assert is_peer_id("QmRLgQKGKyWcvCzjjQ3qLndsCNgPJJusj3CMSwecqJWHTR")  # an open run's RSA identity (hivemind's)
 
 
 def test_a_record_claiming_another_peer_id_is_refused(member, reader, run_key):
     validators, me = member
-    other = peer_id_of(run_key.issue_token(RUN).member_key.get_public_key().to_bytes())
+    other = run_key.issue_token(RUN).member_key.peer_id
     mine = progress_key(RUN, progress_shard(me))
     for key, value in ((mine, progress(other)), (head_key(RUN), {"peer_id": other, "version": 3, "time": 1.0}),
                        (round_key(RUN, 0, 5, "ab"), _registration(other)),
@@ -226,7 +229,7 @@ def test_revocation_is_kept_on_disk(tmp_path, run_key):
     token = run_key.issue_token(RUN)
     cfg = NodeConfig(run_id=RUN, checkpoint_dir=str(tmp_path))
     assert load_revocation(cfg, token) is None
-    kept = RevocationList(RUN, 3, (peer_id_of(token.member_key.get_public_key().to_bytes()),), 1.0).signed(run_key)
+    kept = RevocationList(RUN, 3, (token.member_key.peer_id,), 1.0).signed(run_key)
     save_revocation(str(tmp_path), kept)
     assert load_revocation(cfg, token) == kept
     assert load_revocation(cfg, RunKey.generate().issue_token(RUN)) is None  # not signed by that run's key
@@ -237,7 +240,7 @@ def test_a_private_run_identity_is_the_member_key(tmp_path, run_key):
     token = run_key.issue_token(RUN)
     path, temporary = identity_file(NodeConfig(run_id=RUN, identity=str(tmp_path / "id.key")), token)
     assert path == str(tmp_path / "id.key") and not temporary
-    assert str(PeerID.from_identity(open(path, "rb").read())) == peer_id_of(token.member_key.get_public_key().to_bytes())
+    assert str(PeerID.from_identity(open(path, "rb").read())) == token.member_key.peer_id
     assert identity_file(NodeConfig(run_id=RUN, identity=path), token) == (path, False)  # consistent: kept
     with pytest.raises(ConfigError, match="identity: .*another key than the join token's member key"):
         identity_file(NodeConfig(run_id=RUN, identity=path), run_key.issue_token(RUN))
@@ -246,8 +249,7 @@ def test_a_private_run_identity_is_the_member_key(tmp_path, run_key):
     path2, temporary = identity_file(NodeConfig(run_id=RUN, checkpoint_dir=str(tmp_path)), other)
     assert temporary is False and path2 == str(tmp_path / "identity.key")  # created (it did not exist)
     path3, temporary = identity_file(NodeConfig(run_id=RUN, checkpoint_dir=str(tmp_path)), token)
-    assert temporary and str(PeerID.from_identity(open(path3, "rb").read())) == peer_id_of(
-        token.member_key.get_public_key().to_bytes())
+    assert temporary and str(PeerID.from_identity(open(path3, "rb").read())) == token.member_key.peer_id
     assert identity_file(NodeConfig(run_id=RUN), None) == (None, False)  # an open run: as before
 
 

@@ -13,7 +13,6 @@ import struct
 import msgpack
 import pytest
 import torch
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
@@ -21,6 +20,7 @@ from hivemind.utils import get_dht_time
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from atoll.protocols.identity import RecordSigner
 from atoll.protocols import codecs, state_serve, state_sync
 from atoll.protocols.reducer import AveragingServicer, GroupSpec
 from atoll.protocols.matchmaking import parse_group_record
@@ -199,7 +199,7 @@ def test_round_records_with_the_right_keys(value):
 @given(st.one_of(values, st.dictionaries(st.sampled_from(sorted(GOOD)), values, max_size=4).map(
     lambda c: {**GOOD, **c})))
 def test_schema_validator_never_raises(value):
-    signer = RSASignatureValidator()
+    signer = RecordSigner()
     schema = make_validators("run1")[2]  # the run's rules (after signatures and membership): progress by shape
     try:
         serialized = DHTProtocol.serializer.dumps(value)

@@ -3,11 +3,11 @@
 import math
 
 import pytest
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
+from atoll.protocols.identity import RecordSigner
 from atoll.protocols.record_validator import make_validators
 from atoll.protocols.records import (ALL_SHARDS, PROGRESS_SHARDS, heavier, parse_progress, parse_round_record,
                                      progress_key, progress_shard, unwrap_subkeys)
@@ -72,7 +72,7 @@ def _record(key, subkey, value):
 
 def test_the_run_validator_checks_progress_values_and_their_shard():
     rules = make_validators("run1")[2]
-    owner = RSASignatureValidator().local_public_key
+    owner = RecordSigner().local_public_key
     key = progress_key("run1", progress_shard("QmPeer"))
     assert rules.validate(_record(key, owner, busy_progress()))
     assert not rules.validate(_record(key, owner, busy_progress(step=-5)))
@@ -86,7 +86,7 @@ def test_the_run_validator_checks_progress_values_and_their_shard():
 
 
 def test_signature_validator_refuses_unsigned_owner_records():
-    validator = RSASignatureValidator()
+    validator = RecordSigner()
     record = _record(progress_key("run1", 0), validator.local_public_key, busy_progress())
     assert not validator.validate(record)  # an owner subkey without the owner's signature
     signed = DHTRecord(record.key, record.subkey, validator.sign_value(record), record.expiration_time)

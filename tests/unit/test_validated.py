@@ -10,7 +10,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from support.records import progress as progress_fields
 
 from atoll.protocols import validated
-from atoll.protocols.auth import RunKey, peer_id_of
+from atoll.protocols.auth import RunKey
 from atoll.protocols.revocation import RevocationList
 from atoll.protocols.record_validator import RunRecordValidator, make_validators
 from atoll.protocols.records import progress_key, progress_shard, revoked_key
@@ -73,7 +73,7 @@ def test_a_revoked_members_record_that_passed_is_refused_once_the_list_is_applie
     run_key = RunKey.generate()
     token = run_key.issue_token(RUN)
     writer = make_validators(RUN, token)
-    me = peer_id_of(token.member_key.get_public_key().to_bytes())
+    me = token.member_key.peer_id
     reader = CompositeValidator(make_validators(RUN, run_key.issue_token(RUN)))
     memory = validated.Remembered()
 
