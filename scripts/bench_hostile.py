@@ -4,6 +4,7 @@
     python -m scripts.bench_hostile --attack copied_claim [--seeds 0 1 2] [--steps 1200] [--label L] [--out DIR]
     python -m scripts.bench_hostile --attack byzantine=edge [--robust-merge RULE] ...
     python -m scripts.bench_hostile --attack reducer=scale ...
+    python -m scripts.bench_hostile --attack none ...       # the noise floor: two clean runs a seed
 
 Per seed, two runs of three honest daemons in a private run (`decoupled`, nano, batch 4, H=50 and the default
 round settings, every daemon sleeping ``--step-delay`` s a step, started together): a clean one, and one where a member
@@ -12,7 +13,11 @@ round until the honest daemons stop; or, for ``--attack byzantine=K`` or ``reduc
 join token that trains and merges with that ``--fault`` (``node/faults.py``) from that round on; with ``--control
 honest`` the clean run has the same fourth daemon without the fault (a like-for-like count of processes on a
 machine whose cores the daemons share, and of members per round). ``--attackers 2``: two of either, each with a
-token of its own (colluders). The order of the two alternates from seed to seed. Measured from the honest daemons'
+token of its own (colluders). ``--attack none``: the "attacked" run is a second clean one (what two runs of a seed
+differ by with no attack: the floor under which a difference is noise). The order of the two alternates from seed
+to seed. Each daemon's data shard is pinned by seed and name (``--harness data_shard``), as in ``bench_mixed``, so
+that the two runs of a seed train on the same data (a fresh identity would pick another shard); ``--no-pin-data``
+lets each identity pick its own, as the runs recorded before that option did. Measured from the honest daemons'
 own metrics: the held-out loss of their final replicas (mean over a, b, c), multi-member merges a minute per daemon,
 adoptions (and any whose donors include the member, or whose replica is one the member served), and their refusals
 by kind (with their DHT nodes' refusals, from their logs); and each honest daemon's peak resident memory and open
@@ -101,19 +106,26 @@ def daemon_attack(args: argparse.Namespace) -> bool:
     return args.attack.startswith(("byzantine=", "reducer="))
 
 
+def pinned(args: argparse.Namespace, seed: int, name: str) -> list[str]:
+    """The daemon ``name``'s data shard for ``seed`` (none with ``--no-pin-data``)."""
+    names = (*HONEST, *ATTACKERS)
+    return ["--harness", f"data_shard={seed * len(names) + names.index(name)}"] if args.pin_data else []
+
+
 def run(root: Path, args: argparse.Namespace, seed: int, attack: bool) -> dict:
     from atoll.protocols.auth import RunKey
 
+    attack = attack and args.attack != "none"
     with LocalSwarm(root, common(args, seed)) as swarm:
-        swarm.start("a", join=False)
+        swarm.start("a", pinned(args, seed, "a"), join=False)
         for name in HONEST[1:]:
-            swarm.start(name)
+            swarm.start(name, pinned(args, seed, name))
         a = swarm.daemons["a"]
         wait_for(lambda: any(len(r["contributors"]) > 1 for r in a.rounds()), 300, "a's first merged round")
         members, results = [], [root / f"member{i}.json" for i in range(args.attackers)]
         if daemon_attack(args) and (attack or args.control == "honest"):
             for name in ATTACKERS[: args.attackers]:  # daemons of the run, lying in every round they merge
-                swarm.start(name, ["--fault", args.attack] if attack else [])
+                swarm.start(name, [*pinned(args, seed, name), *(["--fault", args.attack] if attack else [])])
         elif attack:
             for i, result in enumerate(results):  # members.py processes of their own, one token each
                 token = root / f"member{i}.token"
@@ -180,7 +192,8 @@ def measure(swarm: LocalSwarm, codes: dict, members: list[dict], attack: bool) -
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--attack", required=True, help="a member.py attack, e.g. copied_claim, or byzantine=K or reducer=K")
+    p.add_argument("--attack", required=True, help="a member.py attack, e.g. copied_claim, or byzantine=K or "
+                                                   "reducer=K; none: two clean runs (the noise floor)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=1200)
     p.add_argument("--sync-every", type=int, default=50)
@@ -197,6 +210,8 @@ def main() -> int:
     p.add_argument("--attacker-nice", type=int, default=0,
                    help="member.py attacks: the member's niceness (19: it runs on cycles the honest daemons leave, "
                         "as an attacker with a machine of its own would, on a machine whose cores they share)")
+    p.add_argument("--no-pin-data", dest="pin_data", action="store_false",
+                   help="let each daemon's identity pick its data shard (the runs before pinning)")
     p.add_argument("--keep", default=None, help="keep each run's daemons' folders (logs, metrics) under this folder")
     p.add_argument("--only", choices=("clean", "attacked"), default=None, help="run one side of each pair only")
     p.add_argument("--label", default="default")
@@ -230,7 +245,7 @@ def main() -> int:
                     raise
             name = args.attack if args.attackers == 1 else f"{args.attack} x{args.attackers}"
             r.update(seed=seed, label=args.label, attack_name=name, control=args.control,
-                     attacker_nice=args.attacker_nice,
+                     attacker_nice=args.attacker_nice, pinned_data=args.pin_data,
                      wall_s=time.monotonic() - started,
                      command="python -m scripts.bench_hostile " + " ".join(sys.argv[1:]))
             pair[attack] = r
