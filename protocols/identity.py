@@ -27,8 +27,11 @@ _ED25519_PEER_ID_RE = re.compile(r"12D3KooW[1-9A-HJ-NP-Za-km-z]{44}")
 _RSA_PEER_ID_RE = re.compile(r"Qm[1-9A-HJ-NP-Za-km-z]{44}")  # a sha2-256 multihash: open runs' hivemind identities
 _OWNER_SUBKEY_RE = re.compile(rb"\[owner:(12D3KooW[1-9A-HJ-NP-Za-km-z]{44})\]")
 _OWNER_RE = re.compile(rb"\[owner:(.+?)\]")
-_SIGNATURE_RE = re.compile(rb"\[signature:([A-Za-z0-9+/]{86}==)\]")
-_ANY_SIGNATURE_RE = re.compile(rb"\[signature:(.+?)\]")
+# A signed value ends with its one signature; nothing else in it may look like one. A loose marker accepted anywhere
+# let a member pad a signed value with megabytes that the signature did not cover and stripping removed, past every
+# per-record size cap (the review of this change).
+_SIGNATURE_SUFFIX_RE = re.compile(rb"\[signature:([A-Za-z0-9+/]{86}==)\]\Z")
+_SIGNATURE_MARKER = b"[signature:"
 OWNER_FORMAT = b"[owner:%s]"
 SIGNATURE_FORMAT = b"[signature:%s]"
 
@@ -169,7 +172,7 @@ class RecordSigner(RecordValidatorBase):
     """Signs this member's DHT records and checks everyone's, as hivemind's ``RSASignatureValidator`` does with
     Ed25519 member keys: a record whose key or subkey holds an ``[owner:PEER_ID]`` marker is protected, its value
     must end with exactly one ``[signature:...]`` of the owner's key over the record without it, and only the owner
-    can write it. A record with no marker is not this validator's to refuse (``RunRecordValidator`` requires one);
+    can write it; the signature ends the value, in canonical base64, and appears once. A record with no marker is not this validator's to refuse (``RunRecordValidator`` requires one);
     markers of two owners, a marker that is no member key, or a missing or wrong signature are refused.
     Priority 10: it signs last (the certificate's proof appended before it is covered) and checks first.
     """
@@ -195,22 +198,27 @@ class RecordSigner(RecordValidatorBase):
         return record.value + SIGNATURE_FORMAT % signature
 
     def strip_value(self, record: DHTRecord) -> bytes:
-        return _ANY_SIGNATURE_RE.sub(b"", record.value)
+        match = _SIGNATURE_SUFFIX_RE.search(record.value)
+        return record.value[:match.start()] if match else record.value
 
     def validate(self, record: DHTRecord) -> bool:
+        """Whether ``record`` is unowned, or its one owner signed it: its value is the signed bytes followed by one
+        signature in canonical base64, and nothing before it looks like a signature (one encoding per record)."""
         owners = set(_OWNER_RE.findall(record.key)) | set(_OWNER_RE.findall(record.subkey or b""))
         if not owners:
             return True
         public = public_key_of(next(iter(owners))) if len(owners) == 1 else None
-        signatures = _ANY_SIGNATURE_RE.findall(record.value)
-        valid = _SIGNATURE_RE.findall(record.value)
-        if public is None or len(signatures) != 1 or len(valid) != 1:
+        match = _SIGNATURE_SUFFIX_RE.search(record.value)
+        if public is None or match is None or record.value.count(_SIGNATURE_MARKER) != 1:
+            self.refused += 1
+            return False
+        signature = base64.b64decode(match.group(1))
+        if base64.b64encode(signature) != match.group(1):  # the last character's unused bits must be zero
             self.refused += 1
             return False
         try:
-            public.verify(base64.b64decode(valid[0]),
-                          _payload(dataclasses.replace(record, value=self.strip_value(record))))
-        except (InvalidSignature, ValueError):
+            public.verify(signature, _payload(dataclasses.replace(record, value=record.value[:match.start()])))
+        except InvalidSignature:
             self.refused += 1
             return False
         return True

@@ -67,8 +67,24 @@ def test_a_record_is_signed_by_its_owner_and_checked_against_the_key_its_marker_
         _signed(alice, key + bob.local_public_key, subkey, value),  # two owners
         dataclasses.replace(record, subkey=MSGPackSerializer.dumps(b"[owner:ssh-rsa AAAA]")),  # not a member key
     ]
+    # One record, one encoding: the signature ends the value, once, in canonical base64. A loose marker let a member
+    # pad a signed value with bytes the signature did not cover and the strip removed (past every size cap).
+    suffix = record.value[len(value):]
+    b64 = suffix[len(b"[signature:"):-1]
+    alphabet = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+    noncanonical = b64[:85] + bytes([alphabet[alphabet.index(b64[85]) ^ 1]]) + b"=="
+    assert base64.b64decode(noncanonical) == base64.b64decode(b64) and noncanonical != b64
+    refused += [
+        dataclasses.replace(record, value=value + b"[signature:" + b"x" * 100_000 + suffix),  # padded
+        dataclasses.replace(record, value=value[:2] + suffix + value[2:]),  # moved
+        dataclasses.replace(record, value=value + b"[signature:]" + suffix),
+        dataclasses.replace(record, value=value + suffix[:-1] + b"\n]"),
+        dataclasses.replace(record, value=value + b"[signature:" + noncanonical + b"]"),
+        dataclasses.replace(record, value=record.value + b"\n"),
+    ]
     for i, bad in enumerate(refused):
         assert not bob.validate(bad), i
+        assert not CompositeValidator([RecordSigner()]).validate(bad), i
     assert bob.refused == len(refused)
     assert bob.validate(DHTRecord(key, MSGPackSerializer.dumps(b"plain"), value, record.expiration_time))  # unowned
 
