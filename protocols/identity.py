@@ -171,9 +171,10 @@ def owner_of_raw_subkey(raw: object) -> bytes | None:
 class RecordSigner(RecordValidatorBase):
     """Signs this member's DHT records and checks everyone's, as hivemind's ``RSASignatureValidator`` does with
     Ed25519 member keys: a record whose key or subkey holds an ``[owner:PEER_ID]`` marker is protected, its value
-    must end with exactly one ``[signature:...]`` of the owner's key over the record without it, and only the owner
-    can write it; the signature ends the value, in canonical base64, and appears once. A record with no marker is not this validator's to refuse (``RunRecordValidator`` requires one);
-    markers of two owners, a marker that is no member key, or a missing or wrong signature are refused.
+    must end with exactly one ``[signature:...]`` of the owner's key over the record without it (in canonical
+    base64, and no other signature marker in the value), and only the owner can write it. A record with no marker
+    is not this validator's to refuse (``RunRecordValidator`` requires one); markers of two owners, a marker that
+    is no member key, or a missing or wrong signature are refused.
     Priority 10: it signs last (the certificate's proof appended before it is covered) and checks first.
     """
 

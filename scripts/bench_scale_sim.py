@@ -115,6 +115,8 @@ def main() -> int:
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     ap.add_argument("--max-group", type=int, default=16)
     ap.add_argument("--latency", type=float, default=0.1, help="seconds per DHT call")
+    ap.add_argument("--step-time", type=float, default=SimConfig.step_time, help="seconds an inner step takes")
+    ap.add_argument("--sync-every", type=int, default=SimConfig.sync_every, help="inner steps a round")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "scale_sim" / "bench_scale_sim")
     ap.add_argument("--add-to", type=Path, nargs="+", default=[], help="earlier runs' JSON: keep their runs and add "
                     "these sizes' (the figures are counts in virtual time, the same on any machine and day)")
@@ -150,7 +152,8 @@ def main() -> int:
             for variant, merge in ((v, VARIANTS[v]) for v in args.variants):
                 started = time.monotonic()
                 cfg = SimConfig(islands=n, seconds=args.seconds, warmup=args.warmup, max_group=args.max_group,
-                                latency=args.latency, seed=seed, merge_groups=merge)
+                                latency=args.latency, seed=seed, merge_groups=merge, step_time=args.step_time,
+                                sync_every=args.sync_every)
                 result = simulate(cfg)
                 result["wall_s"] = round(time.monotonic() - started, 1)
                 runs.setdefault((n, variant), []).append(result)
@@ -165,7 +168,8 @@ def main() -> int:
                "before": {"path": str(args.before), "command": before["command"],
                           "added": before.get("added", [])} if before else None,
                "seconds": args.seconds, "warmup": args.warmup, "max_group": args.max_group,
-               "latency": args.latency, "seeds": args.seeds, "sizes": rows, "growth": growth,
+               "latency": args.latency, "step_time": args.step_time, "sync_every": args.sync_every,
+               "seeds": args.seeds, "sizes": rows, "growth": growth,
                "runs": {f"{m} {v}": rs for (m, v), rs in sorted(runs.items())}}
         write_result(args.out.with_suffix(".json"), doc)  # after each size: a later one may fail
         plot(doc, args.out.with_suffix(".png"))

@@ -46,6 +46,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=800)
     p.add_argument("--sync-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step-delay", type=float, default=0.0, help="seconds every step sleeps (slower rounds)")
     p.add_argument("--label", default="default")
     p.add_argument("--out", default="docs/results/wire_kinds")
     p.add_argument("--replot", action="store_true", help="only redraw the plot from the JSON")
@@ -58,7 +59,8 @@ def main() -> int:
     os.environ["ATOLL_WIRE_PROBE"] = str(probe)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE / "wire_probe"), os.environ.get("PYTHONPATH")]))
     run_args = argparse.Namespace(model="nano", sync_every=args.sync_every, seed=args.seed, run_timeout=600,
-                                  straggler_wait=60, daemon_args=[])
+                                  straggler_wait=60,
+                                  daemon_args=["--harness", f"step_delay={args.step_delay}"] if args.step_delay else [])
     regions = [wan.Region(r, rate_mbit=args.rate, delay_ms=args.rtt / 4) for r in wan_runs.REGIONS]
     with wan.Wan(regions, tag="wk") as w:
         r = wan_runs.run_atoll(w, Path("runs/bench_wire_kinds") / args.label, "decoupled", args.steps, run_args)
@@ -67,7 +69,8 @@ def main() -> int:
     seconds = r["wall_seconds"]
     result = {
         "label": args.label, "rate_mbit": args.rate, "rtt_ms": args.rtt, "seed": args.seed, "steps": args.steps,
-        "sync_every": args.sync_every, "wall_seconds": seconds, "wire_bytes": r["wire_bytes"],
+        "sync_every": args.sync_every, "step_delay": args.step_delay,
+        "wall_seconds": seconds, "wire_bytes": r["wire_bytes"],
         "bytes_sent_counted": r["bytes_sent_counted"], "dht_and_nudge_payload_bytes": payload,
         "by_kind": dict(sorted(kinds.items(), key=lambda kv: -(kv[1]["sent"] + kv[1]["received"]))),
         "rounds_per_daemon": r["rounds_per_daemon"], "held_out_loss_mean": r["held_out_loss_mean"],
