@@ -9,6 +9,13 @@ in turns, as make about ``READ_BUDGET`` records, and the table keeps what each s
 (for at most one turn round the shards and the records' lifetime): what one read costs stays flat as the swarm
 grows, and the table is a view of the swarm that is at most one turn old. Malformed records are counted and cool
 their signing key down; the records of peers (or keys) cooling down are ignored, and so are leaving peers.
+
+The record is published and the table read at a pace (``pace``) that follows the rounds: every heartbeat while a
+round takes less than ``BEATS_PER_ROUND`` heartbeats, else ``BEATS_PER_ROUND`` times a round (at most every
+``MAX_PACE`` seconds), and at the next heartbeat whenever our replica or status changed (the others must see a new
+version at once: donors, catch-up and rounds read it). A round that forms reads the table itself when it needs it
+fresh (``refresh(max_age=...)``), so a slow pace costs the rounds nothing; what it saves is the records a daemon
+whose round lasts minutes wrote and read every few seconds.
 """
 
 from __future__ import annotations
@@ -50,6 +57,8 @@ FOLLOW_PEERS = 2
 # A progress record lives this many heartbeats (of the last one's length): one or two lost stores do not make a live
 # daemon vanish from the others' tables.
 LIFETIME_BEATS = 3
+BEATS_PER_ROUND = 4  # publications of our record (and reads of the table) a round, at least, when rounds are slow
+MAX_PACE = 60.0  # seconds between publications at most, however slow the rounds (a record lives 3 of them)
 EXPIRATION_STEP = 1e-3  # seconds a record's expiration grows by, at least, from one publication to the next
 
 
@@ -89,6 +98,9 @@ class PeerTable:
         self._told_revoked = False
         self._beat = 0.0  # seconds the last heartbeat took, its sleep included (0: none yet)
         self._expires = -float("inf")  # DHT time our last published record expires at
+        self._published_at = -float("inf")  # monotonic: when ``publish`` last stored our record
+        self._published_as: tuple | None = None  # our status and replica then (``_identity``)
+        self._lives = 0.0  # seconds the record published then lives
 
     # ---- our record -----------------------------------------------------------------------------------------
     def progress_record(self, status: Status) -> dict[str, Any]:
@@ -118,13 +130,37 @@ class PeerTable:
         # never go backwards: a shorter lifetime takes effect once the long one has run out.
         expiration = max(get_dht_time() + ttl, self._expires + EXPIRATION_STEP)
         self._expires = expiration
+        self._published_at, self._published_as = time.monotonic(), self._identity(status or ctx.counters.status)
+        self._lives = expiration - get_dht_time()
         await asyncio.gather(*(dht_io.store(ctx.dht, progress_key(ctx.namespace(), shard), rec, expiration,
                                             ctx.subkey, timeout=timeout, on_timeout=ctx.reject) for shard in shards))
 
     def lifetime(self) -> float:
-        """Seconds our progress record lives: ``LIFETIME_BEATS`` heartbeats, as long as the last one took (at most
-        what the DHT's validators accept)."""
-        return min(LIFETIME_BEATS * max(self.ctx.cfg.heartbeat, self._beat), MAX_EXPIRY["progress"])
+        """Seconds our progress record lives: ``LIFETIME_BEATS`` paces (``pace``), each at least as long as the last
+        heartbeat took (at most what the DHT's validators accept)."""
+        return min(LIFETIME_BEATS * max(self.pace(), self._beat), MAX_EXPIRY["progress"])
+
+    def pace(self) -> float:
+        """Seconds between publications of our record and reads of the table: the heartbeat, or a round's length
+        (steps a round times the measured step time) over ``BEATS_PER_ROUND`` when that is longer, at most
+        ``MAX_PACE`` (or the heartbeat, if longer)."""
+        cfg = self.ctx.cfg
+        round_s = self.ctx.counters.step_time * cfg.run.sync_every
+        return max(cfg.heartbeat, min(round_s / BEATS_PER_ROUND, MAX_PACE))
+
+    def due(self) -> bool:
+        """Whether this heartbeat publishes our record and reads the table: a pace has passed since the last
+        publication, our status or replica changed since, or the record published then is about to expire (a
+        heartbeat and a half before it does: one late or lost store does not make us vanish)."""
+        ctx = self.ctx
+        since = time.monotonic() - self._published_at
+        margin = 1.5 * max(ctx.cfg.heartbeat, self._beat)
+        return (since >= self.pace() or since >= self._lives - margin
+                or self._identity(ctx.counters.status) != self._published_as)
+
+    def _identity(self, status: Status) -> tuple:
+        """What the others must see at once when it changes: our status and our replica's versions and digests."""
+        return status, tuple(self.ctx.replica.identities())
 
     def heartbeat_took(self, seconds: float) -> None:
         """The heartbeat's last cycle (its DHT calls and its sleep) took ``seconds``. A slow DHT (a loaded machine,
@@ -186,7 +222,7 @@ class PeerTable:
         record = {"peer_id": ctx.peer_id, **totals([*everyone.values(), *([own] if own is not None else [])]),
                   "time": float(get_dht_time())}
         # Under the run's id, not a fault-injection side's namespace: the summary is for ``atoll status`` alone.
-        await dht_io.store(ctx.dht, summary_key(ctx.cfg.run_id), record, get_dht_time() + 3 * ctx.cfg.heartbeat,
+        await dht_io.store(ctx.dht, summary_key(ctx.cfg.run_id), record, get_dht_time() + 3 * self.pace(),
                            ctx.subkey, on_timeout=ctx.reject)
 
     # ---- revocation ------------------------------------------------------------------------------------------
@@ -292,8 +328,8 @@ class PeerTable:
         count = max(1, min(len(others), round(READ_BUDGET / max(self._per_shard, 1.0)) - 1))
         chosen = [others[(self._turn + i) % len(others)] for i in range(count)]
         self._turn = (self._turn + count) % len(others)
-        # A shard not read now is kept one turn round the others (at a read per heartbeat) and a record's lifetime.
-        self._keep = (math.ceil(len(others) / count) + 3) * self.ctx.cfg.heartbeat
+        # A shard not read now is kept one turn round the others (at a read per pace) and a record's lifetime.
+        self._keep = (math.ceil(len(others) / count) + 3) * self.pace()
         now = time.monotonic()
         self._follow = {s: until for s, until in self._follow.items() if until > now}
         return [self.my_shard, *chosen, *sorted(set(self._follow) - set(chosen) - {self.my_shard})]

@@ -157,12 +157,15 @@ class Syncer:
         while True:
             began = time.monotonic()
             try:
-                await self.table.publish()
+                due = self.table.due()  # at the table's pace (``PeerTable.pace``), or when our replica changed
+                if due:
+                    await self.table.publish()
                 await self.table.republish_config()
                 await self.table.publish_head()
                 await self.table.check_revocations()
-                live = await self.table.refresh()
-                await self.table.publish_summary()
+                live = await self.table.refresh() if due else self.table.peers()
+                if due:
+                    await self.table.publish_summary()
                 self.rejoin.check(set(live))
                 self.catch_up.maybe_catch_up()
             except asyncio.CancelledError:

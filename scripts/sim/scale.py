@@ -300,8 +300,9 @@ class Island:
         self.contributors: list[int] = []
         self.adopted = 0
         stats = TrafficStats()
-        cfg = SimpleNamespace(heartbeat=sim.cfg.heartbeat, client_mode=False, run_id=sim.run_id)
-        counters = SimpleNamespace(status=Status.JOINING, progress=self._progress)
+        cfg = SimpleNamespace(heartbeat=sim.cfg.heartbeat, client_mode=False, run_id=sim.run_id,
+                              run=SimpleNamespace(sync_every=sim.cfg.sync_every))
+        counters = SimpleNamespace(status=Status.JOINING, progress=self._progress, step_time=self.step_time)
         self.ctx = SimpleNamespace(
             cfg=cfg, dht=sim.dht.client(self.traffic), peer_id=self.peer_id, subkey=self.subkey,
             replica=self.replica, counters=counters, stats=stats,
@@ -325,10 +326,13 @@ class Island:
     async def heartbeat(self) -> None:
         while True:
             self.ctx.counters.status = self.status
-            await self.table.publish(self.status)
+            due = self.table.due()  # as the syncer's heartbeat: at the table's pace, or when our replica changed
+            if due:
+                await self.table.publish(self.status)
             await self.table.publish_head()
-            await self.table.refresh()
-            await self.table.publish_summary()
+            if due:
+                await self.table.refresh()
+                await self.table.publish_summary()
             if self.status == Status.TRAINING and not self.in_round and not self.downloading and self.heavier_peers():
                 self._catching_up = asyncio.ensure_future(self.catch_up())  # as the syncer does: beside the beat
             await asyncio.sleep(self.sim.cfg.heartbeat)

@@ -100,8 +100,9 @@ def sharded_table(monkeypatch, peers: int, clock: list[float]) -> tuple[PeerTabl
     monkeypatch.setattr(peers_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     stats = TrafficStats()
     ctx = SimpleNamespace(dht=None, namespace=lambda: "run", reject=stats.reject, cooldown=Cooldown(60.0),
-                          replica=SimpleNamespace(num_fragments=1), peer_id="me",
-                          cfg=SimpleNamespace(heartbeat=2.0))
+                          replica=SimpleNamespace(num_fragments=1, identities=lambda: []), peer_id="me",
+                          cfg=SimpleNamespace(heartbeat=2.0, run=SimpleNamespace(sync_every=20)),
+                          counters=SimpleNamespace(step_time=0.0))
     return PeerTable(ctx), dht, stats
 
 
@@ -232,8 +233,9 @@ def test_a_progress_record_from_the_future_is_left_out_and_counted(monkeypatch, 
     monkeypatch.setattr("atoll.node.rounds.peers.dht_io.get_many", get_many)
     stats = TrafficStats()
     ctx = SimpleNamespace(dht=None, namespace=lambda: "run", reject=stats.reject, cooldown=Cooldown(60.0),
-                          replica=SimpleNamespace(num_fragments=1), peer_id="me",
-                          cfg=SimpleNamespace(heartbeat=2.0))  # open run
+                          replica=SimpleNamespace(num_fragments=1, identities=lambda: []), peer_id="me",
+                          cfg=SimpleNamespace(heartbeat=2.0, run=SimpleNamespace(sync_every=20)),
+                          counters=SimpleNamespace(step_time=0.0))  # open run
     peers = asyncio.run(PeerTable(ctx, shards=shards).refresh())
     assert set(peers) == {"b"} and stats.rejected_by_kind == {"progress_record_time": 1}
 
@@ -257,7 +259,8 @@ def test_a_look_up_reads_the_shards_of_unknown_peers_at_most_once_per_max_age(mo
 
 
 def test_a_record_lives_three_heartbeats_of_the_last_ones_length(caplog):
-    table = PeerTable(ctx=SimpleNamespace(peer_id="me", cfg=SimpleNamespace(heartbeat=2.0)))
+    table = PeerTable(ctx=SimpleNamespace(peer_id="me", cfg=SimpleNamespace(heartbeat=2.0, run=SimpleNamespace(
+        sync_every=20)), counters=SimpleNamespace(step_time=0.01)))  # rounds of 0.2 s: the pace is the heartbeat
     assert table.lifetime() == 6.0  # before any heartbeat: three configured ones
     table.heartbeat_took(2.5)
     assert table.lifetime() == 7.5 and not caplog.records
@@ -283,7 +286,7 @@ def publishing_table(monkeypatch):
     table, _, _ = sharded_table(monkeypatch, 0, [0.0])
     monkeypatch.setattr(peers_module.dht_io, "store", store)
     monkeypatch.setattr(table, "progress_record", lambda status: {})
-    table.ctx.subkey, table.ctx.cfg = b"k", SimpleNamespace(heartbeat=1.0)
+    table.ctx.subkey, table.ctx.cfg = b"k", SimpleNamespace(heartbeat=1.0, run=SimpleNamespace(sync_every=20))
     return table, expirations
 
 
@@ -313,3 +316,82 @@ def test_after_a_long_heartbeat_expirations_never_go_backwards(monkeypatch):
     assert all(len(e) == 1 for e in published)  # one expiration for the record under each of its keys
     times = [long, *(e.pop() for e in published)]
     assert all(a < b for a, b in zip(times, times[1:])), times
+
+
+# ---- the pace of our record and of reads of the table --------------------------------------------------------------
+def paced_table(monkeypatch, clock: list[float], step_time: float, heartbeat: float = 2.0) -> tuple[PeerTable, list]:
+    """A table whose publications are counted: a daemon of rounds of 100 steps of ``step_time`` seconds."""
+    stored: list[float] = []
+
+    async def store(dht, key, value, expiration, subkey, **kw):
+        stored.append(expiration - clock[0])
+
+    monkeypatch.setattr(peers_module.dht_io, "store", store)
+    monkeypatch.setattr(peers_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(peers_module, "get_dht_time", lambda: clock[0])
+    identities = [(3, 1.0, "abc")]
+    counters = SimpleNamespace(step_time=step_time, status=Status.TRAINING,
+                               progress=lambda: {"step": 1})
+    ctx = SimpleNamespace(dht=None, namespace=lambda: "run", reject=TrafficStats().reject, peer_id="me",
+                          replica=SimpleNamespace(identities=lambda: list(identities), schedule_step=0),
+                          cfg=SimpleNamespace(heartbeat=heartbeat, run=SimpleNamespace(sync_every=100),
+                                              client_mode=False),
+                          counters=counters, stats=TrafficStats(), subkey=b"me")
+    table = PeerTable(ctx)
+    table._per_shard = 0.1  # a small swarm: one key besides our shard
+    return table, stored, identities
+
+
+def test_the_pace_follows_the_rounds_between_the_heartbeat_and_its_cap():
+    def pace(step_time, heartbeat=2.0):
+        ctx = SimpleNamespace(cfg=SimpleNamespace(heartbeat=heartbeat, run=SimpleNamespace(sync_every=100)),
+                              counters=SimpleNamespace(step_time=step_time), peer_id="me")
+        return PeerTable(ctx).pace()
+
+    assert pace(0.0) == 2.0 and pace(0.05) == 2.0  # rounds of 0 and 5 s: every heartbeat, as before
+    assert pace(1.0) == 25.0  # rounds of 100 s: four times a round
+    assert pace(10.0) == peers_module.MAX_PACE  # rounds of 1,000 s: at most MAX_PACE apart
+    assert pace(10.0, heartbeat=120.0) == 120.0  # a heartbeat set longer than the cap is kept
+
+
+def test_a_slow_round_publishes_at_its_pace_and_at_once_when_the_replica_changes(monkeypatch):
+    clock = [0.0]
+    table, stored, identities = paced_table(monkeypatch, clock, step_time=1.0)  # pace 25 s
+    beats = 0
+
+    def beat():  # the syncer's heartbeat, every 2 s: it publishes when the table says it is due
+        nonlocal beats
+        if table.due():
+            asyncio.run(table.publish())
+            beats += 1
+        clock[0] += 2.0
+
+    for _ in range(30):  # 60 s: at 0, 26 and 52 s
+        beat()
+    assert beats == 3 and all(ttl == pytest.approx(75.0) for ttl in stored)  # three paces: a record lives 75 s
+    identities[0] = (4, 2.0, "abd")  # a round merged: the others must see it now
+    assert table.due()
+    beat()
+    assert beats == 4 and not table.due()
+    table.ctx.counters.status = Status.PAUSED
+    assert table.due()
+
+
+def test_a_fast_round_publishes_every_heartbeat_as_before(monkeypatch):
+    clock = [0.0]
+    table, stored, _ = paced_table(monkeypatch, clock, step_time=0.01)  # rounds of 1 s: pace = heartbeat
+    for _ in range(10):
+        assert table.due()
+        asyncio.run(table.publish())
+        clock[0] += 2.0
+    assert stored == [pytest.approx(6.0)] * 20  # our shard and the small swarm's one key, each beat
+
+
+def test_a_record_about_to_expire_is_published_again_whatever_the_pace(monkeypatch):
+    clock = [0.0]
+    table, stored, _ = paced_table(monkeypatch, clock, step_time=1.0)
+    asyncio.run(table.publish(ttl=10.0))  # a short-lived record (as the syncer's last one before it leaves)
+    clock[0] = 6.0
+    assert not table.due()
+    clock[0] = 7.0  # 3 s before it expires, within a heartbeat and a half
+    assert table.due()
