@@ -59,7 +59,7 @@ from .peers import PeerTable
 
 logger = logging.getLogger("atoll")
 UNBACKED_OFFENCES = 2  # failed downloads in a row from one donor (one may be bad luck: it died, or moved on)
-RECORD_GRACE = 3.0  # heartbeats: a donor's record shows what it moved on to after at most about this long
+RECORD_GRACE = 3.0  # paces of our table (heartbeats while rounds are short): a donor's record shows what it moved on to after at most about this long
 MAX_TRACKED_DONORS = 1024
 LONELY_INTERVAL = 10.0  # seconds between adoptions of a claim nobody vouches for, per fragment
 MAX_NORM_RATIO = 2.0  # such a state's norm may differ from our replica's by at most this factor
@@ -403,7 +403,7 @@ class CatchUp:
 
     def _unbacked(self, donor: str, claim: tuple | None) -> None:
         """A donor we chose for the replica it claims (``claim``) did not deliver it. ``UNBACKED_OFFENCES`` in a row
-        for one claim, the first and the last at least ``RECORD_GRACE`` heartbeats apart, make it an offender: a
+        for one claim, the first and the last at least ``RECORD_GRACE`` paces apart, make it an offender: a
         member that claims a heavier replica and never serves it would otherwise keep everyone abandoning their
         rounds to catch up (the review's variant: merges fell from 80 to 0). The grace: an honest donor that moved
         on, even to a lighter replica (it took the swarm's line over its fork), refuses the claim its record still
@@ -413,7 +413,8 @@ class CatchUp:
         if held != claim:
             failures, since = 0, now
         failures += 1
-        if failures < UNBACKED_OFFENCES or now - since < RECORD_GRACE * self.ctx.cfg.heartbeat:
+        # Paces, not heartbeats: we read the donor's next record at our table's pace (``PeerTable.pace``).
+        if failures < UNBACKED_OFFENCES or now - since < RECORD_GRACE * self.peers.pace():
             if len(self._failures) >= MAX_TRACKED_DONORS and donor not in self._failures:
                 self._failures.clear()
             self._failures[donor] = (claim, failures, since)

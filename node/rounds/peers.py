@@ -101,6 +101,8 @@ class PeerTable:
         self._published_at = -float("inf")  # monotonic: when ``publish`` last stored our record
         self._published_as: tuple | None = None  # our status and replica then (``_identity``)
         self._lives = 0.0  # seconds the record published then lives
+        self._paced = 0.0  # the pace when we last published (0: never)
+        self._summarized_at = -float("inf")  # monotonic: when ``publish_summary`` last ran
 
     # ---- our record -----------------------------------------------------------------------------------------
     def progress_record(self, status: Status) -> dict[str, Any]:
@@ -131,7 +133,7 @@ class PeerTable:
         expiration = max(get_dht_time() + ttl, self._expires + EXPIRATION_STEP)
         self._expires = expiration
         self._published_at, self._published_as = time.monotonic(), self._identity(status or ctx.counters.status)
-        self._lives = expiration - get_dht_time()
+        self._lives, self._paced = expiration - get_dht_time(), self.pace()
         await asyncio.gather(*(dht_io.store(ctx.dht, progress_key(ctx.namespace(), shard), rec, expiration,
                                             ctx.subkey, timeout=timeout, on_timeout=ctx.reject) for shard in shards))
 
@@ -141,22 +143,41 @@ class PeerTable:
         return min(LIFETIME_BEATS * max(self.pace(), self._beat), MAX_EXPIRY["progress"])
 
     def pace(self) -> float:
-        """Seconds between publications of our record and reads of the table: the heartbeat, or a round's length
-        (steps a round times the measured step time) over ``BEATS_PER_ROUND`` when that is longer, at most
-        ``MAX_PACE`` (or the heartbeat, if longer)."""
-        cfg = self.ctx.cfg
-        round_s = self.ctx.counters.step_time * cfg.run.sync_every
-        return max(cfg.heartbeat, min(round_s / BEATS_PER_ROUND, MAX_PACE))
+        """Seconds between publications of our record, reads of the table and summaries: the heartbeat, or a
+        round's length (steps a round times the measured step time) over ``BEATS_PER_ROUND`` when that is longer, at
+        most ``MAX_PACE`` (or the heartbeat, if longer), and at most twice the pace of our last publication (one
+        slow step, a warm-up's or a stall's, must not make the record live minutes). The heartbeat where learners
+        wait for their rounds (``synchronous``, ``ddp``): there a dead peer's record must go at once, or every round
+        waits its gather deadline for it."""
+        ctx, cfg = self.ctx, self.ctx.cfg
+        if ctx.algorithm.synchronous or ctx.algorithm.gradient_allreduce:
+            return cfg.heartbeat
+        round_s = ctx.counters.step_time * cfg.run.sync_every
+        return max(cfg.heartbeat, min(round_s / BEATS_PER_ROUND, MAX_PACE, 2 * self._paced))
 
-    def due(self) -> bool:
-        """Whether this heartbeat publishes our record and reads the table: a pace has passed since the last
-        publication, our status or replica changed since, or the record published then is about to expire (a
-        heartbeat and a half before it does: one late or lost store does not make us vanish)."""
+    def publish_due(self) -> bool:
+        """Whether this heartbeat publishes our record: every heartbeat while the pace is the heartbeat (as it
+        always was); else once a pace has passed since our last publication (a round's own included), at once when
+        our status or replica changed since, or when the record published then is about to expire (a heartbeat and
+        a half before it does: one late or lost store does not make us vanish)."""
         ctx = self.ctx
+        if self.pace() <= ctx.cfg.heartbeat:
+            return True
         since = time.monotonic() - self._published_at
         margin = 1.5 * max(ctx.cfg.heartbeat, self._beat)
         return (since >= self.pace() or since >= self._lives - margin
                 or self._identity(ctx.counters.status) != self._published_as)
+
+    def read_due(self) -> bool:
+        """Whether this heartbeat reads the table: every heartbeat while the pace is the heartbeat; else once a pace
+        has passed since the table was last read (by anyone: a round's or catch-up's read makes it fresh too)."""
+        return self.pace() <= self.ctx.cfg.heartbeat or time.monotonic() - self._read_at >= self.pace()
+
+    def summary_due(self) -> bool:
+        """Whether this heartbeat publishes the summary (if we are a summarizer): as ``read_due``, on a clock of its
+        own (the summary lives three paces, whoever read the table meanwhile)."""
+        return (self.pace() <= self.ctx.cfg.heartbeat
+                or time.monotonic() - self._summarized_at >= self.pace())
 
     def _identity(self, status: Status) -> tuple:
         """What the others must see at once when it changes: our status and our replica's versions and digests."""
@@ -215,6 +236,7 @@ class PeerTable:
         """If this daemon is one of the run's summarizers (``summary.is_summarizer`` over its table), publish the
         totals of its table and itself, for ``atoll status`` to read instead of every record."""
         ctx = self.ctx
+        self._summarized_at = time.monotonic()
         everyone = self.everyone()
         if not is_summarizer(ctx.peer_id, everyone):
             return

@@ -157,14 +157,14 @@ class Syncer:
         while True:
             began = time.monotonic()
             try:
-                due = self.table.due()  # at the table's pace (``PeerTable.pace``), or when our replica changed
-                if due:
+                # At the table's pace (``PeerTable.pace``): every heartbeat while rounds are short.
+                if self.table.publish_due():
                     await self.table.publish()
                 await self.table.republish_config()
                 await self.table.publish_head()
                 await self.table.check_revocations()
-                live = await self.table.refresh() if due else self.table.peers()
-                if due:
+                live = await self.table.refresh() if self.table.read_due() else self.table.peers()
+                if self.table.summary_due():
                     await self.table.publish_summary()
                 self.rejoin.check(set(live))
                 self.catch_up.maybe_catch_up()

@@ -305,6 +305,7 @@ class Island:
         counters = SimpleNamespace(status=Status.JOINING, progress=self._progress, step_time=self.step_time)
         self.ctx = SimpleNamespace(
             cfg=cfg, dht=sim.dht.client(self.traffic), peer_id=self.peer_id, subkey=self.subkey,
+            algorithm=SimpleNamespace(synchronous=False, gradient_allreduce=False),  # decoupled
             replica=self.replica, counters=counters, stats=stats,
             cooldown=Cooldown(60.0, sim.clock),
             namespace=lambda: sim.run_id, reject=stats.reject,
@@ -326,12 +327,12 @@ class Island:
     async def heartbeat(self) -> None:
         while True:
             self.ctx.counters.status = self.status
-            due = self.table.due()  # as the syncer's heartbeat: at the table's pace, or when our replica changed
-            if due:
+            if self.table.publish_due():  # as the syncer's heartbeat: at the table's pace (``PeerTable.pace``)
                 await self.table.publish(self.status)
             await self.table.publish_head()
-            if due:
+            if self.table.read_due():
                 await self.table.refresh()
+            if self.table.summary_due():
                 await self.table.publish_summary()
             if self.status == Status.TRAINING and not self.in_round and not self.downloading and self.heavier_peers():
                 self._catching_up = asyncio.ensure_future(self.catch_up())  # as the syncer does: beside the beat

@@ -41,8 +41,11 @@ def test_vouched_matches_a_naive_count_of_holders():
 
 
 class Table:
-    def __init__(self, peers):
-        self._peers = peers
+    def __init__(self, peers, pace=1.0):
+        self._peers, self._pace = peers, pace
+
+    def pace(self):  # PeerTable.pace: seconds between our reads of the table (the heartbeat while rounds are short)
+        return self._pace
 
     def training(self):
         return list(self._peers)
@@ -55,14 +58,14 @@ def holder(name, version, weight, digest):
     return r
 
 
-def catch_up(peers, vouchers=2):
+def catch_up(peers, vouchers=2, pace=1.0):
     replica = Replica([torch.zeros(4)], versions=[5], weights=[5.0])
     stats = TrafficStats()
     ctx = SimpleNamespace(replica=replica, cfg=SimpleNamespace(state_vouchers=vouchers, heartbeat=1.0), stats=stats,
                           cooldown=Cooldown(60.0), peer_id="me", subkey=b"me")
     stats.on_offence = lambda source, kind: ctx.cooldown.offend(source, kind)  # as the syncer wires it
     ctx.reject = stats.reject
-    cu = CatchUp(ctx, Table(peers))
+    cu = CatchUp(ctx, Table(peers, pace))
     cu._clock = itertools.count(0.0, 10.0).__next__  # each failure a record's grace after the last
     return cu, ctx
 
@@ -105,10 +108,11 @@ def test_a_donor_that_fails_its_claim_repeatedly_is_an_offender():
 def test_a_donor_is_blamed_only_once_its_record_had_time_to_show_it_moved_on():
     """The local swarm's founder: it took the swarm's line over its own fork (a lighter replica), and refused the
     claim its record still showed twice within a second: blamed at once, it was left out of every round for two
-    minutes. A donor fails a claim only if it still refuses it ``RECORD_GRACE`` heartbeats after the first time."""
+    minutes. A donor fails a claim only if it still refuses it ``RECORD_GRACE`` paces of our table after the first
+    time: where rounds are slow we read its next record a pace later (25 s here), not a heartbeat."""
     from atoll.node.rounds.catchup import RECORD_GRACE
 
-    cu, ctx = catch_up([])
+    cu, ctx = catch_up([], pace=25.0)
     now = [0.0]
     cu._clock = lambda: now[0]
     claim = (9, 9.0, "x")
@@ -117,7 +121,11 @@ def test_a_donor_is_blamed_only_once_its_record_had_time_to_show_it_moved_on():
         now[0] += 0.3
     assert not ctx.cooldown.active("a")
     cu._unbacked("a", (8, 10.0, "y"))  # its record moved on: the count starts over
-    now[0] += RECORD_GRACE * ctx.cfg.heartbeat
+    for _ in range(UNBACKED_OFFENCES + 2):  # a few heartbeats on, our table not read again yet: not blamed
+        now[0] += 2.0 * ctx.cfg.heartbeat
+        cu._unbacked("a", (8, 10.0, "y"))
+    assert not ctx.cooldown.active("a")
+    now[0] += RECORD_GRACE * 25.0
     cu._unbacked("a", (8, 10.0, "y"))  # still refusing what its record claims a grace later: an offence
     assert ctx.cooldown.active("a") and ctx.stats.rejected_by_kind == {"unbacked_claim": 1}
 

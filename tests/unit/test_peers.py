@@ -102,7 +102,8 @@ def sharded_table(monkeypatch, peers: int, clock: list[float]) -> tuple[PeerTabl
     ctx = SimpleNamespace(dht=None, namespace=lambda: "run", reject=stats.reject, cooldown=Cooldown(60.0),
                           replica=SimpleNamespace(num_fragments=1, identities=lambda: []), peer_id="me",
                           cfg=SimpleNamespace(heartbeat=2.0, run=SimpleNamespace(sync_every=20)),
-                          counters=SimpleNamespace(step_time=0.0))
+                          counters=SimpleNamespace(step_time=0.0),
+                          algorithm=SimpleNamespace(synchronous=False, gradient_allreduce=False))
     return PeerTable(ctx), dht, stats
 
 
@@ -235,7 +236,8 @@ def test_a_progress_record_from_the_future_is_left_out_and_counted(monkeypatch, 
     ctx = SimpleNamespace(dht=None, namespace=lambda: "run", reject=stats.reject, cooldown=Cooldown(60.0),
                           replica=SimpleNamespace(num_fragments=1, identities=lambda: []), peer_id="me",
                           cfg=SimpleNamespace(heartbeat=2.0, run=SimpleNamespace(sync_every=20)),
-                          counters=SimpleNamespace(step_time=0.0))  # open run
+                          counters=SimpleNamespace(step_time=0.0),
+                          algorithm=SimpleNamespace(synchronous=False, gradient_allreduce=False))  # open run
     peers = asyncio.run(PeerTable(ctx, shards=shards).refresh())
     assert set(peers) == {"b"} and stats.rejected_by_kind == {"progress_record_time": 1}
 
@@ -260,7 +262,8 @@ def test_a_look_up_reads_the_shards_of_unknown_peers_at_most_once_per_max_age(mo
 
 def test_a_record_lives_three_heartbeats_of_the_last_ones_length(caplog):
     table = PeerTable(ctx=SimpleNamespace(peer_id="me", cfg=SimpleNamespace(heartbeat=2.0, run=SimpleNamespace(
-        sync_every=20)), counters=SimpleNamespace(step_time=0.01)))  # rounds of 0.2 s: the pace is the heartbeat
+        sync_every=20)), counters=SimpleNamespace(step_time=0.01),  # rounds of 0.2 s: the pace is the heartbeat
+        algorithm=SimpleNamespace(synchronous=False, gradient_allreduce=False)))
     assert table.lifetime() == 6.0  # before any heartbeat: three configured ones
     table.heartbeat_took(2.5)
     assert table.lifetime() == 7.5 and not caplog.records
@@ -336,22 +339,29 @@ def paced_table(monkeypatch, clock: list[float], step_time: float, heartbeat: fl
                           replica=SimpleNamespace(identities=lambda: list(identities), schedule_step=0),
                           cfg=SimpleNamespace(heartbeat=heartbeat, run=SimpleNamespace(sync_every=100),
                                               client_mode=False),
-                          counters=counters, stats=TrafficStats(), subkey=b"me")
+                          counters=counters, stats=TrafficStats(), subkey=b"me",
+                          algorithm=SimpleNamespace(synchronous=False, gradient_allreduce=False))
     table = PeerTable(ctx)
     table._per_shard = 0.1  # a small swarm: one key besides our shard
     return table, stored, identities
 
 
 def test_the_pace_follows_the_rounds_between_the_heartbeat_and_its_cap():
-    def pace(step_time, heartbeat=2.0):
+    def pace(step_time, heartbeat=2.0, synchronous=False, ddp=False):
         ctx = SimpleNamespace(cfg=SimpleNamespace(heartbeat=heartbeat, run=SimpleNamespace(sync_every=100)),
-                              counters=SimpleNamespace(step_time=step_time), peer_id="me")
-        return PeerTable(ctx).pace()
+                              counters=SimpleNamespace(step_time=step_time), peer_id="me",
+                              algorithm=SimpleNamespace(synchronous=synchronous, gradient_allreduce=ddp))
+        table = PeerTable(ctx)
+        table._paced = 1e9  # published at a long pace already: no cap on its growth
+        return table.pace()
 
     assert pace(0.0) == 2.0 and pace(0.05) == 2.0  # rounds of 0 and 5 s: every heartbeat, as before
     assert pace(1.0) == 25.0  # rounds of 100 s: four times a round
     assert pace(10.0) == peers_module.MAX_PACE  # rounds of 1,000 s: at most MAX_PACE apart
     assert pace(10.0, heartbeat=120.0) == 120.0  # a heartbeat set longer than the cap is kept
+    # Learners that wait for their rounds (diloco, streaming) and ddp's every-step all-reduce: a dead peer's record
+    # must go at once, or every round waits its deadline for it.
+    assert pace(10.0, synchronous=True) == 2.0 and pace(10.0, ddp=True) == 2.0
 
 
 def test_a_slow_round_publishes_at_its_pace_and_at_once_when_the_replica_changes(monkeypatch):
@@ -361,27 +371,60 @@ def test_a_slow_round_publishes_at_its_pace_and_at_once_when_the_replica_changes
 
     def beat():  # the syncer's heartbeat, every 2 s: it publishes when the table says it is due
         nonlocal beats
-        if table.due():
+        if table.publish_due():
             asyncio.run(table.publish())
             beats += 1
         clock[0] += 2.0
 
-    for _ in range(30):  # 60 s: at 0, 26 and 52 s
+    for _ in range(30):  # the pace doubles from the heartbeat's at each publication, to 25 s
         beat()
-    assert beats == 3 and all(ttl == pytest.approx(75.0) for ttl in stored)  # three paces: a record lives 75 s
+    assert [round(ttl) for ttl in stored[::2]] == [6, 12, 24, 48, 75]  # three paces each; two keys a publication
+    at = len(stored)
+    for _ in range(30):  # 60 s more at 25 s
+        beat()
+    assert len(stored) - at == 2 * 2
     identities[0] = (4, 2.0, "abd")  # a round merged: the others must see it now
-    assert table.due()
+    assert table.publish_due()
     beat()
-    assert beats == 4 and not table.due()
+    assert not table.publish_due()
     table.ctx.counters.status = Status.PAUSED
-    assert table.due()
+    assert table.publish_due()
+
+
+def test_a_rounds_own_publication_does_not_stop_the_heartbeat_reading_the_table(monkeypatch):
+    """A round publishes our record when it lands; the table is read and the summary published on clocks of their
+    own, at the pace (a round landing every 1.5 s kept the heartbeat from ever being due, in the review)."""
+    clock = [0.0]
+    table, _, identities = paced_table(monkeypatch, clock, step_time=1.0)
+    table._paced = 25.0
+    for i in range(40):  # 80 s; a round lands (and publishes) before every heartbeat
+        identities[0] = (5 + i, 1.0, f"d{i}")
+        asyncio.run(table.publish())
+        assert not table.publish_due()
+        if table.read_due():
+            table._read_at = clock[0]  # what ``refresh`` notes
+        if table.summary_due():
+            table._summarized_at = clock[0]
+        clock[0] += 2.0
+    assert table._read_at >= 50.0 and table._summarized_at >= 50.0
+
+
+def test_one_slow_step_does_not_make_the_record_live_minutes(monkeypatch):
+    clock = [0.0]
+    table, stored, _ = paced_table(monkeypatch, clock, step_time=40.0)  # a warm-up step of 40 s
+    asyncio.run(table.publish())
+    assert stored[0] == pytest.approx(6.0)  # the pace grows from the heartbeat's, twice at most a publication
+    table.ctx.counters.step_time = 0.05
+    clock[0] += 3.0
+    asyncio.run(table.publish())
+    assert stored[-1] == pytest.approx(6.0)
 
 
 def test_a_fast_round_publishes_every_heartbeat_as_before(monkeypatch):
     clock = [0.0]
     table, stored, _ = paced_table(monkeypatch, clock, step_time=0.01)  # rounds of 1 s: pace = heartbeat
     for _ in range(10):
-        assert table.due()
+        assert table.publish_due() and table.read_due() and table.summary_due()
         asyncio.run(table.publish())
         clock[0] += 2.0
     assert stored == [pytest.approx(6.0)] * 20  # our shard and the small swarm's one key, each beat
@@ -390,8 +433,9 @@ def test_a_fast_round_publishes_every_heartbeat_as_before(monkeypatch):
 def test_a_record_about_to_expire_is_published_again_whatever_the_pace(monkeypatch):
     clock = [0.0]
     table, stored, _ = paced_table(monkeypatch, clock, step_time=1.0)
-    asyncio.run(table.publish(ttl=10.0))  # a short-lived record (as the syncer's last one before it leaves)
+    table._paced = 25.0
+    asyncio.run(table.publish(ttl=10.0))  # a short-lived record (a stall's, say)
     clock[0] = 6.0
-    assert not table.due()
+    assert not table.publish_due()
     clock[0] = 7.0  # 3 s before it expires, within a heartbeat and a half
-    assert table.due()
+    assert table.publish_due()
