@@ -59,7 +59,9 @@ from .peers import PeerTable
 
 logger = logging.getLogger("atoll")
 UNBACKED_OFFENCES = 2  # failed downloads in a row from one donor (one may be bad luck: it died, or moved on)
-RECORD_GRACE = 3.0  # paces of our table (heartbeats while rounds are short): a donor's record shows what it moved on to after at most about this long
+# Paces of our table (heartbeats while rounds are short): a donor's record, as we read it, shows what it moved on to
+# after at most about this long.
+RECORD_GRACE = 3.0
 MAX_TRACKED_DONORS = 1024
 LONELY_INTERVAL = 10.0  # seconds between adoptions of a claim nobody vouches for, per fragment
 MAX_NORM_RATIO = 2.0  # such a state's norm may differ from our replica's by at most this factor
