@@ -244,7 +244,7 @@ def main() -> int:
                               flush=True)
                     raise
             name = args.attack if args.attackers == 1 else f"{args.attack} x{args.attackers}"
-            r.update(seed=seed, label=args.label, attack_name=name, control=args.control,
+            r.update(attack=attack, seed=seed, label=args.label, attack_name=name, control=args.control,
                      attacker_nice=args.attacker_nice, pinned_data=args.pin_data,
                      wall_s=time.monotonic() - started,
                      command="python -m scripts.bench_hostile " + " ".join(sys.argv[1:]))
