@@ -76,7 +76,8 @@ def plot(doc: dict[str, Any], path: Path) -> None:
 
     fig, axes = plt.subplots(3, 4, figsize=(17, 10))
     for ax, (key, (label, unit, _)) in zip(axes.flat, FIGURES.items()):
-        for variant, color in COLORS.items():
+        before = doc.get("before_label", BEFORE)
+        for variant, color in {**COLORS, before: COLORS[BEFORE]}.items():
             rows = [r for r in doc["sizes"] if r["variant"] == variant and r[key] is not None]
             if not rows:
                 continue
@@ -98,7 +99,8 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         ax.axis("off")
     fig.suptitle(f"bench_scale_sim: the protocol's real code over a simulated DHT, groups capped at "
                  f"{doc['max_group']}; merged: a split round's groups merge, split: they stay apart; "
-                 f"{BEFORE}: an earlier revision's merged runs (mean over seeds, bars: lowest and highest seed)",
+                 f"{doc.get('before_label', BEFORE)}: an earlier revision's merged runs (mean over seeds, bars: "
+                 f"lowest and highest seed)",
                  fontsize=9)
     fig.tight_layout()
     save_figure(fig, path)
@@ -115,6 +117,7 @@ def main() -> int:
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     ap.add_argument("--max-group", type=int, default=16)
     ap.add_argument("--latency", type=float, default=0.1, help="seconds per DHT call")
+    ap.add_argument("--before-label", default=BEFORE, help="what ``--before``'s runs are called in the table and plot")
     ap.add_argument("--step-time", type=float, default=SimConfig.step_time, help="seconds an inner step takes")
     ap.add_argument("--sync-every", type=int, default=SimConfig.sync_every, help="inner steps a round")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "scale_sim" / "bench_scale_sim")
@@ -144,7 +147,7 @@ def main() -> int:
     for name, results in (before or {}).get("runs", {}).items():
         n, variant = name.split(" ", 1)
         if variant == "merged":
-            runs[(int(n), BEFORE)] = results
+            runs[(int(n), args.before_label)] = results
     for n in each(args.sizes or [None], "sizes"):
         seeds = [] if n is None else (args.seeds[:args.largest_seeds] if args.largest_seeds and n == max(args.sizes)
                                    else args.seeds)
@@ -168,6 +171,7 @@ def main() -> int:
                "before": {"path": str(args.before), "command": before["command"],
                           "added": before.get("added", [])} if before else None,
                "seconds": args.seconds, "warmup": args.warmup, "max_group": args.max_group,
+               "before_label": args.before_label,
                "latency": args.latency, "step_time": args.step_time, "sync_every": args.sync_every,
                "seeds": args.seeds, "sizes": rows, "growth": growth,
                "runs": {f"{m} {v}": rs for (m, v), rs in sorted(runs.items())}}
