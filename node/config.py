@@ -113,7 +113,8 @@ class NodeConfig:
                             metavar="PROJECT")
     wandb_name: str | None = opt(None, help="the W&B run's name (default: <run id>-<peer id's last 8>)",
                                  metavar="NAME")
-    heartbeat: float = opt(2.0, help="seconds between progress records", metavar="S")
+    heartbeat: float = opt(2.0, help="seconds between progress records (at least; up to a quarter of a round, at "
+                                     "most 60 s, when a decoupled daemon's rounds are slower)", metavar="S")
     eval_batches: int = opt(8, help="held-out batches per evaluation", metavar="N")
     eval_budget: float = opt(0.01, help="share of wall time the held-out evaluation may take, in (0, 1]: it runs "
                                         "after a merge (and once at the end) only while the time spent on it so far "
