@@ -54,8 +54,8 @@ ALL_READ_UP_TO = READ_BUDGET * 5 // 4  # once reading the ALL_SHARDS key, it is 
 WRITE_ALL_UP_TO = 2 * READ_BUDGET  # a daemon writes its record under the ALL_SHARDS key while its table is this small
 FOLLOW_S = 20.0  # seconds the shards of peers we follow (``follow``) are read at every read of the table
 FOLLOW_PEERS = 2
-# A progress record lives this many heartbeats (of the last one's length): one or two lost stores do not make a live
-# daemon vanish from the others' tables.
+# A progress record lives this many paces (each at least the last heartbeat's length): one or two lost stores do not
+# make a live daemon vanish from the others' tables.
 LIFETIME_BEATS = 3
 BEATS_PER_ROUND = 4  # publications of our record (and reads of the table) a round, at least, when rounds are slow
 MAX_PACE = 60.0  # seconds between publications at most, however slow the rounds (a record lives 3 of them)
