@@ -42,12 +42,11 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 
-from .identity import MemberKey, owner_of_subkey
+from .identity import OWNER_RE, MemberKey, owner_of_subkey
 
 CERT_VERSION = 1
 MAX_CERT_BYTES = 2048  # a member key (its peer id) is 52 bytes; the certificate about 190
 TOKEN_FORMAT = "atoll-join-token-2"  # 1: an RSA member key, before they were Ed25519
-_OWNER_RE = re.compile(rb"\[owner:(.+?)\]")
 _MEMBER_RE = re.compile(rb"\[member:([A-Za-z0-9+/=]+)\]$")
 _MEMBER_FORMAT = b"[member:%s]"
 MAX_PROOF_BYTES = 96  # msgpack of [a float, 64 bytes]: 76
@@ -299,7 +298,7 @@ class MembershipValidator(RecordValidatorBase):
         if self.run_public_key is None:
             return True
         owner = owner_of_subkey(record.subkey)
-        owners = [owner] if owner is not None else _OWNER_RE.findall(record.subkey or b"")[:1]
+        owners = [owner] if owner is not None else OWNER_RE.findall(record.subkey or b"")[:1]
         match = _MEMBER_RE.search(record.value)
         if owner is None or match is None:
             self._refused(owners[0] if owners else b"", "no membership certificate")

@@ -26,7 +26,7 @@ _ED25519_PREFIX = b"\x00\x24" + b"\x08\x01\x12\x20"
 _ED25519_PEER_ID_RE = re.compile(r"12D3KooW[1-9A-HJ-NP-Za-km-z]{44}")
 _RSA_PEER_ID_RE = re.compile(r"Qm[1-9A-HJ-NP-Za-km-z]{44}")  # a sha2-256 multihash: open runs' hivemind identities
 _OWNER_SUBKEY_RE = re.compile(rb"\[owner:(12D3KooW[1-9A-HJ-NP-Za-km-z]{44})\]")
-_OWNER_RE = re.compile(rb"\[owner:(.+?)\]")
+OWNER_RE = re.compile(rb"\[owner:(.+?)\]")  # any owner marker, well-formed or not
 # A signed value ends with its one signature; nothing else in it may look like one. A loose marker accepted anywhere
 # let a member pad a signed value with megabytes that the signature did not cover and stripping removed, past every
 # per-record size cap (the review of this change).
@@ -205,7 +205,7 @@ class RecordSigner(RecordValidatorBase):
     def validate(self, record: DHTRecord) -> bool:
         """Whether ``record`` is unowned, or its one owner signed it: its value is the signed bytes followed by one
         signature in canonical base64, and nothing before it looks like a signature (one encoding per record)."""
-        owners = set(_OWNER_RE.findall(record.key)) | set(_OWNER_RE.findall(record.subkey or b""))
+        owners = set(OWNER_RE.findall(record.key)) | set(OWNER_RE.findall(record.subkey or b""))
         if not owners:
             return True
         public = public_key_of(next(iter(owners))) if len(owners) == 1 else None

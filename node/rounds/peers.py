@@ -161,23 +161,26 @@ class PeerTable:
         our status or replica changed since, or when the record published then is about to expire (a heartbeat and
         a half before it does: one late or lost store does not make us vanish)."""
         ctx = self.ctx
-        if self.pace() <= ctx.cfg.heartbeat:
+        if self._due(self._published_at):
             return True
-        since = time.monotonic() - self._published_at
         margin = 1.5 * max(ctx.cfg.heartbeat, self._beat)
-        return (since >= self.pace() or since >= self._lives - margin
+        return (time.monotonic() - self._published_at >= self._lives - margin
                 or self._identity(ctx.counters.status) != self._published_as)
 
     def read_due(self) -> bool:
         """Whether this heartbeat reads the table: every heartbeat while the pace is the heartbeat; else once a pace
         has passed since the table was last read (by anyone: a round's or catch-up's read makes it fresh too)."""
-        return self.pace() <= self.ctx.cfg.heartbeat or time.monotonic() - self._read_at >= self.pace()
+        return self._due(self._read_at)
 
     def summary_due(self) -> bool:
         """Whether this heartbeat publishes the summary (if we are a summarizer): as ``read_due``, on a clock of its
         own (the summary lives three paces, whoever read the table meanwhile)."""
-        return (self.pace() <= self.ctx.cfg.heartbeat
-                or time.monotonic() - self._summarized_at >= self.pace())
+        return self._due(self._summarized_at)
+
+    def _due(self, last: float) -> bool:
+        """Every heartbeat while the pace is the heartbeat; else once a pace has passed since ``last`` (monotonic)."""
+        pace = self.pace()
+        return pace <= self.ctx.cfg.heartbeat or time.monotonic() - last >= pace
 
     def _identity(self, status: Status) -> tuple:
         """What the others must see at once when it changes: our status and our replica's versions and digests."""
